@@ -1,0 +1,91 @@
+"""The hook bus: registers callbacks and emits events to them in order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+
+from flaxhooks._callback import Callback, CallbackError, StopTraining, handlers_of
+from flaxhooks._events import EVENTS
+from flaxhooks._loop import _NO_PAYLOAD, Loop
+
+_log = logging.getLogger("flaxhooks")
+
+
+class HookBus:
+    """Holds callbacks and calls their handlers, in ``order``, for each event.
+
+    Handlers are looked up once at registration, so emitting an event nobody
+    handles costs one dictionary lookup.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] = ()):
+        self._callbacks: list[Callback] = []
+        self._handlers: dict[str, tuple[tuple[Callback, Callable[[Loop], Any]], ...]] = {
+            event: () for event in EVENTS
+        }
+        self.add(*callbacks)
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """Registered callbacks in the order their handlers run."""
+        return tuple(self._callbacks)
+
+    def add(self, *callbacks: Callback) -> None:
+        """Registers callbacks, checking every ``on_*`` name first.
+
+        Callbacks marked ``process_zero_only`` are skipped on other processes.
+        """
+        checked = [(cb, handlers_of(cb)) for cb in callbacks]
+        seen = list(self._callbacks)
+        for cb, _ in checked:
+            if any(cb is known for known in seen):
+                raise ValueError(f"{cb!r} is already registered")
+            seen.append(cb)
+        on_this_process = jax.process_index() == 0
+        for cb, _ in checked:
+            if on_this_process or not cb.process_zero_only:
+                self._callbacks.append(cb)
+        # sorted() is stable: equal orders keep registration order.
+        self._callbacks.sort(key=lambda cb: cb.order)
+        table = {cb: handlers_of(cb) for cb in self._callbacks}
+        self._handlers = {
+            event: tuple((cb, table[cb][event]) for cb in self._callbacks if event in table[cb])
+            for event in EVENTS
+        }
+
+    def find(self, kind: type) -> list[Callback]:
+        """The registered callbacks that are instances of ``kind``."""
+        return [cb for cb in self._callbacks if isinstance(cb, kind)]
+
+    def emit(self, event: str, loop: Loop, payload: Mapping[str, Any] = _NO_PAYLOAD) -> None:
+        """Calls every handler of ``event`` with ``loop``.
+
+        Raises:
+            StopTraining: passed through from a handler.
+            CallbackError: a handler raised; it names the callback and event.
+        """
+        loop.event = event
+        loop.payload = payload
+        for callback, handler in self._handlers[event]:
+            try:
+                handler(loop)
+            except (StopTraining, CallbackError):
+                raise
+            except Exception as error:
+                raise CallbackError(callback, event, loop.step, error) from error
+
+    def emit_while_failing(self, event: str, loop: Loop) -> None:
+        """Emits ``event`` while another error propagates: every handler runs,
+        and their own errors are logged instead of hiding the original one."""
+        loop.event = event
+        loop.payload = _NO_PAYLOAD
+        for callback, handler in self._handlers[event]:
+            try:
+                handler(loop)
+            except Exception:
+                _log.exception(
+                    "%r raised in on_%s while training was already ending", callback, event
+                )

@@ -1,0 +1,71 @@
+"""Plain progress lines on the console."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, TextIO
+
+from flaxhooks._callback import Callback
+from flaxhooks._schedule import Every
+
+if TYPE_CHECKING:
+    from flaxhooks._loop import Loop
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """``name value`` pairs, four significant digits."""
+    return "  ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+
+
+class ConsoleLog(Callback):
+    """Prints the step, epoch, steps/s and the latest metrics when due.
+
+    Metrics reach the host only on the steps it prints, and at each epoch's
+    end. Process 0 only.
+
+    Args:
+        every: when to print (default: every 100 steps).
+        stream: where to print (default: stdout).
+
+    Example:
+        >>> import flaxhooks
+        >>> log = flaxhooks.ConsoleLog(flaxhooks.Every(seconds=10))
+    """
+
+    order = 100
+    process_zero_only = True
+
+    def __init__(self, every: Every | None = None, stream: TextIO | None = None):
+        self.every = every or Every(steps=100)
+        self.stream = stream
+        self._mark = (0, 0.0)
+
+    def __repr__(self) -> str:
+        return f"ConsoleLog({self.every!r})"
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream or sys.stdout, flush=True)
+
+    def _rate(self, loop: "Loop") -> float:
+        step, then = self._mark
+        now = time.perf_counter()
+        self._mark = (loop.step, now)
+        return (loop.step - step) / max(now - then, 1e-9)
+
+    def _position(self, loop: "Loop") -> str:
+        total = f"/{loop.max_steps}" if loop.max_steps else ""
+        epochs = f"/{loop.max_epochs}" if loop.max_epochs else ""
+        return f"step {loop.step}{total}  epoch {loop.epoch + 1}{epochs}"
+
+    def on_fit_start(self, loop: "Loop") -> None:
+        self._mark = (loop.step, time.perf_counter())
+
+    def on_step_end(self, loop: "Loop") -> None:
+        if self.every(loop.step):
+            metrics = format_metrics(loop.host_metrics())  # waits for this step
+            self._print(f"{self._position(loop)}  {metrics}  ({self._rate(loop):.1f} steps/s)")
+
+    def on_epoch_end(self, loop: "Loop") -> None:
+        if loop.exception is None and loop.metrics is not None:
+            self._print(f"end of epoch {loop.epoch + 1}: {format_metrics(loop.host_metrics())}")

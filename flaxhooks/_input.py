@@ -1,0 +1,257 @@
+"""Host batches: checking them, sharding them over devices, prefetching them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import jax_utils
+
+from flaxhooks._callback import Callback
+from flaxhooks._step import AXIS
+
+if TYPE_CHECKING:
+    from flaxhooks._loop import Loop
+
+_log = logging.getLogger("flaxhooks")
+
+HostBatch = Mapping[str, np.ndarray]
+
+
+class BatchError(ValueError):
+    """A batch that the train step cannot take; raised before anything compiles."""
+
+
+class EmptyDataError(BatchError):
+    """The data yielded no batch."""
+
+
+def _as_array(key: str, value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        raise BatchError(f"batch key {key!r} has dtype {array.dtype}; expected numbers or bools")
+    if array.ndim == 0:
+        raise BatchError(f"batch key {key!r} is a scalar; expected a leading batch axis")
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """The layout every training batch must have: the first batch's.
+
+    Attributes:
+        batch_size: examples per host batch.
+        num_devices: local devices the batch is split over.
+        fields: per key, the dtype and the shape of one example.
+    """
+
+    batch_size: int
+    num_devices: int
+    fields: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+
+    @classmethod
+    def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str]) -> "BatchSpec":
+        """Checks the first batch and takes its layout.
+
+        Raises:
+            BatchError: not a mapping, a required key missing, non-numeric or
+                scalar values, keys of different lengths, or a batch size that
+                does not divide over the devices.
+        """
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}")
+        for key in required_keys:
+            if key not in batch:
+                raise BatchError(f"batch has no key {key!r} (its keys: {sorted(batch)})")
+        arrays = {key: _as_array(key, value) for key, value in batch.items()}
+        sizes = {key: a.shape[0] for key, a in arrays.items()}
+        first_key = next(iter(arrays))
+        size = sizes[first_key]
+        for key, n in sizes.items():
+            if n != size:
+                raise BatchError(
+                    f"batch key {key!r} has {n} examples (shape {arrays[key].shape}) but "
+                    f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
+                )
+        if size == 0 or size % num_devices:
+            raise BatchError(
+                f"a batch of {size} examples (key {first_key!r}, shape {arrays[first_key].shape}) "
+                f"does not divide over {num_devices} devices: use a batch size that is a "
+                f"positive multiple of {num_devices}"
+            )
+        fields = {key: (a.dtype, a.shape[1:]) for key, a in arrays.items()}
+        return cls(size, num_devices, fields)
+
+    def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
+        """Checks a batch against the spec.
+
+        Returns:
+            The batch as numpy arrays, or None for a smaller last batch that
+            has the right layout (the caller decides whether to drop it).
+
+        Raises:
+            BatchError: a key missing or added, another dtype, rank or example
+                shape, or a larger batch.
+        """
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}")
+        if batch.keys() != self.fields.keys():
+            missing = sorted(self.fields.keys() - batch.keys())
+            extra = sorted(batch.keys() - self.fields.keys())
+            raise BatchError(
+                f"batch keys changed: missing {missing}, unexpected {extra} "
+                f"(the first batch had {sorted(self.fields)})"
+            )
+        arrays = {}
+        sizes = set()
+        for key, (dtype, example_shape) in self.fields.items():
+            array = np.asarray(batch[key])
+            expected = (self.batch_size, *example_shape)
+            if array.dtype != dtype:
+                raise BatchError(
+                    f"batch key {key!r} has dtype {array.dtype}, expected {dtype} as in the "
+                    f"first batch (a new dtype would recompile the train step)"
+                )
+            if array.ndim != len(expected) or array.shape[1:] != example_shape:
+                raise BatchError(
+                    f"batch key {key!r} has shape {array.shape} (rank {array.ndim}), "
+                    f"expected {expected} (rank {len(expected)})"
+                )
+            sizes.add(array.shape[0])
+            arrays[key] = array
+        if len(sizes) > 1 or max(sizes) > self.batch_size:
+            raise BatchError(
+                f"batch sizes {sorted(sizes)} do not match the first batch's {self.batch_size} "
+                f"(over {self.num_devices} devices)"
+            )
+        return arrays if sizes == {self.batch_size} else None
+
+    def shard(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Reshapes ``[batch, ...]`` to ``[devices, batch // devices, ...]`` (no copy)."""
+        per_device = self.batch_size // self.num_devices
+        return {k: a.reshape(self.num_devices, per_device, *a.shape[1:]) for k, a in arrays.items()}
+
+
+class DevicePrefetch(Callback):
+    """The input pipeline: checks, shards and prefetches each host batch.
+
+    At every ``epoch_start`` it wraps ``loop.batches`` so that each host batch
+    is checked against the first one's layout, reshaped to
+    ``[devices, per_device_batch, ...]`` and put on the devices ahead of use
+    by :func:`flax.jax_utils.prefetch_to_device`. The Trainer adds one with the
+    defaults unless you add your own.
+
+    Args:
+        size: batches held on the devices ahead of the step (2 overlaps one
+            transfer with one step).
+        ragged: what to do with a smaller last batch: ``"drop"`` it with a
+            warning (the compiled step only takes full batches) or ``"error"``.
+
+    Example:
+        >>> import flaxhooks
+        >>> prefetch = flaxhooks.DevicePrefetch(size=4, ragged="error")
+    """
+
+    order = -100
+
+    def __init__(self, size: int = 2, ragged: Literal["drop", "error"] = "drop"):
+        if size < 1:
+            raise ValueError(f"prefetch size must be at least 1, got {size}")
+        if ragged not in ("drop", "error"):
+            raise ValueError(f"ragged must be 'drop' or 'error', got {ragged!r}")
+        self.size = size
+        self.ragged = ragged
+        self.dropped = 0
+
+    def __repr__(self) -> str:
+        return f"DevicePrefetch(size={self.size}, ragged={self.ragged!r})"
+
+    def on_epoch_start(self, loop: "Loop") -> None:
+        trainer = loop.trainer
+        loop.batches = jax_utils.prefetch_to_device(
+            self._sharded(loop.batches, trainer.batch_spec), self.size,
+            devices=trainer.devices, axis_name=AXIS,
+        )
+
+    def _sharded(self, batches: Iterable[HostBatch], spec: BatchSpec) -> Iterator[dict[str, np.ndarray]]:
+        for batch in batches:
+            arrays = spec.conform(batch)
+            if arrays is None:
+                size = len(next(iter(batch.values())))
+                if self.ragged == "error":
+                    raise BatchError(
+                        f"a last batch of {size} examples; the train step takes {spec.batch_size} "
+                        f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)"
+                    )
+                if not self.dropped:
+                    _log.warning(
+                        "dropping a last batch of %d examples: the train step takes %d",
+                        size, spec.batch_size,
+                    )
+                self.dropped += 1
+                continue
+            yield spec.shard(arrays)
+
+
+class ArrayLoader:
+    """Batches from arrays in memory, reshuffled each epoch from ``(seed, epoch)``.
+
+    Pass it to :meth:`Trainer.fit`; the Trainer calls it with the epoch index, so
+    every epoch's order is reproducible. On several JAX processes each one
+    takes every ``process_count``-th example of the shuffled order.
+
+    Args:
+        arrays: equal-length arrays by batch key.
+        batch_size: examples per batch on this process.
+        shuffle: reshuffle each epoch.
+        seed: the shuffling seed.
+        drop_remainder: drop the last, smaller batch.
+
+    Example:
+        >>> import numpy as np, flaxhooks
+        >>> loader = flaxhooks.ArrayLoader({"x": np.arange(10.0), "y": np.arange(10)}, 4)
+        >>> len(loader), [b["x"].shape for b in loader(0)]
+        (2, [(4,), (4,)])
+    """
+
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = True,
+    ):
+        lengths = {key: len(a) for key, a in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise BatchError(f"arrays have different lengths: {lengths}")
+        if batch_size < 1:
+            raise BatchError(f"batch_size must be positive, got {batch_size}")
+        self.arrays = {key: np.asarray(a) for key, a in arrays.items()}
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self._examples = next(iter(lengths.values())) // jax.process_count()
+
+    def __len__(self) -> int:
+        whole, part = divmod(self._examples, self.batch_size)
+        return whole if self.drop_remainder or not part else whole + 1
+
+    def __call__(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        count = self._examples * jax.process_count()
+        order = (
+            np.random.default_rng([self.seed, epoch]).permutation(count)
+            if self.shuffle else np.arange(count)
+        )
+        order = order[jax.process_index()::jax.process_count()]
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start:start + self.batch_size]
+            yield {key: a[index] for key, a in self.arrays.items()}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self(0)

@@ -1,0 +1,97 @@
+"""The loop context every handler receives."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import jax
+
+if TYPE_CHECKING:
+    from flaxhooks._state import TrainState
+    from flaxhooks._trainer import Trainer
+
+_NO_PAYLOAD: Mapping[str, Any] = types.MappingProxyType({})
+
+
+def first_replica(tree: Any) -> Any:
+    """Pulls a replicated (pmapped) pytree to the host and keeps device 0's copy.
+
+    This is a host sync: call it only when the values are needed.
+    """
+    return jax.tree.map(lambda x: x[0], jax.device_get(tree))
+
+
+def unreplicate(tree: Any) -> Any:
+    """Device 0's copy of a replicated pytree, left on device 0.
+
+    Unlike ``flax.jax_utils.unreplicate`` it also drops the device axis when
+    training on a single device.
+    """
+    return jax.tree.map(lambda x: x.addressable_shards[0].data.squeeze(0), tree)
+
+
+@dataclasses.dataclass(eq=False)
+class Loop:
+    """What the loop knows, shared by the Trainer and every handler.
+
+    Device values (``state``, ``metrics``, ``batch``) are left on the devices,
+    replicated or sharded over the leading device axis. Reading them on the
+    host waits for the computation that makes them, so a callback does it only
+    when it is due (see :meth:`host_metrics`).
+
+    Attributes:
+        trainer: the Trainer running this loop.
+        state: the replicated train state after the latest step.
+        step: optimizer steps completed (counting steps of a resumed state).
+        epoch: the current epoch, from 0.
+        max_steps: the step at which training ends, if bounded by steps.
+        max_epochs: the number of epochs, if bounded by epochs.
+        steps_per_epoch: batches per epoch when the data has a length, else None.
+        batches: the epoch's batch iterator; the input callback replaces it
+            with the sharded, device-prefetched one at ``epoch_start``.
+        batch: the device batch of the current step (``step_start``/``step_end``).
+        metrics: the latest step's metrics as device arrays, replicated.
+        event: the event being emitted.
+        payload: what the emitter attached to this event (e.g. eval results).
+        published: results callbacks published for each other, by topic.
+        exception: the error that is ending training, if any.
+        stop_reason: why training was asked to stop, or None.
+    """
+
+    trainer: "Trainer"
+    state: "TrainState"
+    step: int = 0
+    epoch: int = 0
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    steps_per_epoch: int | None = None
+    batches: Iterator[Any] | None = None
+    batch: Any = None
+    metrics: Any = None
+    event: str = ""
+    payload: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_PAYLOAD)
+    published: dict[str, Any] = dataclasses.field(default_factory=dict)
+    exception: BaseException | None = None
+    stop_reason: str | None = None
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether some callback asked training to stop."""
+        return self.stop_reason is not None
+
+    def stop(self, reason: str = "stopped by a callback") -> None:
+        """Asks the loop to stop after the current event; end hooks still run."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def publish(self, topic: str, value: Any) -> None:
+        """Makes a result visible to every other callback as ``published[topic]``."""
+        self.published[topic] = value
+
+    def host_metrics(self) -> dict[str, float]:
+        """The latest step's metrics as Python floats (a host sync)."""
+        if self.metrics is None:
+            return {}
+        return {k: float(v) for k, v in first_replica(self.metrics).items()}

@@ -1,0 +1,178 @@
+"""The pure train step and how the model is called from a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from flaxhooks._state import TrainState
+
+#: The pmap axis name. Models that reduce over devices themselves
+#: (``nn.BatchNorm(axis_name=...)``) name this axis.
+AXIS = "batch"
+
+#: Collections that hold per-step values, never state: Flax's perturbation and
+#: intermediates collections. Sown collections are found by
+#: :func:`carried_collections`.
+PER_STEP_COLLECTIONS = frozenset({"perturbations", "intermediates"})
+
+Batch = Mapping[str, Any]
+#: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
+#: with a dict of scalar metrics.
+LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
+
+
+def _accepts_keyword(module: nn.Module, name: str) -> bool:
+    params = inspect.signature(type(module).__call__).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+    """How a batch becomes a call of the model.
+
+    Attributes:
+        module: the Flax module.
+        input_keys: batch keys passed to the model, positionally, in order.
+        train_arg: the keyword that tells the model whether it trains, or None
+            if the model takes no such flag.
+        rng_names: the RNG streams the model draws from (e.g. ``dropout``).
+    """
+
+    module: nn.Module
+    input_keys: tuple[str, ...]
+    train_arg: str | None
+    rng_names: tuple[str, ...]
+
+    @classmethod
+    def create(
+        cls,
+        module: nn.Module,
+        input_keys: Sequence[str],
+        train_arg: str | None,
+        rng_names: Sequence[str],
+    ) -> "ModelCall":
+        """Builds a ModelCall, dropping ``train_arg`` if the model lacks it."""
+        if isinstance(input_keys, str):
+            input_keys = (input_keys,)
+        if train_arg is not None and not _accepts_keyword(module, train_arg):
+            train_arg = None
+        return cls(module, tuple(input_keys), train_arg, tuple(rng_names))
+
+    def apply(
+        self,
+        variables: Mapping[str, Any],
+        batch: Batch,
+        *,
+        train: bool,
+        rngs: Mapping[str, jax.Array],
+        mutable: Sequence[str],
+    ) -> tuple[Any, dict[str, Any]]:
+        """Runs the model; returns its outputs and the mutated collections."""
+        kwargs = {self.train_arg: train} if self.train_arg else {}
+        args = [batch[key] for key in self.input_keys]
+        return self.module.apply(variables, *args, rngs=rngs, mutable=list(mutable), **kwargs)
+
+    def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
+        """Initializes every collection the model creates, in inference mode."""
+        keys = jax.random.split(key, len(self.rng_names) + 1)
+        rngs = {"params": keys[0], **dict(zip(self.rng_names, keys[1:]))}
+        kwargs = {self.train_arg: False} if self.train_arg else {}
+        args = [batch[key] for key in self.input_keys]
+        return dict(self.module.init(rngs, *args, **kwargs))
+
+
+def step_rngs(base: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
+    """Keys for one step on one device: distinct per step, device and stream."""
+    key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(AXIS))
+    return dict(zip(names, jax.random.split(key, len(names))))
+
+
+def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Normalizes a loss function's result to ``(loss, metrics)``."""
+    if isinstance(result, tuple):
+        loss, metrics = result
+        return loss, dict(metrics)
+    return result, {}
+
+
+def mean_over_devices(tree: Any) -> Any:
+    """Averages floating leaves over the device axis; leaves others as they are."""
+    return jax.tree.map(
+        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
+    )
+
+
+def make_train_step(
+    call: ModelCall, loss_fn: LossFn
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns the pure, per-device train step, to be mapped over ``AXIS``.
+
+    The step averages gradients, carried model state (BatchNorm statistics)
+    and metrics over devices, so every replica stays identical.
+    """
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        rngs = step_rngs(state.rng, state.step, call.rng_names)
+        carried = tuple(state.model_state)
+
+        def objective(params):
+            outputs, model_state = call.apply(
+                {"params": params, **state.model_state}, batch,
+                train=True, rngs=rngs, mutable=carried,
+            )
+            loss, metrics = split_loss(loss_fn(outputs, batch))
+            if jnp.shape(loss) != ():
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+            return loss, (metrics, model_state)
+
+        (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state.params
+        )
+        grads = lax.pmean(grads, AXIS)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            model_state=mean_over_devices(model_state),
+            opt_state=opt_state,
+        )
+        return new_state, mean_over_devices({"loss": loss, **metrics})
+
+    return train_step
+
+
+def carried_collections(
+    call: ModelCall, variables: Mapping[str, Any], batch: Batch
+) -> tuple[str, ...]:
+    """Names the collections that are state carried from step to step.
+
+    A candidate is any collection ``init`` made other than ``params`` and the
+    per-step ones. It is state when a train-mode call returns it with the same
+    structure, shapes and dtypes (BatchNorm's ``batch_stats``); sown values,
+    which ``sow`` appends to, come back changed and are dropped. Works on
+    abstract values; compiles nothing.
+    """
+    candidates = [c for c in variables if c != "params" and c not in PER_STEP_COLLECTIONS]
+    if not candidates:
+        return ()
+    def mutated(variables, batch):
+        rngs = dict.fromkeys(call.rng_names, jax.random.PRNGKey(0))
+        return call.apply(variables, batch, train=True, rngs=rngs, mutable=candidates)[1]
+
+    inputs = {c: variables[c] for c in ["params", *candidates]}
+    after = jax.eval_shape(jax.vmap(mutated, in_axes=(None, 0), axis_name=AXIS), inputs, batch)
+    after = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), after)
+
+    def signature(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+
+    return tuple(c for c in candidates if c in after and signature(after[c]) == signature(inputs[c]))

@@ -1,0 +1,1 @@
+"""Example training recipes built on flaxhooks."""

@@ -1,0 +1,92 @@
+"""Small models, data and callbacks shared by the tests."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import flaxhooks
+from flaxhooks import EVENTS
+
+
+class MLP(nn.Module):
+    """Deterministic two-layer net."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(8)(x))
+        return nn.Dense(3)(x)
+
+
+class BatchNormNet(nn.Module):
+    """Dense → BatchNorm (statistics reduced over the device axis) → Dense."""
+
+    axis_name: str | None = flaxhooks.AXIS
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5, axis_name=self.axis_name)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+def cross_entropy(logits, batch):
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def make_arrays(n: int = 64, features: int = 5, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.normal(size=(n, features)).astype(np.float32),
+        "label": rng.integers(0, 3, n).astype(np.int32),
+    }
+
+
+def make_batches(count: int, batch_size: int = 16, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    arrays = make_arrays(count * batch_size, seed=seed)
+    return [{k: v[i * batch_size:(i + 1) * batch_size] for k, v in arrays.items()} for i in range(count)]
+
+
+class Recorder(flaxhooks.Callback):
+    """Records every event it sees, with the loop's step."""
+
+    def __init__(self, name: str = "rec", order: int = 0, log: list | None = None):
+        self.name = name
+        self.order = order
+        self.log = [] if log is None else log
+
+    def __repr__(self):
+        return f"Recorder({self.name!r})"
+
+
+def _recording(event):
+    def handler(self, loop):
+        self.log.append((self.name, event, loop.step))
+
+    return handler
+
+
+for _event in EVENTS:
+    setattr(Recorder, f"on_{_event}", _recording(_event))
+
+
+def sgd_trainer(model=None, callbacks=(), devices=None, **kwargs) -> flaxhooks.Trainer:
+    return flaxhooks.Trainer(
+        model or MLP(), optax.sgd(0.1, 0.9), cross_entropy,
+        callbacks=callbacks, devices=devices, **kwargs,
+    )
+
+
+def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
+    import jax
+
+    return all(
+        np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+__all__ = ["MLP", "BatchNormNet", "Recorder", "cross_entropy", "jnp", "make_arrays", "make_batches",
+           "sgd_trainer", "tree_allclose"]
