@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    """``name value`` pairs, four significant digits."""
-    return "  ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+    """``name value`` pairs, loss first, four significant digits."""
+    names = sorted(metrics, key=lambda name: (name != "loss", name))
+    return "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
 
 
 class ConsoleLog(Callback):
@@ -68,4 +69,5 @@ class ConsoleLog(Callback):
 
     def on_epoch_end(self, loop: "Loop") -> None:
         if loop.exception is None and loop.metrics is not None:
-            self._print(f"end of epoch {loop.epoch + 1}: {format_metrics(loop.host_metrics())}")
+            metrics = format_metrics(loop.host_metrics())
+            self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")

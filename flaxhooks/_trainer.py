@@ -51,8 +51,10 @@ class Trainer:
         seed: seeds initialization and the per-step keys.
         devices: local devices to train on (default: all of them).
         max_steps_in_flight: how many dispatched steps may be queued ahead of
-            the devices before the loop waits (bounds device memory; no values
-            are read).
+            the devices before the loop waits for the oldest (no values are
+            read). It bounds the device memory held by queued batches and, on
+            a CPU split into several devices, keeps XLA's all-reduce
+            rendezvous from deadlocking under unbounded dispatch.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -89,6 +91,8 @@ class Trainer:
         self.call = ModelCall.create(model, input_keys, train_arg, rng_names)
         self.seed = seed
         self.devices: list[jax.Device] = list(devices) if devices else jax.local_devices()
+        if max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None

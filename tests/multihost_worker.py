@@ -1,0 +1,33 @@
+"""One process of the multi-process test: ``python -m tests.multihost_worker ID COUNT PORT OUT``.
+
+Each process exposes two CPU devices, joins the others over gloo on 127.0.0.1
+and trains on its own share of every global batch.
+"""
+
+import sys
+
+import jax
+
+
+def main(process_id: int, processes: int, port: str, out: str) -> None:
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes, process_id=process_id)
+
+    import numpy as np
+
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    loader = flaxhooks.ArrayLoader(make_arrays(64), batch_size=16 // processes, seed=1)
+    trainer = sgd_trainer(callbacks=[flaxhooks.ConsoleLog(flaxhooks.Every(steps=4))])
+    state = trainer.fit(loader, epochs=2)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+    np.savez(out, *leaves)
+    print(f"process {process_id}: {len(jax.local_devices())} local of {len(jax.devices())} devices, "
+          f"step {int(state.step)}", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
