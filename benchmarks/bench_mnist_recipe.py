@@ -57,7 +57,8 @@ def main() -> None:
         for name, extra in order if round_index % 2 == 0 else order[::-1]:
             seconds, accuracy, source = run_recipe(extra, args.epochs)
             figures[name].append((seconds, accuracy))
-            print(f"round {round_index}: {name:10s} {seconds:6.1f} s  held-out accuracy {accuracy:.4f}", flush=True)
+            print(f"round {round_index}: {name:10s} {seconds:6.1f} s  held-out accuracy {accuracy:.4f}",
+                  flush=True)
     seconds = {k: statistics.median(s for s, _ in v) for k, v in figures.items()}
     accuracy = {k: min(a for _, a in v) for k, v in figures.items()}
     speedup = seconds["one_device"] / seconds["per_core"]

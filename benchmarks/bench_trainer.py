@@ -54,7 +54,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 # Importing is fine: only running a JAX computation fixes the device count,
 # and nothing runs before ``flaxhooks.use_cpu_devices`` in ``main``.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from flaxhooks._events import EVENTS
 
@@ -29,7 +30,7 @@ class CallbackError(RuntimeError):
         step: the loop's step count at the time.
     """
 
-    def __init__(self, callback: "Callback", event: str, step: int, error: BaseException):
+    def __init__(self, callback: Callback, event: str, step: int, error: BaseException):
         self.callback = callback
         self.event = event
         self.step = step
@@ -69,7 +70,7 @@ class Callback:
         return f"{type(self).__name__}()"
 
 
-def handlers_of(callback: Callback) -> dict[str, Callable[["Loop"], Any]]:
+def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:
     """Returns the callback's event handlers by event name.
 
     Raises:

@@ -48,26 +48,26 @@ class ConsoleLog(Callback):
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
-    def _rate(self, loop: "Loop") -> float:
+    def _rate(self, loop: Loop) -> float:
         step, then = self._mark
         now = time.perf_counter()
         self._mark = (loop.step, now)
         return (loop.step - step) / max(now - then, 1e-9)
 
-    def _position(self, loop: "Loop") -> str:
+    def _position(self, loop: Loop) -> str:
         total = f"/{loop.max_steps}" if loop.max_steps else ""
         epochs = f"/{loop.max_epochs}" if loop.max_epochs else ""
         return f"step {loop.step}{total}  epoch {loop.epoch + 1}{epochs}"
 
-    def on_fit_start(self, loop: "Loop") -> None:
+    def on_fit_start(self, loop: Loop) -> None:
         self._mark = (loop.step, time.perf_counter())
 
-    def on_step_end(self, loop: "Loop") -> None:
+    def on_step_end(self, loop: Loop) -> None:
         if self.every(loop.step):
             metrics = format_metrics(loop.host_metrics())  # waits for this step
             self._print(f"{self._position(loop)}  {metrics}  ({self._rate(loop):.1f} steps/s)")
 
-    def on_epoch_end(self, loop: "Loop") -> None:
+    def on_epoch_end(self, loop: Loop) -> None:
         if loop.exception is None and loop.metrics is not None:
             metrics = format_metrics(loop.host_metrics())
             self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")

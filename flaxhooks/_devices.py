@@ -33,7 +33,7 @@ def use_cpu_devices(count: int | None = None) -> int | None:
     if count is None:
         if _XLA_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
             return None
-        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if count < 1:
         raise ValueError(f"the CPU device count must be at least 1, got {count}")
     jax.config.update("jax_num_cpu_devices", int(count))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import numpy as np
@@ -53,7 +54,7 @@ class BatchSpec:
     fields: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
 
     @classmethod
-    def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str]) -> "BatchSpec":
+    def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str]) -> BatchSpec:
         """Checks the first batch and takes its layout.
 
         Raises:
@@ -169,8 +170,9 @@ class DevicePrefetch(Callback):
     def __repr__(self) -> str:
         return f"DevicePrefetch(size={self.size}, ragged={self.ragged!r})"
 
-    def on_epoch_start(self, loop: "Loop") -> None:
+    def on_epoch_start(self, loop: Loop) -> None:
         trainer = loop.trainer
+        assert loop.batches is not None and trainer.batch_spec is not None, "set by Trainer.fit"
         loop.batches = jax_utils.prefetch_to_device(
             self._sharded(loop.batches, trainer.batch_spec), self.size,
             devices=trainer.devices, axis_name=AXIS,

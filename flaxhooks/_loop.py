@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -60,8 +61,8 @@ class Loop:
         stop_reason: why training was asked to stop, or None.
     """
 
-    trainer: "Trainer"
-    state: "TrainState"
+    trainer: Trainer
+    state: TrainState
     step: int = 0
     epoch: int = 0
     max_steps: int | None = None

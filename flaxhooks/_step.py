@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -58,7 +59,7 @@ class ModelCall:
         input_keys: Sequence[str],
         train_arg: str | None,
         rng_names: Sequence[str],
-    ) -> "ModelCall":
+    ) -> ModelCall:
         """Builds a ModelCall, dropping ``train_arg`` if the model lacks it."""
         if isinstance(input_keys, str):
             input_keys = (input_keys,)
@@ -76,15 +77,18 @@ class ModelCall:
         mutable: Sequence[str],
     ) -> tuple[Any, dict[str, Any]]:
         """Runs the model; returns its outputs and the mutated collections."""
-        kwargs = {self.train_arg: train} if self.train_arg else {}
+        kwargs: dict[str, Any] = {self.train_arg: train} if self.train_arg else {}
         args = [batch[key] for key in self.input_keys]
-        return self.module.apply(variables, *args, rngs=rngs, mutable=list(mutable), **kwargs)
+        outputs, mutated = self.module.apply(
+            variables, *args, rngs=dict(rngs), mutable=list(mutable), **kwargs
+        )
+        return outputs, dict(mutated)
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """Initializes every collection the model creates, in inference mode."""
         keys = jax.random.split(key, len(self.rng_names) + 1)
-        rngs = {"params": keys[0], **dict(zip(self.rng_names, keys[1:]))}
-        kwargs = {self.train_arg: False} if self.train_arg else {}
+        rngs = {"params": keys[0], **dict(zip(self.rng_names, keys[1:], strict=False))}
+        kwargs: dict[str, Any] = {self.train_arg: False} if self.train_arg else {}
         args = [batch[key] for key in self.input_keys]
         return dict(self.module.init(rngs, *args, **kwargs))
 
@@ -92,7 +96,7 @@ class ModelCall:
 def step_rngs(base: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
     """Keys for one step on one device: distinct per step, device and stream."""
     key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(AXIS))
-    return dict(zip(names, jax.random.split(key, len(names))))
+    return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
 
 def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:

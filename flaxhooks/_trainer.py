@@ -6,7 +6,8 @@ import collections
 import functools
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -113,7 +114,7 @@ class Trainer:
         """Registered callbacks, in the order their handlers run."""
         return self.bus.callbacks
 
-    def add(self, *callbacks: Callback) -> "Trainer":
+    def add(self, *callbacks: Callback) -> Trainer:
         """Registers callbacks; returns the Trainer for chaining."""
         self.bus.add(*callbacks)
         return self
@@ -138,25 +139,28 @@ class Trainer:
         """
         spec = BatchSpec.of(batch, len(self.devices), self.call.input_keys)
         self.batch_spec = spec
-        example = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (dtype, shape) in spec.fields.items()}
-        per_device = {k: _with_leading(v, spec.batch_size // spec.num_devices) for k, v in example.items()}
+        device_batch = self._abstract_device_batch()
+        per_device = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), device_batch)
         key = jax.eval_shape(jax.random.PRNGKey, self.seed)  # abstract: compiles nothing
-        try:
-            variables = jax.eval_shape(self.call.init, key, per_device)
-            carried = carried_collections(self.call, variables, _with_leading(per_device, 1))
-            create = functools.partial(self._create_state, carried)
-            abstract_state = jax.eval_shape(create, key, per_device)
-            self._check_step(abstract_state, _with_leading(per_device, spec.num_devices))
-        except KeyError as error:
-            raise BatchError(
-                f"the model or loss_fn reads batch key {error.args[0]!r}, which the batch "
-                f"lacks (its keys: {sorted(spec.fields)})"
-            ) from error
+        variables = jax.eval_shape(self.call.init, key, per_device)
+        carried = carried_collections(self.call, variables, _with_leading(per_device, 1))
+        create = functools.partial(self._create_state, carried)
+        self._check_step(jax.eval_shape(create, key, per_device), device_batch)
         dropped = sorted(set(variables) - {"params", *carried})
         if dropped:
             _log.info("not training collections %s: they are per-step values", dropped)
         batch_shard = {k: np.asarray(v)[: spec.batch_size // spec.num_devices] for k, v in batch.items()}
         return jax.jit(create)(jax.random.PRNGKey(self.seed), batch_shard)
+
+    def _abstract_device_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The sharded batch ``[devices, per_device, ...]`` the step takes, as abstract values."""
+        spec = self.batch_spec
+        assert spec is not None, "set from the first batch"
+        per_device = spec.batch_size // spec.num_devices
+        return {
+            key: jax.ShapeDtypeStruct((spec.num_devices, per_device, *shape), dtype)
+            for key, (dtype, shape) in spec.fields.items()
+        }
 
     def _create_state(self, carried: tuple[str, ...], key: jax.Array, batch: HostBatch) -> TrainState:
         init_key, step_key = jax.random.split(key)
@@ -172,9 +176,16 @@ class Trainer:
         )
 
     def _check_step(self, state: TrainState, batch: Mapping[str, jax.ShapeDtypeStruct]) -> None:
+        """Traces the step on abstract values: a batch or loss it cannot take fails here."""
         step = make_train_step(self.call, self.loss_fn)
         replicated = _with_leading(state, len(self.devices))
-        _, metrics = jax.eval_shape(jax.vmap(step, axis_name=AXIS), replicated, batch)
+        try:
+            _, metrics = jax.eval_shape(jax.vmap(step, axis_name=AXIS), replicated, batch)
+        except KeyError as error:
+            raise BatchError(
+                f"the model or loss_fn reads batch key {error.args[0]!r}, which the batch "
+                f"lacks (its keys: {sorted(batch)})"
+            ) from error
         for name, value in metrics.items():
             if value.shape[1:] != ():
                 raise ValueError(
@@ -230,8 +241,11 @@ class Trainer:
             state = self.init(first)
         else:
             self.batch_spec = BatchSpec.of(first, len(self.devices), self.call.input_keys)
+            if state is not None:
+                self._check_step(state, self._abstract_device_batch())
         if state is not None:
             self._replicated_state = jax_utils.replicate(state, self.devices, axis_name=AXIS)
+        assert self._replicated_state is not None
         loop = Loop(trainer=self, state=self._replicated_state, max_steps=steps, max_epochs=epochs)
         loop.step = int(jax.device_get(loop.state.step)[0])
         loop.steps_per_epoch = _length(data)
@@ -251,7 +265,7 @@ class Trainer:
             or (loop.max_epochs is not None and loop.epoch >= loop.max_epochs)
         )
 
-    def _drive(self, loop: Loop, data: Data, first_epoch: Iterator[HostBatch]) -> None:
+    def _drive(self, loop: Loop, data: Data, first_epoch: Iterator[HostBatch] | None) -> None:
         scopes: list[str] = []
         try:
             self._open(loop, scopes, "fit")

@@ -14,8 +14,9 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
                                 help=_HELP[field.name])
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(field.type, str)
-        parser.add_argument(flag, type=kind, default=field.default, help=_HELP[field.name] + " (default: %(default)s)")
+        parser.add_argument(flag, type=kind, default=field.default,
+                            help=_HELP[field.name] + " (default: %(default)s)")
     args = vars(parser.parse_args(argv))
     workdir = args.pop("workdir")
     return Config(**args), workdir
@@ -123,7 +125,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, workdir = parse_config(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("flaxhooks").setLevel(logging.INFO)
     import flaxhooks  # JAX's backends start only when first used, after this
 
     flaxhooks.use_cpu_devices(config.cpu_devices)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -28,7 +29,9 @@ class CNN(nn.Module):
         return nn.Dense(features=10)(x)
 
 
-def cross_entropy_loss(logits: jax.Array, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+def cross_entropy_loss(
+    logits: jax.Array, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean softmax cross-entropy, with accuracy as a metric."""
     labels = batch["label"]
     loss = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -46,7 +49,7 @@ def evaluate(model: nn.Module, variables: Mapping[str, Any], images: np.ndarray,
 
     loss = correct = 0.0
     for start in range(0, len(labels), batch_size):
-        l, c = sums(images[start:start + batch_size], labels[start:start + batch_size])
-        loss += float(l)
-        correct += float(c)
+        batch_loss, batch_correct = sums(images[start:start + batch_size], labels[start:start + batch_size])
+        loss += float(batch_loss)
+        correct += float(batch_correct)
     return {"accuracy": correct / len(labels), "loss": loss / len(labels), "examples": len(labels)}

@@ -95,8 +95,8 @@ def test_a_callback_stops_training_cleanly_and_end_hooks_run(how):
 
 
 class Boom(Callback):
-    def __init__(self, event, error=ValueError("boom")):
-        self.error = error
+    def __init__(self, event, error=None):
+        self.error = error or ValueError("boom")
         setattr(self, f"on_{event}", self._raise)
 
     def _raise(self, loop):
@@ -109,7 +109,8 @@ class Boom(Callback):
 def test_a_failing_callback_is_named_and_end_hooks_still_run():
     rec = Recorder(order=10)
     trainer = sgd_trainer(callbacks=[Boom("step_end"), rec])
-    with pytest.raises(CallbackError, match=r"Boom\(\) raised in on_step_end at step 1: ValueError: boom") as info:
+    expected = r"Boom\(\) raised in on_step_end at step 1: ValueError: boom"
+    with pytest.raises(CallbackError, match=expected) as info:
         trainer.fit(make_batches(3), epochs=1)
     assert isinstance(info.value.__cause__, ValueError)
     assert (info.value.event, info.value.step) == ("step_end", 1)

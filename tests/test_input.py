@@ -64,11 +64,14 @@ def test_a_key_the_loss_reads_but_the_batch_lacks(compiles):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda b: {**b, "image": b["image"].astype(np.float64)}, r"'image' has dtype float64, expected float32"),
-        (lambda b: {**b, "image": b["image"][..., None]}, r"'image' has shape \(16, 5, 1\) \(rank 3\), expected \(16, 5\) \(rank 2\)"),
+        (lambda b: {**b, "image": b["image"].astype(np.float64)},
+         r"'image' has dtype float64, expected float32"),
+        (lambda b: {**b, "image": b["image"][..., None]},
+         r"'image' has shape \(16, 5, 1\) \(rank 3\), expected \(16, 5\) \(rank 2\)"),
         (lambda b: {"image": b["image"]}, r"missing \['label'\]"),
         (lambda b: {**b, "label": b["label"][:8]}, r"batch sizes \[8, 16\]"),
-        (lambda b: {**b, "image": np.zeros((32, 5), np.float32), "label": np.zeros(32, np.int32)}, r"do not match the first batch's 16"),
+        (lambda b: {"image": np.zeros((32, 5), np.float32), "label": np.zeros(32, np.int32)},
+         r"do not match the first batch's 16"),
     ],
     ids=["dtype", "rank", "missing-key", "unequal-lengths", "larger"],
 )
@@ -190,7 +193,8 @@ def test_every_by_steps_and_by_seconds():
     for step in range(1, 8):
         now[0] += 2.0
         due.append(timed(step))
-    assert due == [False, False, True, False, True, False, False] or due == [False, False, True, False, False, True, False]
+    # Due at t=6 (6 s since construction), then at t=12 (6 s since t=6).
+    assert due == [False, False, True, False, False, True, False]
     with pytest.raises(ValueError):
         Every()
 
@@ -216,3 +220,12 @@ def test_cpu_devices_precedence(xla_flags, count, expected):
         env["XLA_FLAGS"] = xla_flags
     code = f"import flaxhooks, jax; flaxhooks.use_cpu_devices({count}); print(len(jax.devices()))"
     assert _devices_in_subprocess(code, env) == expected
+
+
+def test_a_given_state_is_checked_against_the_batch_before_compiling(compiles):
+    trainer = sgd_trainer()
+    initial = trainer.init(make_batches(1)[0])
+    compiles.clear()
+    with pytest.raises(BatchError, match="reads batch key 'label'"):
+        trainer.fit([{"image": make_batches(1)[0]["image"]}], epochs=1, state=initial)
+    assert compiles == [] and trainer.trace_counts["train_step"] == 0

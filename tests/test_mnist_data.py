@@ -51,7 +51,7 @@ def fx() -> Fixture:
         rng.integers(0, 256, (5, 28, 28), dtype=np.uint8),
         rng.integers(0, 10, 5).astype(np.uint8),
     ]
-    blobs = {name: _idx_gz(a) for name, a in zip(NAMES, arrays)}
+    blobs = {name: _idx_gz(a) for name, a in zip(NAMES, arrays, strict=False)}
     files = tuple(
         md.RemoteFile(name, len(b), hashlib.sha256(b).hexdigest()) for name, b in blobs.items()
     )
@@ -188,7 +188,7 @@ def test_download_verify_and_cache(tmp_path: Path, fx: Fixture, server: Server) 
     assert len(server.requests) == 4  # the second load came from the cache
     assert data.source == "full"
     for got, want in zip(
-        (data.train_images, data.train_labels, data.test_images, data.test_labels), fx.arrays
+        (data.train_images, data.train_labels, data.test_images, data.test_labels), fx.arrays, strict=False
     ):
         np.testing.assert_array_equal(got, want)
     assert data.train_images.dtype == np.uint8 and data.train_labels.dtype == np.int32

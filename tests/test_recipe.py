@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from recipes import mnist
 
 ROOT = Path(__file__).resolve().parents[1]

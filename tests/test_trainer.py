@@ -263,8 +263,8 @@ def test_a_due_callback_reads_the_latest_metrics(capsys):
     keep = Keep()
     sgd_trainer(callbacks=[flaxhooks.ConsoleLog(flaxhooks.Every(steps=2)), keep]).fit(
         make_batches(4), epochs=1)
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step")]
-    assert [l.split()[1] for l in lines] == ["2", "4"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in lines] == ["2", "4"]
     for line in lines:
         step = int(line.split()[1])
         logged = float(line.split("loss ")[1].split()[0])
