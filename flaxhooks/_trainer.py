@@ -65,8 +65,8 @@ class Trainer:
         ...         logits, batch["label"]).mean()
         >>> trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), loss_fn)
         >>> data = flaxhooks.ArrayLoader({
-        ...     "image": np.random.rand(64, 5).astype(np.float32),
-        ...     "label": np.random.randint(0, 3, 64)}, batch_size=16 * len(trainer.devices))
+        ...     "image": np.random.rand(128, 5).astype(np.float32),
+        ...     "label": np.random.randint(0, 3, 128)}, batch_size=8 * len(trainer.devices))
         >>> state = trainer.fit(data, epochs=2)
         >>> int(state.step) == 2 * len(data)
         True
