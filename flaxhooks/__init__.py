@@ -15,7 +15,7 @@ from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch,
 from flaxhooks._loop import Loop, first_replica
 from flaxhooks._schedule import Every
 from flaxhooks._state import TrainState
-from flaxhooks._step import AXIS, ModelCall, make_train_step
+from flaxhooks._step import AXIS, LossError, ModelCall, make_train_step
 from flaxhooks._trainer import Trainer
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "EmptyDataError",
     "Every",
     "HookBus",
+    "LossError",
     "Loop",
     "ModelCall",
     "StopTraining",

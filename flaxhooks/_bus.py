@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from flaxhooks._callback import Callback, CallbackError, StopTraining, handlers_of
-from flaxhooks._events import EVENTS
+from flaxhooks._events import ALWAYS_RUN, EVENTS
 from flaxhooks._loop import _NO_PAYLOAD, Loop
 
 _log = logging.getLogger("flaxhooks")
@@ -64,19 +64,47 @@ class HookBus:
     def emit(self, event: str, loop: Loop, payload: Mapping[str, Any] = _NO_PAYLOAD) -> None:
         """Calls every handler of ``event`` with ``loop``.
 
+        ``loop.event`` and ``loop.payload`` are set for the handlers and put
+        back afterwards, so an event emitted from inside another (an
+        evaluation during ``step_end``) leaves the outer one intact. Handlers
+        of the events in :data:`ALWAYS_RUN` all run even if one raises; the
+        first error is raised after them.
+
         Raises:
             StopTraining: passed through from a handler.
             CallbackError: a handler raised; it names the callback and event.
         """
-        loop.event = event
-        loop.payload = payload
+        outer = loop.event, loop.payload
+        loop.event, loop.payload = event, payload
+        try:
+            if event in ALWAYS_RUN:
+                self._emit_to_all(event, loop)
+                return
+            for callback, handler in self._handlers[event]:
+                try:
+                    handler(loop)
+                except (StopTraining, CallbackError):
+                    raise
+                except Exception as error:
+                    raise CallbackError(callback, event, loop.step, error) from error
+        finally:
+            loop.event, loop.payload = outer
+
+    def _emit_to_all(self, event: str, loop: Loop) -> None:
+        first: Exception | None = None
         for callback, handler in self._handlers[event]:
             try:
                 handler(loop)
-            except (StopTraining, CallbackError):
-                raise
             except Exception as error:
-                raise CallbackError(callback, event, loop.step, error) from error
+                if first is None:
+                    first = error
+                    if not isinstance(error, (StopTraining, CallbackError)):
+                        first = CallbackError(callback, event, loop.step, error)
+                        first.__cause__ = error
+                else:
+                    _log.exception("%r raised in on_%s after an earlier handler failed", callback, event)
+        if first is not None:
+            raise first
 
     def emit_while_failing(self, event: str, loop: Loop) -> None:
         """Emits ``event`` while another error propagates: every handler runs,

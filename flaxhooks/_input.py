@@ -86,6 +86,12 @@ class BatchSpec:
         fields = {key: (a.dtype, a.shape[1:]) for key, a in arrays.items()}
         return cls(size, num_devices, fields)
 
+    def describe(self) -> str:
+        """The layout as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
+        return ", ".join(
+            f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items()
+        )
+
     def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
         """Checks a batch against the spec.
 
@@ -173,29 +179,42 @@ class DevicePrefetch(Callback):
     def on_epoch_start(self, loop: Loop) -> None:
         trainer = loop.trainer
         assert loop.batches is not None and trainer.batch_spec is not None, "set by Trainer.fit"
+        # Never read ahead past the last step: the rest of a one-shot iterator
+        # stays unread for the next fit.
+        remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
         loop.batches = jax_utils.prefetch_to_device(
-            self._sharded(loop.batches, trainer.batch_spec), self.size,
+            self._sharded(loop.batches, trainer.batch_spec, remaining), self.size,
             devices=trainer.devices, axis_name=AXIS,
         )
 
-    def _sharded(self, batches: Iterable[HostBatch], spec: BatchSpec) -> Iterator[dict[str, np.ndarray]]:
-        for batch in batches:
+    def _sharded(
+        self, batches: Iterable[HostBatch], spec: BatchSpec, limit: int | None
+    ) -> Iterator[dict[str, np.ndarray]]:
+        batches = iter(batches)
+        yielded = 0
+        while limit is None or yielded < limit:
+            batch = next(batches, None)
+            if batch is None:
+                return
             arrays = spec.conform(batch)
             if arrays is None:
-                size = len(next(iter(batch.values())))
-                if self.ragged == "error":
-                    raise BatchError(
-                        f"a last batch of {size} examples; the train step takes {spec.batch_size} "
-                        f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)"
-                    )
-                if not self.dropped:
-                    _log.warning(
-                        "dropping a last batch of %d examples: the train step takes %d",
-                        size, spec.batch_size,
-                    )
-                self.dropped += 1
+                self._drop(len(next(iter(batch.values()))), spec)
                 continue
+            yielded += 1
             yield spec.shard(arrays)
+
+    def _drop(self, size: int, spec: BatchSpec) -> None:
+        if self.ragged == "error":
+            raise BatchError(
+                f"a batch of {size} examples; the train step takes {spec.batch_size} "
+                f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)"
+            )
+        if not self.dropped:
+            _log.warning(
+                "dropping a batch of %d examples: the train step takes %d (warned once)",
+                size, spec.batch_size,
+            )
+        self.dropped += 1
 
 
 class ArrayLoader:

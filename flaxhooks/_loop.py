@@ -17,11 +17,13 @@ _NO_PAYLOAD: Mapping[str, Any] = types.MappingProxyType({})
 
 
 def first_replica(tree: Any) -> Any:
-    """Pulls a replicated (pmapped) pytree to the host and keeps device 0's copy.
+    """Pulls device 0's copy of a replicated (pmapped) pytree to the host.
 
-    This is a host sync: call it only when the values are needed.
+    Only that copy is transferred. This waits for the values: call it only
+    when they are needed.
     """
-    return jax.tree.map(lambda x: x[0], jax.device_get(tree))
+    shards = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+    return jax.tree.map(lambda x: x[0], jax.device_get(shards))
 
 
 def unreplicate(tree: Any) -> Any:
@@ -44,9 +46,11 @@ class Loop:
 
     Attributes:
         trainer: the Trainer running this loop.
-        state: the replicated train state after the latest step.
+        state: the replicated train state after the latest step. The next
+            step consumes it (its buffers are donated): copy what you keep.
         step: optimizer steps completed (counting steps of a resumed state).
         epoch: the current epoch, from 0.
+        epoch_step: batches taken so far in the current epoch.
         max_steps: the step at which training ends, if bounded by steps.
         max_epochs: the number of epochs, if bounded by epochs.
         steps_per_epoch: batches per epoch when the data has a length, else None.
@@ -54,6 +58,10 @@ class Loop:
             with the sharded, device-prefetched one at ``epoch_start``.
         batch: the device batch of the current step (``step_start``/``step_end``).
         metrics: the latest step's metrics as device arrays, replicated.
+            Reading them waits for that step to finish.
+        settled_step: the newest step known to have finished on the devices
+            (the loop waits for it anyway to bound the steps in flight).
+        settled_metrics: that step's metrics; reading them does not wait.
         event: the event being emitted.
         payload: what the emitter attached to this event (e.g. eval results).
         published: results callbacks published for each other, by topic.
@@ -65,17 +73,21 @@ class Loop:
     state: TrainState
     step: int = 0
     epoch: int = 0
+    epoch_step: int = 0
     max_steps: int | None = None
     max_epochs: int | None = None
     steps_per_epoch: int | None = None
     batches: Iterator[Any] | None = None
     batch: Any = None
     metrics: Any = None
+    settled_step: int | None = None
+    settled_metrics: Any = None
     event: str = ""
     payload: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_PAYLOAD)
     published: dict[str, Any] = dataclasses.field(default_factory=dict)
     exception: BaseException | None = None
     stop_reason: str | None = None
+    _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def should_stop(self) -> bool:
@@ -92,7 +104,13 @@ class Loop:
         self.published[topic] = value
 
     def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats (a host sync)."""
+        """The latest step's metrics as Python floats.
+
+        Waits for the step; callbacks due at the same step share one transfer.
+        """
         if self.metrics is None:
             return {}
-        return {k: float(v) for k, v in first_replica(self.metrics).items()}
+        if self._host_metrics is None or self._host_metrics[0] != self.step:
+            values = {k: float(v) for k, v in first_replica(self.metrics).items()}
+            self._host_metrics = (self.step, values)
+        return dict(self._host_metrics[1])

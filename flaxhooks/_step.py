@@ -25,6 +25,11 @@ AXIS = "batch"
 PER_STEP_COLLECTIONS = frozenset({"perturbations", "intermediates"})
 
 Batch = Mapping[str, Any]
+
+
+class LossError(ValueError):
+    """``loss_fn`` returned something the step cannot use (a non-scalar loss)."""
+
 #: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
 #: with a dict of scalar metrics.
 LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
@@ -108,10 +113,21 @@ def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 
 def mean_over_devices(tree: Any) -> Any:
-    """Averages floating leaves over the device axis; leaves others as they are."""
+    """Averages floating leaves over the device axis; leaves others as they are
+    (integer state such as counters is the same on every device)."""
     return jax.tree.map(
         lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
     )
+
+
+def metrics_over_devices(metrics: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Averages every metric over the device axis, integers and bools as float32."""
+
+    def as_float(value: jax.Array) -> jax.Array:
+        value = jnp.asarray(value)
+        return value if jnp.issubdtype(value.dtype, jnp.inexact) else value.astype(jnp.float32)
+
+    return {name: lax.pmean(as_float(value), AXIS) for name, value in metrics.items()}
 
 
 def make_train_step(
@@ -134,7 +150,7 @@ def make_train_step(
             )
             loss, metrics = split_loss(loss_fn(outputs, batch))
             if jnp.shape(loss) != ():
-                raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+                raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
             return loss, (metrics, model_state)
 
         (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
@@ -148,7 +164,7 @@ def make_train_step(
             model_state=mean_over_devices(model_state),
             opt_state=opt_state,
         )
-        return new_state, mean_over_devices({"loss": loss, **metrics})
+        return new_state, metrics_over_devices({"loss": loss, **metrics})
 
     return train_step
 

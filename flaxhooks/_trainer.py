@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -21,7 +22,14 @@ from flaxhooks._callback import Callback, StopTraining
 from flaxhooks._input import BatchError, BatchSpec, DevicePrefetch, EmptyDataError, HostBatch
 from flaxhooks._loop import Loop, unreplicate
 from flaxhooks._state import TrainState
-from flaxhooks._step import AXIS, LossFn, ModelCall, carried_collections, make_train_step
+from flaxhooks._step import (
+    AXIS,
+    LossError,
+    LossFn,
+    ModelCall,
+    carried_collections,
+    make_train_step,
+)
 
 _log = logging.getLogger("flaxhooks")
 
@@ -51,6 +59,11 @@ class Trainer:
             step and per device.
         seed: seeds initialization and the per-step keys.
         devices: local devices to train on (default: all of them).
+        state_collections: the collections carried from step to step besides
+            ``params`` (e.g. ``("batch_stats",)``). Default: every collection
+            ``init`` returns whose structure and shapes a train-mode call
+            keeps, so sown values that ``sow`` appends to, ``perturbations``
+            and ``intermediates`` are left out.
         max_steps_in_flight: how many dispatched steps may be queued ahead of
             the devices before the loop waits for the oldest (no values are
             read). It bounds the device memory held by queued batches and, on
@@ -84,6 +97,7 @@ class Trainer:
         rng_names: Sequence[str] = ("dropout",),
         seed: int = 0,
         devices: Sequence[jax.Device] | None = None,
+        state_collections: Sequence[str] | None = None,
         max_steps_in_flight: int = 2,
     ):
         self.model = model
@@ -95,11 +109,15 @@ class Trainer:
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight
+        self.state_collections = None if state_collections is None else tuple(state_collections)
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
         #: Times each compiled function was traced: one trace per compilation.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self._replicated_state: TrainState | None = None
+        self._last_step = 0
+        self._last_position = (0, 0)
+        self._checked: set[Any] = set()
         self._train_step = jax.pmap(
             self._counted("train_step", make_train_step(self.call, loss_fn)),
             axis_name=AXIS,
@@ -142,15 +160,25 @@ class Trainer:
         device_batch = self._abstract_device_batch()
         per_device = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), device_batch)
         key = jax.eval_shape(jax.random.PRNGKey, self.seed)  # abstract: compiles nothing
-        variables = jax.eval_shape(self.call.init, key, per_device)
-        carried = carried_collections(self.call, variables, _with_leading(per_device, 1))
-        create = functools.partial(self._create_state, carried)
-        self._check_step(jax.eval_shape(create, key, per_device), device_batch)
+        with self._explained():
+            variables = jax.eval_shape(self.call.init, key, per_device)
+            carried = self._carried(variables, per_device)
+            create = functools.partial(self._create_state, carried)
+            abstract_state = jax.eval_shape(create, key, per_device)
+        self._check_step(abstract_state)
         dropped = sorted(set(variables) - {"params", *carried})
         if dropped:
             _log.info("not training collections %s: they are per-step values", dropped)
         batch_shard = {k: np.asarray(v)[: spec.batch_size // spec.num_devices] for k, v in batch.items()}
         return jax.jit(create)(jax.random.PRNGKey(self.seed), batch_shard)
+
+    def _carried(self, variables: Mapping[str, Any], per_device: Mapping[str, Any]) -> tuple[str, ...]:
+        if self.state_collections is None:
+            return carried_collections(self.call, variables, _with_leading(per_device, 1))
+        missing = sorted(set(self.state_collections) - set(variables))
+        if missing:
+            raise ValueError(f"state_collections {missing} are not among the model's {sorted(variables)}")
+        return self.state_collections
 
     def _abstract_device_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The sharded batch ``[devices, per_device, ...]`` the step takes, as abstract values."""
@@ -175,23 +203,58 @@ class Trainer:
             tx=self.optimizer,
         )
 
-    def _check_step(self, state: TrainState, batch: Mapping[str, jax.ShapeDtypeStruct]) -> None:
-        """Traces the step on abstract values: a batch or loss it cannot take fails here."""
+    def _check_step(self, state: Any, *, replicated: bool = False) -> None:
+        """Traces the step on abstract values, once per state and batch layout,
+        so a batch or loss it cannot take fails before anything compiles."""
+        drop = 1 if replicated else 0
+        per_device = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[drop:], jnp.result_type(x)), state
+        )
+        leaves, treedef = jax.tree.flatten(per_device)
+        spec = self.batch_spec
+        assert spec is not None
+        key = (treedef, tuple((x.shape, x.dtype) for x in leaves), spec.describe(), spec.num_devices)
+        if key in self._checked:
+            return
         step = make_train_step(self.call, self.loss_fn)
-        replicated = _with_leading(state, len(self.devices))
-        try:
-            _, metrics = jax.eval_shape(jax.vmap(step, axis_name=AXIS), replicated, batch)
-        except KeyError as error:
-            raise BatchError(
-                f"the model or loss_fn reads batch key {error.args[0]!r}, which the batch "
-                f"lacks (its keys: {sorted(batch)})"
-            ) from error
+        with self._explained():
+            _, metrics = jax.eval_shape(
+                jax.vmap(step, axis_name=AXIS),
+                _with_leading(per_device, len(self.devices)), self._abstract_device_batch(),
+            )
         for name, value in metrics.items():
             if value.shape[1:] != ():
-                raise ValueError(
+                raise LossError(
                     f"loss_fn must return a scalar loss and scalar metrics; {name!r} has "
                     f"shape {value.shape[1:]}"
                 )
+        self._checked.add(key)
+
+    @contextlib.contextmanager
+    def _explained(self) -> Iterator[None]:
+        """Turns a failure to trace the model or loss on the batch into a BatchError."""
+        spec = self.batch_spec
+        assert spec is not None
+        try:
+            yield
+        except (BatchError, LossError):
+            raise
+        except KeyError as error:
+            raise BatchError(
+                f"the model or loss_fn reads batch key {error.args[0]!r}, which the batch "
+                f"lacks (its keys: {sorted(spec.fields)})"
+            ) from error
+        except Exception as error:
+            raise self._batch_error(error) from error
+
+    def _batch_error(self, error: Exception) -> BatchError:
+        spec = self.batch_spec
+        assert spec is not None
+        return BatchError(
+            f"the model or loss_fn cannot take batches of {spec.describe()} split over "
+            f"{spec.num_devices} devices ({spec.batch_size // spec.num_devices} examples each): "
+            f"{type(error).__name__}: {error}"
+        )
 
     def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -232,31 +295,49 @@ class Trainer:
             raise ValueError("fit needs epochs, steps or both")
         if not self.bus.find(DevicePrefetch):
             self.bus.add(DevicePrefetch())
-        first_batches = _epoch_batches(data, 0)
+        continuing = state is None and self._replicated_state is not None
+        start_step = int(state.step) if state is not None else self._last_step if continuing else 0
+        epoch, skip = self._position_of(data, start_step, continuing)
+        first_batches = _epoch_batches(data, epoch, skip)
         try:
             first = next(first_batches)
         except StopIteration:
-            raise EmptyDataError("the training data yielded no batch") from None
-        if state is None and self._replicated_state is None:
+            raise EmptyDataError(
+                f"the training data yielded no batch (epoch {epoch}, after {skip} batches)"
+            ) from None
+        if state is None and not continuing:
             state = self.init(first)
         else:
             self.batch_spec = BatchSpec.of(first, len(self.devices), self.call.input_keys)
-            if state is not None:
-                self._check_step(state, self._abstract_device_batch())
+            self._check_step(self._replicated_state if state is None else state, replicated=state is None)
         if state is not None:
             self._replicated_state = jax_utils.replicate(state, self.devices, axis_name=AXIS)
         assert self._replicated_state is not None
-        loop = Loop(trainer=self, state=self._replicated_state, max_steps=steps, max_epochs=epochs)
-        loop.step = int(jax.device_get(loop.state.step)[0])
-        loop.steps_per_epoch = _length(data)
-        if loop.steps_per_epoch:
-            loop.epoch = loop.step // loop.steps_per_epoch
-        resumed_batches = itertools.chain([first], first_batches)
+        loop = Loop(
+            trainer=self, state=self._replicated_state, step=start_step, epoch=epoch, epoch_step=skip,
+            max_steps=steps, max_epochs=epochs, steps_per_epoch=_length(data),
+        )
         try:
-            self._drive(loop, data, resumed_batches)
+            self._drive(loop, data, itertools.chain([first], first_batches))
         finally:
             self._replicated_state = loop.state
+            self._last_step = loop.step
+            self._last_position = (loop.epoch, loop.epoch_step)
         return unreplicate(loop.state)
+
+    def _position_of(self, data: Data, step: int, continuing: bool) -> tuple[int, int]:
+        """The epoch and the batches into it at which training ``step`` starts.
+
+        Data with a length gives it exactly; otherwise a continued ``fit``
+        picks up where the last one stopped. A one-shot iterator keeps its own
+        position, so nothing is skipped.
+        """
+        length = _length(data)
+        if _is_iterator(data):
+            return (self._last_position[0] if continuing else 0), 0
+        if length:
+            return divmod(step, length)
+        return self._last_position if continuing else (0, 0)
 
     def _finished(self, loop: Loop) -> bool:
         return (
@@ -270,9 +351,10 @@ class Trainer:
         try:
             self._open(loop, scopes, "fit")
             while not self._finished(loop):
-                batches = first_epoch if first_epoch is not None else _epoch_batches(data, loop.epoch)
+                if first_epoch is None:
+                    first_epoch = _epoch_batches(data, loop.epoch, 0)
+                self._run_epoch(loop, scopes, first_epoch, one_shot=_is_iterator(data))
                 first_epoch = None
-                self._run_epoch(loop, scopes, batches, one_shot=_is_iterator(data))
             self._close(loop, scopes)
         except StopTraining as stop:
             loop.stop(str(stop) or "a callback raised StopTraining")
@@ -291,30 +373,38 @@ class Trainer:
     def _run_epoch(self, loop: Loop, scopes: list[str], batches: Iterator[HostBatch], one_shot: bool) -> None:
         loop.batches = batches
         self._open(loop, scopes, "epoch")
-        emit, step_fn = self.bus.emit, self._train_step
-        in_flight: collections.deque[jax.Array] = collections.deque()
+        emit, step_fn, max_steps = self.bus.emit, self._train_step, loop.max_steps
+        in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         steps_before = loop.step
-        for batch in loop.batches:
+        completed = True
+        for batch in loop.batches if not loop.should_stop else ():
             loop.batch = batch
             emit("step_start", loop)
+            if loop.should_stop:
+                completed = False
+                break
             loop.state, loop.metrics = step_fn(loop.state, batch)
             loop.step += 1
+            loop.epoch_step += 1
             # Wait for an older step (without reading it) so dispatch cannot
             # queue the whole epoch's batches on the devices.
-            in_flight.append(loop.metrics["loss"])
+            in_flight.append((loop.step, loop.metrics))
             if len(in_flight) > self.max_steps_in_flight:
-                in_flight.popleft().block_until_ready()
+                loop.settled_step, loop.settled_metrics = in_flight.popleft()
+                loop.settled_metrics["loss"].block_until_ready()
             emit("step_end", loop)
-            if loop.should_stop or (loop.max_steps is not None and loop.step >= loop.max_steps):
+            if loop.should_stop or (max_steps is not None and loop.step >= max_steps):
+                completed = False
                 break
         loop.batch = None
         if loop.step == steps_before and not loop.should_stop:
-            if one_shot:
-                loop.stop("the data iterator is exhausted")
-            else:
+            if not one_shot:
                 raise EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch")
+            loop.stop("the data iterator is exhausted")
         self._close(loop, scopes)
-        loop.epoch += 1
+        if completed:
+            loop.epoch += 1
+            loop.epoch_step = 0
 
     def _open(self, loop: Loop, scopes: list[str], scope: str) -> None:
         scopes.append(scope)
@@ -344,10 +434,10 @@ def _is_iterator(data: Data) -> bool:
     return not callable(data) and iter(data) is data
 
 
-def _epoch_batches(data: Data, epoch: int) -> Iterator[HostBatch]:
-    if callable(data):
-        return iter(data(epoch))
-    return iter(data)
+def _epoch_batches(data: Data, epoch: int, skip: int) -> Iterator[HostBatch]:
+    """The batches of ``epoch``, after the first ``skip``."""
+    batches = iter(data(epoch)) if callable(data) else iter(data)
+    return itertools.islice(batches, skip, None) if skip else batches
 
 
 def _length(data: Data) -> int | None:

@@ -189,3 +189,47 @@ def test_process_zero_only_callbacks_are_skipped_on_other_processes(monkeypatch)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     bus = flaxhooks.HookBus([Writer(), Everywhere()])
     assert [type(cb).__name__ for cb in bus.callbacks] == ["Everywhere"]
+
+
+def test_every_end_handler_runs_when_one_of_them_fails(caplog):
+    class BadEpochEnd(Callback):
+        def on_epoch_end(self, loop):
+            raise RuntimeError("flush failed")
+
+    rec = Recorder(order=50)
+    trainer = sgd_trainer(callbacks=[BadEpochEnd(), rec])
+    with pytest.raises(CallbackError, match="BadEpochEnd.*on_epoch_end.*flush failed"):
+        trainer.fit(make_batches(2), epochs=1)
+    # The later epoch_end handler still ran, then the failure path: exception, fit_end.
+    assert [e for _, e, _ in rec.log][-3:] == ["epoch_end", "exception", "fit_end"]
+
+
+def test_stop_requested_at_epoch_start_takes_no_step():
+    class StopAtStart(Callback):
+        def on_epoch_start(self, loop):
+            loop.stop("not today")
+
+    rec = Recorder(order=10)
+    state = sgd_trainer(callbacks=[StopAtStart(), rec]).fit(make_batches(3), epochs=2)
+    assert int(state.step) == 0
+    assert [e for _, e, _ in rec.log] == ["fit_start", "epoch_start", "epoch_end", "fit_end"]
+
+
+def test_a_nested_event_leaves_the_outer_event_and_payload_intact():
+    seen = []
+
+    class Evaluate(Callback):
+        order = -1
+
+        def on_step_end(self, loop):
+            loop.trainer.bus.emit("eval_end", loop, {"accuracy": 0.5})
+
+    class Watch(Callback):
+        def on_eval_end(self, loop):
+            seen.append((loop.event, dict(loop.payload)))
+
+        def on_step_end(self, loop):
+            seen.append((loop.event, dict(loop.payload)))
+
+    sgd_trainer(callbacks=[Evaluate(), Watch()]).fit(make_batches(1), steps=1)
+    assert seen == [("eval_end", {"accuracy": 0.5}), ("step_end", {})]

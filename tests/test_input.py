@@ -114,11 +114,11 @@ def test_a_ragged_last_batch_is_dropped_with_one_warning_or_refused(caplog):
         trainer = sgd_trainer()
         state = trainer.fit(batches[:2] + [ragged], epochs=2)
     assert int(state.step) == 4
-    assert caplog.text.count("dropping a last batch of 8 examples") == 1
+    assert caplog.text.count("dropping a batch of 8 examples") == 1
     assert trainer.callbacks[0].dropped == 2
     assert trainer.trace_counts["train_step"] == 1
     strict = sgd_trainer(callbacks=[flaxhooks.DevicePrefetch(ragged="error")])
-    with pytest.raises(BatchError, match="last batch of 8 examples"):
+    with pytest.raises(BatchError, match="a batch of 8 examples"):
         strict.fit(batches[:2] + [ragged], epochs=1)
 
 

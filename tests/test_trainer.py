@@ -11,7 +11,15 @@ from jax import lax
 
 import flaxhooks
 from flaxhooks import Callback
-from tests.helpers import MLP, BatchNormNet, cross_entropy, make_batches, sgd_trainer, tree_allclose
+from tests.helpers import (
+    MLP,
+    BatchNormNet,
+    cross_entropy,
+    make_arrays,
+    make_batches,
+    sgd_trainer,
+    tree_allclose,
+)
 
 
 def reference_params(model, params, batches, steps):
@@ -309,3 +317,131 @@ def test_loss_must_be_scalar():
 def test_fit_needs_a_length():
     with pytest.raises(ValueError, match="epochs, steps or both"):
         sgd_trainer().fit(make_batches(2))
+
+
+@pytest.mark.parametrize("kind", ["loader", "list"])
+def test_a_run_continued_in_several_fits_equals_one_run(kind):
+    arrays = make_arrays(96)
+    data = (flaxhooks.ArrayLoader(arrays, 16, seed=3) if kind == "loader"
+            else make_batches(6, batch_size=16))
+    whole = sgd_trainer()
+    initial = whole.init(next(iter(data(0) if callable(data) else data)))
+    expected = whole.fit(data, steps=14, state=initial)  # 2 epochs and 2 batches
+
+    parts = sgd_trainer()
+    parts.fit(data, steps=4, state=initial)
+    parts.fit(data, steps=9)          # continues mid-epoch 0, into epoch 1
+    got = parts.fit(data, steps=14)
+    assert int(got.step) == 14
+    assert tree_allclose(got.params, expected.params, rtol=1e-5, atol=1e-6)
+
+    # A given state resumes at its own position too.
+    halfway = sgd_trainer().fit(data, steps=7, state=initial)
+    resumed = sgd_trainer().fit(data, steps=14, state=halfway)
+    assert tree_allclose(resumed.params, expected.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_fit_asks_for_the_right_epochs():
+    asked = []
+    loader = flaxhooks.ArrayLoader(make_arrays(64), 16)
+
+    def data(epoch):
+        asked.append(epoch)
+        return loader(epoch)
+
+    class Sized:
+        def __len__(self):
+            return len(loader)
+
+        def __call__(self, epoch):
+            return data(epoch)
+
+    trainer = sgd_trainer()
+    trainer.fit(Sized(), epochs=2)
+    asked.clear()
+    trainer.fit(Sized(), epochs=4)
+    assert asked == [2, 3]
+
+
+def test_a_one_shot_iterator_loses_no_batch_between_fits():
+    batches = make_batches(6)
+    initial = sgd_trainer().init(batches[0])
+    expected = sgd_trainer().fit(batches, steps=5, state=initial)
+    stream = iter(batches)
+    trainer = sgd_trainer(callbacks=[flaxhooks.DevicePrefetch(size=3)])
+    trainer.fit(stream, steps=3, state=initial)
+    got = trainer.fit(stream, steps=5)
+    assert tree_allclose(got.params, expected.params, rtol=1e-5, atol=1e-6)
+    assert next(stream) is batches[5]  # read no further than needed
+
+
+def test_integer_and_bool_metrics_are_averaged_over_devices(devices):
+    def loss_fn(logits, batch):
+        loss = cross_entropy(logits, batch)
+        return loss, {"examples": batch["label"].shape[0], "positive": jnp.all(batch["label"] >= 0)}
+
+    class Keep(Callback):
+        def on_step_end(self, loop):
+            self.metrics = loop.host_metrics()
+
+    keep = Keep()
+    flaxhooks.Trainer(MLP(), optax.sgd(0.1), loss_fn, devices=devices, callbacks=[keep]).fit(
+        make_batches(1, batch_size=16), steps=1)
+    # Per-device examples, averaged: 16 / devices.
+    assert keep.metrics["examples"] == 16 / len(devices)
+    assert keep.metrics["positive"] == 1.0
+
+
+def test_callbacks_due_at_the_same_step_share_one_transfer(monkeypatch):
+    reads = HostReads(monkeypatch)
+
+    class ReadEveryStep(Callback):
+        def on_step_end(self, loop):
+            loop.host_metrics()
+
+    sgd_trainer(callbacks=[reads, ReadEveryStep(), ReadEveryStep()]).fit(make_batches(4), epochs=1)
+    assert reads.count == 4  # one metric array ("loss") per step, read once
+
+
+def test_settled_metrics_are_from_a_finished_older_step():
+    seen = []
+
+    class Watch(Callback):
+        def on_step_end(self, loop):
+            if loop.settled_step is not None:
+                seen.append((loop.step, loop.settled_step, loop.settled_metrics["loss"].is_ready()))
+
+    sgd_trainer(callbacks=[Watch()], max_steps_in_flight=2).fit(make_batches(5), epochs=1)
+    assert [(step, settled) for step, settled, _ in seen] == [(3, 1), (4, 2), (5, 3)]
+    assert all(ready for _, _, ready in seen)
+
+
+def test_state_collections_can_be_chosen():
+    class OverwritingSow(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4)(x)
+            # Keeps only the latest value: same shape each step, so it looks like state.
+            self.sow("debug", "hidden", h, reduce_fn=lambda old, new: new, init_fn=lambda: jnp.zeros(()))
+            return nn.Dense(3)(h)
+
+    auto = sgd_trainer(OverwritingSow()).fit(make_batches(2), epochs=1)
+    assert set(auto.model_state) == {"debug"}
+    chosen = sgd_trainer(OverwritingSow(), state_collections=()).fit(make_batches(2), epochs=1)
+    assert chosen.model_state == {}
+    with pytest.raises(ValueError, match=r"state_collections \['batch_stats'\]"):
+        sgd_trainer(OverwritingSow(), state_collections=("batch_stats",)).fit(make_batches(2), epochs=1)
+
+
+def test_a_first_batch_the_model_cannot_take_is_a_clear_error_before_compiling():
+    class NeedsChannels(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.Conv(4, (3, 3))(x).reshape(x.shape[0], -1))
+
+    trainer = sgd_trainer(NeedsChannels())
+    batch = {"image": np.zeros((16, 5), np.float32), "label": np.zeros(16, np.int32)}
+    with pytest.raises(flaxhooks.BatchError, match=r"image float32\[16, 5\].*8 devices \(2 examples each\)"
+                       if len(jax.local_devices()) == 8 else r"image float32\[16, 5\]"):
+        trainer.fit([batch], epochs=1)
+    assert trainer.trace_counts["train_step"] == 0
