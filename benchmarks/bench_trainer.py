@@ -38,7 +38,7 @@ What is compared
     a FAIL as overhead.
 
 How to run
-    python benchmarks/bench_trainer.py [--steps 100] [--rounds 11]
+    python benchmarks/bench_trainer.py [--steps 50] [--rounds 21]
         [--batch-size 128] [--cpu-devices N]
 
     On a CPU-only host the CPU is split into ``--cpu-devices`` XLA devices
@@ -191,9 +191,9 @@ def timed(fn: Callable[[], Any], steps: int) -> float:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--steps", type=int, default=100, help="timed steps per round (default 100)"
+        "--steps", type=int, default=50, help="timed steps per round (default 50)"
     )
-    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds (default 11)")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default 21)")
     parser.add_argument(
         "--batch-size", type=int, default=128,
         help="global batch size, split over the devices (default 128)",
