@@ -10,6 +10,7 @@ from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, CallbackError, StopTraining
 from flaxhooks._console import ConsoleLog
 from flaxhooks._devices import use_cpu_devices
+from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
 from flaxhooks._events import ALWAYS_RUN, EVENTS
 from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch, EmptyDataError
 from flaxhooks._loop import Loop, first_replica
@@ -29,9 +30,13 @@ __all__ = [
     "ConsoleLog",
     "DevicePrefetch",
     "EVENTS",
+    "EarlyStopping",
+    "EvalResult",
+    "Evaluate",
     "EmptyDataError",
     "Every",
     "HookBus",
+    "LossAccuracy",
     "LossError",
     "Loop",
     "ModelCall",

@@ -20,7 +20,8 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 class ConsoleLog(Callback):
-    """Prints the step, epoch, steps/s and the latest metrics when due.
+    """Prints the step, epoch, steps/s and the latest metrics when due, and
+    every evaluation's results.
 
     Metrics reach the host only on the steps it prints, and at each epoch's
     end. Process 0 only.
@@ -66,6 +67,13 @@ class ConsoleLog(Callback):
         if self.every(loop.step):
             metrics = format_metrics(loop.host_metrics())  # waits for this step
             self._print(f"{self._position(loop)}  {metrics}  ({self._rate(loop):.1f} steps/s)")
+
+    def on_eval_end(self, loop: Loop) -> None:
+        result = loop.payload
+        self._print(
+            f"{result['name']} at step {result['step']} ({result['examples']} examples): "
+            f"{format_metrics(result['metrics'])}"
+        )
 
     def on_epoch_end(self, loop: Loop) -> None:
         if loop.exception is None and loop.metrics is not None:

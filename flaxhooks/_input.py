@@ -39,6 +39,30 @@ def _as_array(key: str, value: Any) -> np.ndarray:
     return array
 
 
+def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
+    """Checks a batch's structure; returns it as numpy arrays and its size.
+
+    Raises:
+        BatchError: not a mapping, a required key missing, non-numeric or
+            scalar values, or keys of different lengths.
+    """
+    if not isinstance(batch, Mapping) or not batch:
+        raise BatchError(f"a batch must be a non-empty dict of arrays, got {type(batch).__name__}")
+    for key in required_keys:
+        if key not in batch:
+            raise BatchError(f"batch has no key {key!r} (its keys: {sorted(batch)})")
+    arrays = {key: _as_array(key, value) for key, value in batch.items()}
+    first_key = next(iter(arrays))
+    size = arrays[first_key].shape[0]
+    for key, array in arrays.items():
+        if array.shape[0] != size:
+            raise BatchError(
+                f"batch key {key!r} has {array.shape[0]} examples (shape {array.shape}) but "
+                f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
+            )
+    return arrays, size
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchSpec:
     """The layout every training batch must have: the first batch's.
@@ -62,21 +86,8 @@ class BatchSpec:
                 scalar values, keys of different lengths, or a batch size that
                 does not divide over the devices.
         """
-        if not isinstance(batch, Mapping):
-            raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}")
-        for key in required_keys:
-            if key not in batch:
-                raise BatchError(f"batch has no key {key!r} (its keys: {sorted(batch)})")
-        arrays = {key: _as_array(key, value) for key, value in batch.items()}
-        sizes = {key: a.shape[0] for key, a in arrays.items()}
+        arrays, size = check_layout(batch, required_keys)
         first_key = next(iter(arrays))
-        size = sizes[first_key]
-        for key, n in sizes.items():
-            if n != size:
-                raise BatchError(
-                    f"batch key {key!r} has {n} examples (shape {arrays[key].shape}) but "
-                    f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
-                )
         if size == 0 or size % num_devices:
             raise BatchError(
                 f"a batch of {size} examples (key {first_key!r}, shape {arrays[first_key].shape}) "
@@ -257,19 +268,26 @@ class ArrayLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
-        self._examples = next(iter(lengths.values())) // jax.process_count()
+        self._count = next(iter(lengths.values()))
+
+    def _mine(self) -> int:
+        """Examples this process takes: an equal share when dropping the
+        remainder, else every ``process_count``-th one, so none is left out."""
+        processes, index = jax.process_count(), jax.process_index()
+        if self.drop_remainder:
+            return self._count // processes
+        return len(range(index, self._count, processes))
 
     def __len__(self) -> int:
-        whole, part = divmod(self._examples, self.batch_size)
+        whole, part = divmod(self._mine(), self.batch_size)
         return whole if self.drop_remainder or not part else whole + 1
 
     def __call__(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        count = self._examples * jax.process_count()
         order = (
-            np.random.default_rng([self.seed, epoch]).permutation(count)
-            if self.shuffle else np.arange(count)
+            np.random.default_rng([self.seed, epoch]).permutation(self._count)
+            if self.shuffle else np.arange(self._count)
         )
-        order = order[jax.process_index()::jax.process_count()]
+        order = order[jax.process_index()::jax.process_count()][: self._mine()]
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             index = order[start:start + self.batch_size]
             yield {key: a[index] for key, a in self.arrays.items()}

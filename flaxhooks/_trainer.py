@@ -19,7 +19,23 @@ from flax import jax_utils
 
 from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, StopTraining
-from flaxhooks._input import BatchError, BatchSpec, DevicePrefetch, EmptyDataError, HostBatch
+from flaxhooks._eval import (
+    EvalResult,
+    Evaluator,
+    ExampleLossFn,
+    Metrics,
+    as_collection,
+    eval_batches,
+    per_example,
+)
+from flaxhooks._input import (
+    BatchError,
+    BatchSpec,
+    DevicePrefetch,
+    EmptyDataError,
+    HostBatch,
+    check_layout,
+)
 from flaxhooks._loop import Loop, unreplicate
 from flaxhooks._state import TrainState
 from flaxhooks._step import (
@@ -64,6 +80,11 @@ class Trainer:
             ``init`` returns whose structure and shapes a train-mode call
             keeps, so sown values that ``sow`` appends to, ``perturbations``
             and ``intermediates`` are left out.
+        example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per
+            example (or ``(losses, {name: per-example values})``). Default:
+            ``loss_fn`` applied to each example as a batch of one.
+        label_key: the batch key holding class labels, given to metrics as
+            ``labels`` and checked against the model's number of outputs.
         max_steps_in_flight: how many dispatched steps may be queued ahead of
             the devices before the loop waits for the oldest (no values are
             read). It bounds the device memory held by queued batches and, on
@@ -98,6 +119,8 @@ class Trainer:
         seed: int = 0,
         devices: Sequence[jax.Device] | None = None,
         state_collections: Sequence[str] | None = None,
+        example_loss_fn: ExampleLossFn | None = None,
+        label_key: str | None = "label",
         max_steps_in_flight: int = 2,
     ):
         self.model = model
@@ -110,6 +133,8 @@ class Trainer:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight
         self.state_collections = None if state_collections is None else tuple(state_collections)
+        self.example_loss_fn = example_loss_fn or per_example(loss_fn)
+        self.label_key = label_key
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
         #: Times each compiled function was traced: one trace per compilation.
@@ -118,6 +143,8 @@ class Trainer:
         self._last_step = 0
         self._last_position = (0, 0)
         self._checked: set[Any] = set()
+        self._evaluators: dict[type, Evaluator] = {}
+        self._active_loop: Loop | None = None
         self._train_step = jax.pmap(
             self._counted("train_step", make_train_step(self.call, loss_fn)),
             axis_name=AXIS,
@@ -264,6 +291,70 @@ class Trainer:
 
         return traced
 
+    # -- evaluation ----------------------------------------------------------
+
+    def evaluate(
+        self,
+        data: Any,
+        *,
+        batch_size: int | None = None,
+        metrics: Metrics | None = None,
+        name: str = "eval",
+        state: TrainState | None = None,
+    ) -> EvalResult:
+        """Evaluates every example of ``data`` exactly once, in inference mode.
+
+        Emits ``eval_start`` and ``eval_end`` (whose payload carries ``name``,
+        ``metrics``, ``step`` and ``examples``) and publishes the
+        :class:`EvalResult` as ``loop.published[name]``. The train state is
+        only read.
+
+        Args:
+            data: arrays in memory (a dict of equal-length arrays) or an
+                iterable of host batches, of any sizes.
+            batch_size: batch size for arrays (default: the training batch size).
+            metrics: a clu Collection or Metric class, or ``{name: Metric}``
+                (default: mean loss and accuracy).
+            name: the result's name, and the topic it is published under.
+            state: the state to evaluate (default: the current one).
+
+        Raises:
+            BatchError, EmptyDataError: bad data, before anything compiles.
+        """
+        collection = as_collection(metrics)
+        evaluator = self._evaluators.get(collection)
+        if evaluator is None:
+            evaluator = Evaluator(
+                self.call, collection, self.example_loss_fn, self.label_key, self.devices,
+                functools.partial(self._counted, "eval_step"),
+            )
+            self._evaluators[collection] = evaluator
+        loop = self._active_loop
+        if state is not None:
+            replicated, step = jax_utils.replicate(state, self.devices, axis_name=AXIS), int(state.step)
+        elif loop is not None:
+            replicated, step = loop.state, loop.step
+        elif self._replicated_state is not None:
+            replicated, step = self._replicated_state, self._last_step
+        else:
+            raise ValueError("nothing to evaluate yet: call fit first, or pass state=")
+        if batch_size is None and self.batch_spec is not None:
+            batch_size = self.batch_spec.batch_size
+        batches = eval_batches(data, batch_size)
+        if isinstance(data, Mapping):  # check every label before compiling
+            arrays, _ = check_layout(data, self.call.input_keys)
+            first = {k: v[: batch_size] for k, v in arrays.items()}
+            evaluator.check_labels(arrays, evaluator.check(replicated, first))
+        if loop is None:
+            loop = Loop(trainer=self, state=replicated, step=step)
+        self.bus.emit("eval_start", loop, {"name": name, "step": step})
+        result = evaluator.run(replicated, batches, step, name)
+        loop.publish(name, result)
+        self.bus.emit("eval_end", loop, {
+            "name": name, "metrics": result.metrics, "step": step, "examples": result.examples,
+        })
+        return result
+
     # -- the loop ------------------------------------------------------------
 
     def fit(
@@ -320,6 +411,7 @@ class Trainer:
         try:
             self._drive(loop, data, itertools.chain([first], first_batches))
         finally:
+            self._active_loop = None
             self._replicated_state = loop.state
             self._last_step = loop.step
             self._last_position = (loop.epoch, loop.epoch_step)
@@ -348,6 +440,7 @@ class Trainer:
 
     def _drive(self, loop: Loop, data: Data, first_epoch: Iterator[HostBatch] | None) -> None:
         scopes: list[str] = []
+        self._active_loop = loop
         try:
             self._open(loop, scopes, "fit")
             while not self._finished(loop):

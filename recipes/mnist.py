@@ -25,6 +25,7 @@ class Config:
 
     epochs: int = 10
     batch_size: int = 128
+    eval_batch_size: int = 1000
     learning_rate: float = 0.1
     momentum: float = 0.9
     seed: int = 0
@@ -38,6 +39,7 @@ class Config:
 _HELP = {
     "epochs": "passes over the training set",
     "batch_size": "global batch size (split over the devices)",
+    "eval_batch_size": "evaluation batch size (the last, smaller batch is padded, not dropped)",
     "learning_rate": "SGD learning rate",
     "momentum": "SGD momentum",
     "seed": "seed for initialization and shuffling",
@@ -70,7 +72,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
 
     import flaxhooks
     from recipes import mnist_data
-    from recipes.models import CNN, cross_entropy_loss, evaluate
+    from recipes.models import CNN, cross_entropy_loss
 
     Path(workdir).mkdir(parents=True, exist_ok=True)
     # Says in one logged line why it fell back to the bundled sample, if it did.
@@ -79,12 +81,15 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         {"image": _images(data.train_images), "label": data.train_labels},
         config.batch_size, seed=config.seed,
     )
+    test = {"image": _images(data.test_images), "label": data.test_labels}
+    # Every test digit, exactly once, at each epoch's end.
+    evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="test")
     trainer = flaxhooks.Trainer(
         CNN(),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
-        callbacks=[flaxhooks.ConsoleLog(flaxhooks.Every(steps=config.log_every))],
+        callbacks=[evaluation, flaxhooks.ConsoleLog(flaxhooks.Every(steps=config.log_every))],
     )
     print(
         f"training on {len(data.train_labels)} {data.source} MNIST digits, "
@@ -93,14 +98,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flush=True,
     )
     state = trainer.fit(train, epochs=config.epochs)
-    result = evaluate(CNN(), state.variables, _images(data.test_images), data.test_labels)
-    result["steps"] = int(state.step)
+    final = evaluation.result  # the evaluation at the last epoch's end
+    assert final is not None and final.step == int(state.step)
     print(
-        f"held-out accuracy {result['accuracy']:.4f}  loss {result['loss']:.4f} "
-        f"({result['examples']} {data.source} MNIST test digits)",
+        f"held-out accuracy {final.metrics['accuracy']:.4f}  loss {final.metrics['loss']:.4f} "
+        f"({final.examples} {data.source} MNIST test digits, step {int(state.step)})",
         flush=True,
     )
-    return result
+    return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:

@@ -50,7 +50,17 @@ def test_two_processes_match_one_process_with_four_devices(tmp_path):
     loader = flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1)
     reference = sgd_trainer(devices=jax.local_devices()[:4]).fit(loader, epochs=2)
     expected = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(reference.params))]
+    evaluated = trainer_eval(reference)
     for i in range(2):
         with np.load(tmp_path / f"p{i}.npz") as got:
             for j, leaf in enumerate(expected):
                 np.testing.assert_allclose(got[f"arr_{j}"], leaf, rtol=1e-4, atol=1e-5)
+            examples, loss, accuracy = got["eval"]
+            assert examples == 1001
+            assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
+            assert accuracy == pytest.approx(evaluated.metrics["accuracy"], abs=1e-6)
+
+
+def trainer_eval(state):
+    """The same evaluation in this process, on all 8 local devices."""
+    return sgd_trainer().evaluate(make_arrays(1001, seed=5), batch_size=100, state=state)
