@@ -122,10 +122,10 @@ class Evaluator:
         self.label_key = label_key
         self.devices = list(devices)
 
-        def eval_step(state: TrainState, totals: Totals, batch: Batch) -> Totals:
+        def eval_step(variables: Mapping[str, Any], totals: Totals, batch: Batch) -> Totals:
             batch = dict(batch)
             valid = batch.pop(VALID)
-            outputs, _ = call.apply(state.variables, batch, train=False, rngs={}, mutable=())
+            outputs, _ = call.apply(variables, batch, train=False, rngs={}, mutable=())
             losses, values = split_loss(example_loss_fn(outputs, batch))
             named = {**batch, **values, "outputs": outputs, "logits": outputs, "loss": losses}
             if label_key is not None and label_key in batch:
@@ -164,12 +164,13 @@ class Evaluator:
             key: jax.ShapeDtypeStruct((devices, per_device, *a.shape[1:]), a.dtype)
             for key, a in {**arrays, VALID: np.ones(1, np.bool_)}.items()
         }
-        state_per_device = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state)
+        variables = state.variables  # only these reach the step: fewer arguments per call
+        state_per_device = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), variables)
         leaves, treedef = jax.tree.flatten((state_per_device, batch))
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         if key not in self._checked:
             try:
-                self._checked[key] = self._trace(state, state_per_device, batch)
+                self._checked[key] = self._trace(variables, state_per_device, batch)
             except Exception as error:
                 layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
                 raise BatchError(
@@ -178,18 +179,18 @@ class Evaluator:
                 ) from error
         return self._checked[key]
 
-    def _trace(self, state: Any, state_per_device: Any, batch: Mapping[str, Any]) -> int | None:
+    def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any]) -> int | None:
         devices = len(self.devices)
         totals = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype),
             (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32)),
         )
-        replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables)
         jax.eval_shape(jax.vmap(self.eval_step, axis_name=AXIS), replicated, totals, batch)
         example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items() if k != VALID}
         outputs = jax.eval_shape(
-            lambda s, b: self.call.apply(s.variables, b, train=False, rngs={}, mutable=())[0],
-            state_per_device, example,
+            lambda v, b: self.call.apply(v, b, train=False, rngs={}, mutable=())[0],
+            per_device, example,
         )
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
@@ -216,7 +217,7 @@ class Evaluator:
                 empty = (self.metrics.empty(), np.zeros((), np.int32))
                 totals = jax_utils.replicate(empty, self.devices, axis_name=AXIS)
             arrays[VALID] = np.ones(size, np.bool_)
-            totals = self._step(state, totals, arrays, min_device_batch=per_device)
+            totals = self._step(state.variables, totals, arrays, min_device_batch=per_device)
             # Bound the batches queued on the devices (waits, reads nothing).
             in_flight.append(totals)
             if len(in_flight) > MAX_BATCHES_IN_FLIGHT:

@@ -26,7 +26,8 @@ def main(process_id: int, processes: int, port: str, out: str) -> None:
     # Each process evaluates its share (every 2nd example: 501 and 500, so
     # 6 and 5 batches); the result covers all 1001 exactly once.
     result = trainer.evaluate(make_arrays(1001, seed=5), batch_size=100)
-    np.savez(out, *leaves, eval=np.array([result.examples, result.metrics["loss"], result.metrics["accuracy"]]))
+    figures = [result.examples, result.metrics["loss"], result.metrics["accuracy"]]
+    np.savez(out, *leaves, eval=np.array(figures))
     print(f"process {process_id}: {len(jax.local_devices())} local of {len(jax.devices())} devices, "
           f"step {int(state.step)}", flush=True)
     jax.distributed.shutdown()
