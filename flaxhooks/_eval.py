@@ -46,17 +46,37 @@ LossAccuracy: type[clu_metrics.Collection] = clu_metrics.Collection.create(
 )
 
 
-def as_collection(metrics: Metrics | None) -> type[clu_metrics.Collection]:
-    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}``."""
+#: Loss only, the default when there are no labels.
+LossOnly: type[clu_metrics.Collection] = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss")
+)
+
+#: Names the eval step gives metrics; batch keys of these names are only in ``batch``.
+RESERVED = frozenset({"outputs", "logits", "labels", "loss", "mask", "batch"})
+
+_created: dict[Any, type[clu_metrics.Collection]] = {}
+
+
+def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_metrics.Collection]:
+    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}``.
+
+    The same metrics always give the same class, so the compiled eval step is
+    reused. ``None`` means loss and accuracy, or loss alone without labels.
+    """
     if metrics is None:
-        return LossAccuracy
-    if isinstance(metrics, Mapping):
-        return clu_metrics.Collection.create(**metrics)
+        return LossAccuracy if has_labels else LossOnly
     if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Collection):
         return metrics
     if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Metric):
-        return clu_metrics.Collection.create(**{metrics.__name__.lower(): metrics})
-    raise TypeError(f"metrics must be a clu Collection or Metric class, or a dict of them; got {metrics!r}")
+        metrics = {metrics.__name__.lower(): metrics}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"metrics must be a clu Collection or Metric class, or a dict of them; got {metrics!r}"
+        )
+    key = tuple(sorted(metrics.items(), key=lambda item: item[0]))
+    if key not in _created:
+        _created[key] = clu_metrics.Collection.create(**dict(key))
+    return _created[key]
 
 
 def per_example(loss_fn: LossFn) -> ExampleLossFn:
@@ -127,7 +147,8 @@ class Evaluator:
             valid = batch.pop(VALID)
             outputs, _ = call.apply(variables, batch, train=False, rngs={}, mutable=())
             losses, values = split_loss(example_loss_fn(outputs, batch))
-            named = {**batch, **values, "outputs": outputs, "logits": outputs, "loss": losses}
+            named = {k: v for k, v in {**batch, **values}.items() if k not in RESERVED}
+            named.update(outputs=outputs, logits=outputs, loss=losses, batch=batch)
             if label_key is not None and label_key in batch:
                 named["labels"] = batch[label_key]
             # Each device accumulates its own examples; devices are combined
@@ -144,8 +165,12 @@ class Evaluator:
         # The step has no collective, so it runs on this process's devices
         # alone (processes may have different numbers of batches); one
         # all_gather over every device of every process merges the totals.
+        # It also tells every process whether any of them failed, so an error
+        # on one process cannot leave the others waiting in the collective.
         self._combine = jax.pmap(
-            lambda totals: (lax.all_gather(totals[0], AXIS).reduce(), lax.psum(totals[1], AXIS)),
+            lambda totals, failed: (
+                lax.all_gather(totals[0], AXIS).reduce(), lax.psum(totals[1], AXIS), lax.psum(failed, AXIS)
+            ),
             axis_name=AXIS,
         )
         self._checked: dict[Any, int | None] = {}
@@ -175,7 +200,8 @@ class Evaluator:
                 layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
                 raise BatchError(
                     f"the model, loss or metrics cannot evaluate batches of {layout}: "
-                    f"{type(error).__name__}: {error}"
+                    f"{type(error).__name__}: {error} (the default metrics need array logits and "
+                    f"integer labels under label_key; pass metrics= for other outputs)"
                 ) from error
         return self._checked[key]
 
@@ -195,43 +221,56 @@ class Evaluator:
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
 
-    def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str) -> EvalResult:
+    def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str,
+            labels_checked: bool = False) -> EvalResult:
         """Evaluates ``state`` (replicated) on every example of ``batches``.
 
         The first batch is checked (and labels against the model's classes)
         on abstract values before the step compiles; its size sets the
-        compiled per-device batch.
+        compiled per-device batch. This process may have no batch at all (its
+        share of a small dataset on several hosts).
         """
-        totals = None
+        empty = (self.metrics.empty(), np.zeros((), np.int32))
+        totals = jax_utils.replicate(empty, self.devices, axis_name=AXIS)
         in_flight: collections.deque[Any] = collections.deque()
         per_device = num_classes = None
-        for batch in batches:
-            arrays, size = check_layout(batch, self.call.input_keys)
-            if size == 0:
-                continue
-            if per_device is None or size > per_device * len(self.devices):
-                num_classes = self.check(state, arrays)
-                per_device = math.ceil(size / len(self.devices))
-            self.check_labels(arrays, num_classes)
-            if totals is None:
-                empty = (self.metrics.empty(), np.zeros((), np.int32))
-                totals = jax_utils.replicate(empty, self.devices, axis_name=AXIS)
-            arrays[VALID] = np.ones(size, np.bool_)
-            totals = self._step(state.variables, totals, arrays, min_device_batch=per_device)
-            # Bound the batches queued on the devices (waits, reads nothing).
-            in_flight.append(totals)
-            if len(in_flight) > MAX_BATCHES_IN_FLIGHT:
-                jax.block_until_ready(in_flight.popleft())
-        if totals is None:
+        failure: Exception | None = None
+        try:
+            for batch in batches:
+                arrays, size = check_layout(batch, self.call.input_keys)
+                if size == 0:
+                    continue
+                if per_device is None or size > per_device * len(self.devices):
+                    num_classes = self.check(state, arrays)
+                    per_device = math.ceil(size / len(self.devices))
+                if not labels_checked:
+                    self.check_labels(arrays, num_classes)
+                arrays[VALID] = np.ones(size, np.bool_)
+                totals = self._step(state.variables, totals, arrays, min_device_batch=per_device)
+                # Bound the batches queued on the devices (waits, reads nothing).
+                in_flight.append(totals)
+                if len(in_flight) > MAX_BATCHES_IN_FLIGHT:
+                    jax.block_until_ready(in_flight.popleft())
+        except Exception as error:
+            failure = error
+        failed = np.full(len(self.devices), failure is not None, np.int32)
+        collection, examples, failures = first_replica(self._combine(totals, failed))
+        if failure is not None:
+            raise failure
+        if failures:
+            raise RuntimeError(f"evaluation {name!r} failed on another process")
+        if not examples:
             raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
-        collection, examples = first_replica(self._combine(totals))
         computed = self.metrics.compute(collection)
         return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
 
     def check_labels(self, arrays: Mapping[str, np.ndarray], num_classes: int | None) -> None:
-        if num_classes is None or self.label_key is None or self.label_key not in arrays:
+        """Checks integer class labels against the outputs' classes (2 or more)."""
+        if num_classes is None or num_classes < 2 or self.label_key is None:
             return
-        labels = arrays[self.label_key]
+        labels = arrays.get(self.label_key)
+        if labels is None or not np.issubdtype(labels.dtype, np.integer):
+            return
         if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
             raise BatchError(
                 f"evaluation labels {self.label_key!r} range over [{labels.min()}, {labels.max()}] "
@@ -297,9 +336,13 @@ class Evaluate(Callback):
         self.name = name
         #: The latest result.
         self.result: EvalResult | None = None
+        self._evaluated_step: int | None = None
 
     def __repr__(self) -> str:
         return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._evaluated_step = None  # a new fit: evaluate even at a step seen before
 
     def on_step_end(self, loop: Loop) -> None:
         if self.every is not None and self.every(loop.step):
@@ -310,8 +353,9 @@ class Evaluate(Callback):
             self._evaluate(loop)
 
     def _evaluate(self, loop: Loop) -> None:
-        if self.result is not None and self.result.step == loop.step:
+        if self._evaluated_step == loop.step:
             return  # due twice at one step (every N and epoch end)
+        self._evaluated_step = loop.step
         self.result = loop.trainer.evaluate(
             self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name
         )
@@ -350,8 +394,10 @@ class EarlyStopping(Callback):
         return f"EarlyStopping({self.monitor!r}, patience={self.patience}, mode={self.mode!r})"
 
     def _improved(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
         if self.best is None:
-            return not math.isnan(value)
+            return True
         if self.mode == "min":
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
@@ -368,9 +414,10 @@ class EarlyStopping(Callback):
             return
         self.waited += 1
         if self.waited >= self.patience:
+            best = "no finite value yet" if self.best is None else f"{self.best:.6g} (step {self.best_step})"
             loop.stop(
-                f"early stopping: {self.source} {self.monitor} has not improved on {self.best:.6g} "
-                f"(step {self.best_step}) for {self.waited} evaluations"
+                f"early stopping: {self.source} {self.monitor} has not improved on {best} "
+                f"for {self.waited} evaluations"
             )
 
 

@@ -321,7 +321,7 @@ class Trainer:
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
         """
-        collection = as_collection(metrics)
+        collection = as_collection(metrics, has_labels=self.label_key is not None)
         evaluator = self._evaluators.get(collection)
         if evaluator is None:
             evaluator = Evaluator(
@@ -341,14 +341,15 @@ class Trainer:
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         batches = eval_batches(data, batch_size)
-        if isinstance(data, Mapping):  # check every label before compiling
+        in_memory = isinstance(data, Mapping)
+        if in_memory:  # check every label before compiling
             arrays, _ = check_layout(data, self.call.input_keys)
             first = {k: v[: batch_size] for k, v in arrays.items()}
             evaluator.check_labels(arrays, evaluator.check(replicated, first))
         if loop is None:
             loop = Loop(trainer=self, state=replicated, step=step)
         self.bus.emit("eval_start", loop, {"name": name, "step": step})
-        result = evaluator.run(replicated, batches, step, name)
+        result = evaluator.run(replicated, batches, step, name, labels_checked=in_memory)
         loop.publish(name, result)
         self.bus.emit("eval_end", loop, {
             "name": name, "metrics": result.metrics, "step": step, "examples": result.examples,

@@ -27,6 +27,18 @@ def main(process_id: int, processes: int, port: str, out: str) -> None:
     # 6 and 5 batches); the result covers all 1001 exactly once.
     result = trainer.evaluate(make_arrays(1001, seed=5), batch_size=100)
     figures = [result.examples, result.metrics["loss"], result.metrics["accuracy"]]
+    # One example: process 1's share is empty, and it still takes part.
+    tiny = trainer.evaluate(make_arrays(1, seed=9), batch_size=100)
+    figures.append(tiny.examples)
+    # A bad label on process 1 only: both processes raise, neither waits forever.
+    batch = make_arrays(8, seed=process_id)
+    batch["label"][0] = 3 * process_id
+    try:
+        trainer.evaluate([batch])
+        figures.append(0)
+    except Exception as error:  # noqa: BLE001
+        print(f"process {process_id} eval error: {type(error).__name__}: {error}", flush=True)
+        figures.append(1)
     np.savez(out, *leaves, eval=np.array(figures))
     print(f"process {process_id}: {len(jax.local_devices())} local of {len(jax.devices())} devices, "
           f"step {int(state.step)}", flush=True)

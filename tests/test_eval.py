@@ -278,3 +278,83 @@ def test_early_stopping_with_real_evaluations():
     )
     state = trainer.fit(make_batches(10), epochs=1)
     assert int(state.step) == 3  # a learning rate of 0 never improves: stop after 1 + 2 evaluations
+
+
+def test_dict_metrics_compile_once_across_evaluations():
+    test = make_arrays(50, seed=8)
+    metrics = {"accuracy": clu_metrics.Accuracy, "loss": clu_metrics.Average.from_output("loss")}
+    evaluate = Evaluate(test, every=Every(steps=1), at_epoch_end=False, batch_size=16, metrics=metrics)
+    trainer = sgd_trainer(callbacks=[evaluate])
+    trainer.fit(make_batches(3), epochs=1)
+    trainer.evaluate(test, batch_size=16, metrics=dict(metrics))
+    trainer.evaluate(test, batch_size=16, metrics=clu_metrics.Accuracy)
+    trainer.evaluate(test, batch_size=16, metrics=clu_metrics.Accuracy)
+    assert trainer.trace_counts["eval_step"] == 2  # the dict, then Accuracy alone
+
+
+def test_batch_keys_named_like_metric_inputs_stay_reachable(trained):
+    trainer, _ = trained
+    test = {**make_arrays(40, seed=9), "mask": np.ones(40, np.float32) * 2, "loss": np.zeros(40, np.float32)}
+    metrics = {
+        "loss": clu_metrics.Average.from_output("loss"),
+        "batch_mask": clu_metrics.Average.from_fun(lambda batch, **_: batch["mask"]),
+    }
+    result = trainer.evaluate(test, batch_size=16, metrics=metrics)
+    assert result.metrics["batch_mask"] == 2.0  # padded rows masked out, the batch's own mask intact
+    assert result.metrics["loss"] > 0  # the per-example loss, not the batch's "loss" key
+
+
+def test_regression_and_binary_models_are_not_label_checked():
+    class Regress(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(x)
+
+    def mse(outputs, batch):
+        return jnp.mean((outputs - batch["label"]) ** 2)
+
+    data = make_arrays(40)
+    data["label"] = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32) * 10
+    trainer = flaxhooks.Trainer(Regress(), optax.sgd(0.01), mse)
+    state = trainer.fit([{k: v[:16] for k, v in data.items()}], steps=1)
+    result = trainer.evaluate(data, batch_size=16, metrics={"mse": clu_metrics.Average.from_output("loss")})
+    predictions = np.asarray(Regress().apply({"params": state.params}, data["image"]))
+    expected = np.mean((predictions - data["label"]) ** 2)
+    assert result.metrics["mse"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_without_a_label_key_the_default_is_the_loss_alone():
+    trainer = sgd_trainer(label_key=None)
+    trainer.fit(make_batches(1), steps=1)
+    assert set(trainer.evaluate(make_arrays(20), batch_size=8).metrics) == {"loss"}
+
+
+def test_iterable_eval_data_with_a_small_first_batch(trained):
+    trainer, state = trained
+    test = make_arrays(150, seed=10)
+    sizes = [8, 64, 64, 14]
+    starts = np.cumsum([0, *sizes])
+    batches = [{k: v[a:b] for k, v in test.items()} for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    result = trainer.evaluate(batches)
+    loss, accuracy = numpy_loss_accuracy(MLP().apply({"params": state.params}, test["image"]), test["label"])
+    assert result.examples == 150
+    assert result.metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert result.metrics["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+
+
+def test_early_stopping_survives_a_nan_first_evaluation():
+    stopper = EarlyStopping(patience=2)
+    state = sgd_trainer(callbacks=[ScriptedEval([float("nan"), float("nan"), 1.0]), stopper]).fit(
+        make_batches(3), epochs=1)
+    assert int(state.step) == 2 and stopper.best is None
+
+
+def test_a_second_fit_evaluates_again_at_a_step_seen_before():
+    test = make_arrays(20)
+    evaluate = Evaluate(test, at_epoch_end=True, batch_size=8)
+    trainer = sgd_trainer(callbacks=[evaluate])
+    initial = trainer.init(make_batches(1)[0])
+    trainer.fit(make_batches(2), epochs=1, state=initial)
+    first = evaluate.result
+    trainer.fit(make_batches(2, seed=1), epochs=1, state=initial)  # step 2 again, other data
+    assert evaluate.result is not first and evaluate.result.step == 2

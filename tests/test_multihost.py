@@ -55,8 +55,8 @@ def test_two_processes_match_one_process_with_four_devices(tmp_path):
         with np.load(tmp_path / f"p{i}.npz") as got:
             for j, leaf in enumerate(expected):
                 np.testing.assert_allclose(got[f"arr_{j}"], leaf, rtol=1e-4, atol=1e-5)
-            examples, loss, accuracy = got["eval"]
-            assert examples == 1001
+            examples, loss, accuracy, tiny, failed = got["eval"]
+            assert examples == 1001 and tiny == 1 and failed == 1
             assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
             assert accuracy == pytest.approx(evaluated.metrics["accuracy"], abs=1e-6)
 
