@@ -19,3 +19,17 @@ def devices(request):
     if len(available) < request.param:
         pytest.skip(f"needs {request.param} devices, have {len(available)}")
     return available[: request.param]
+
+
+@pytest.fixture
+def compiles():
+    """The XLA compilations (their function names) made while the test runs."""
+    seen = []
+
+    def listener(name, duration, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -49,6 +49,12 @@ def make_batches(count: int, batch_size: int = 16, seed: int = 0) -> list[dict[s
     return [{k: v[i * batch_size:(i + 1) * batch_size] for k, v in arrays.items()} for i in range(count)]
 
 
+def split_batches(arrays: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    """Consecutive batches of the given sizes."""
+    starts = np.cumsum([0, *sizes])
+    return [{k: v[a:b] for k, v in arrays.items()} for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
 class Recorder(flaxhooks.Callback):
     """Records every event it sees, with the loop's step."""
 
@@ -89,4 +95,4 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
 
 
 __all__ = ["MLP", "BatchNormNet", "Recorder", "cross_entropy", "jnp", "make_arrays", "make_batches",
-           "sgd_trainer", "tree_allclose"]
+           "sgd_trainer", "split_batches", "tree_allclose"]

@@ -15,7 +15,15 @@ from clu import metrics as clu_metrics
 
 import flaxhooks
 from flaxhooks import BatchError, Callback, EarlyStopping, EmptyDataError, EvalResult, Evaluate, Every
-from tests.helpers import MLP, BatchNormNet, Recorder, make_arrays, make_batches, sgd_trainer
+from tests.helpers import (
+    MLP,
+    BatchNormNet,
+    Recorder,
+    make_arrays,
+    make_batches,
+    sgd_trainer,
+    split_batches,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,19 +34,6 @@ def numpy_loss_accuracy(logits, labels):
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     return -log_probs[np.arange(len(labels)), labels].mean(), (logits.argmax(-1) == labels).mean()
-
-
-@pytest.fixture
-def compiles():
-    seen = []
-
-    def listener(name, duration, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +102,7 @@ def test_one_compilation_per_eval_batch_size_over_a_run(compiles):
 def test_iterable_batches_of_any_size_give_the_arrays_result(trained):
     trainer, _ = trained
     test = make_arrays(203, seed=2)
-    sizes = [64, 64, 40, 35]
-    starts = np.cumsum([0, *sizes])
-    batches = [{k: v[a:b] for k, v in test.items()} for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    batches = split_batches(test, [64, 64, 40, 35])
     before = trainer.trace_counts["eval_step"]
     from_batches = trainer.evaluate(batches)
     from_arrays = trainer.evaluate(test, batch_size=64)
@@ -332,9 +325,7 @@ def test_without_a_label_key_the_default_is_the_loss_alone():
 def test_iterable_eval_data_with_a_small_first_batch(trained):
     trainer, state = trained
     test = make_arrays(150, seed=10)
-    sizes = [8, 64, 64, 14]
-    starts = np.cumsum([0, *sizes])
-    batches = [{k: v[a:b] for k, v in test.items()} for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    batches = split_batches(test, [8, 64, 64, 14])
     result = trainer.evaluate(batches)
     loss, accuracy = numpy_loss_accuracy(MLP().apply({"params": state.params}, test["image"]), test["label"])
     assert result.examples == 150

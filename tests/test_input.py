@@ -14,20 +14,6 @@ from flaxhooks import ArrayLoader, BatchError, BatchSpec, EmptyDataError, Every
 from tests.helpers import make_batches, sgd_trainer
 
 
-@pytest.fixture
-def compiles():
-    """Counts XLA compilations while the test runs."""
-    seen = []
-
-    def listener(name, duration, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            seen.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def eight_device_trainer():
     if len(jax.local_devices()) < 8:
         pytest.skip("needs 8 devices")
