@@ -14,9 +14,12 @@ from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
 from flaxhooks._events import ALWAYS_RUN, EVENTS
 from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch, EmptyDataError
 from flaxhooks._loop import Loop, first_replica
+from flaxhooks._progress import Progress
 from flaxhooks._schedule import Every
 from flaxhooks._state import TrainState
 from flaxhooks._step import AXIS, LossError, ModelCall, make_train_step
+from flaxhooks._summary import Summary
+from flaxhooks._tensorboard import LogdirError, SummaryWriterThread, TensorBoard
 from flaxhooks._trainer import Trainer
 
 __all__ = [
@@ -36,11 +39,16 @@ __all__ = [
     "EmptyDataError",
     "Every",
     "HookBus",
+    "LogdirError",
     "LossAccuracy",
     "LossError",
     "Loop",
     "ModelCall",
+    "Progress",
     "StopTraining",
+    "Summary",
+    "SummaryWriterThread",
+    "TensorBoard",
     "TrainState",
     "Trainer",
     "first_replica",

@@ -47,7 +47,7 @@ _HELP = {
     "cache_dir": "where downloaded MNIST is kept (default ~/.cache/flaxhooks/mnist)",
     "download": "try to download full MNIST when it is not found locally",
     "cpu_devices": "XLA CPU devices to expose (default: one per core, unless XLA_FLAGS sets it)",
-    "log_every": "print progress every this many steps",
+    "log_every": "log to TensorBoard (and print, off a terminal) every this many steps",
 }
 
 
@@ -66,7 +66,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
 
     Returns:
         The final held-out ``accuracy`` and ``loss``, the number of ``examples``
-        evaluated and the number of train ``steps``.
+        evaluated and the number of train ``steps``. TensorBoard logs go to
+        ``workdir/tensorboard``.
     """
     import optax
 
@@ -75,6 +76,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     from recipes.models import CNN, cross_entropy_loss
 
     Path(workdir).mkdir(parents=True, exist_ok=True)
+    logdir = str(Path(workdir) / "tensorboard")
     # Says in one logged line why it fell back to the bundled sample, if it did.
     data = mnist_data.load_mnist(config.data_dir, config.cache_dir, download=config.download)
     train = flaxhooks.ArrayLoader(
@@ -89,7 +91,13 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
-        callbacks=[evaluation, flaxhooks.ConsoleLog(flaxhooks.Every(steps=config.log_every))],
+        callbacks=[
+            evaluation,
+            flaxhooks.Summary(depth=1),
+            flaxhooks.Progress(every=flaxhooks.Every(steps=config.log_every)),
+            flaxhooks.TensorBoard(logdir, every=flaxhooks.Every(steps=config.log_every),
+                                  hparams={**dataclasses.asdict(config), "data": data.source}),
+        ],
     )
     print(
         f"training on {len(data.train_labels)} {data.source} MNIST digits, "
@@ -105,6 +113,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         f"({final.examples} {data.source} MNIST test digits, step {int(state.step)})",
         flush=True,
     )
+    print(f"view the run: tensorboard --logdir {logdir}", flush=True)
     return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 

@@ -41,6 +41,12 @@ def test_parse_config_reads_every_option():
 def test_one_epoch_smoke(tmp_path):
     config = mnist.Config(epochs=1, download=False, log_every=10)
     result = mnist.train_and_evaluate(config, tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "test/accuracy"} <= set(events.Tags()["scalars"])
+    assert "model_summary/text_summary" in events.Tags()["tensors"]
     assert result["examples"] == 1000  # every held-out digit of the bundled sample
     assert result["steps"] == 4000 // 128
     assert result["accuracy"] > 0.6  # one epoch; the 96% target is checked below
@@ -52,5 +58,8 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "bundled MNIST sample" in output
+    assert "\x1b" not in result.stdout  # not a terminal: plain lines, no control characters
+    assert f"tensorboard --logdir {tmp_path}/tensorboard" in output
+    assert "Total Parameters: 824,458" in output
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", output).group(1))
     assert accuracy >= 0.96, output[-2000:]

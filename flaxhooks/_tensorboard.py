@@ -1,0 +1,288 @@
+"""TensorBoard logging with tensorboardX, written off the training thread."""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from flaxhooks._callback import Callback
+from flaxhooks._schedule import Every
+
+if TYPE_CHECKING:
+    from flaxhooks._loop import Loop
+
+#: The topic under which the running writer is published for other callbacks.
+TOPIC = "tensorboard"
+
+
+class LogdirError(OSError):
+    """The TensorBoard log directory cannot be written."""
+
+
+def check_writable(logdir: str | os.PathLike[str]) -> None:
+    """Creates ``logdir`` and writes a probe file in it.
+
+    Raises:
+        LogdirError: naming the directory and the reason.
+    """
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        probe = os.path.join(logdir, f".flaxhooks-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as file:
+            file.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise LogdirError(f"cannot write TensorBoard logs to {os.fspath(logdir)!r}: {error}") from error
+
+
+def _first_replica_scalars(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Device 0's copy (shape [1]) of each replicated scalar, left on the device: no transfer."""
+    return {k: v.addressable_shards[0].data for k, v in values.items()}
+
+
+def find_learning_rate(opt_state: Any) -> Any | None:
+    """The ``learning_rate`` an ``optax.inject_hyperparams`` optimizer carries, if any."""
+    found = []
+
+    def visit(node: Any) -> None:
+        hyperparams = getattr(node, "hyperparams", None)
+        if isinstance(hyperparams, Mapping) and "learning_rate" in hyperparams:
+            found.append(hyperparams["learning_rate"])
+
+    jax.tree.map(visit, opt_state, is_leaf=lambda node: hasattr(node, "hyperparams"))
+    return found[0] if found else None
+
+
+_CLOSE_FILE: Any = object()  # queue marker: close the current event file
+
+
+class SummaryWriterThread:
+    """A tensorboardX ``SummaryWriter`` fed through a queue by one worker thread.
+
+    Callers enqueue work and return at once; device values are pulled to the
+    host on the worker thread. A failure in the worker is raised on the next
+    call from the training thread.
+    """
+
+    def __init__(self, logdir: str, flush_secs: int = 30):
+        self.logdir = logdir
+        self._flush_secs = flush_secs
+        self._writer: Any = None  # opened by the worker on first use
+        self._queue: queue.Queue[Callable[[Any], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="flaxhooks-tensorboard", daemon=True)
+        self._thread.start()
+        self._closed = False
+        atexit.register(self.close)  # writes queued after the last flush still land
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if job is _CLOSE_FILE:
+                    self._close_file()
+                elif self._error is None:
+                    job(self._open())
+            except BaseException as error:  # reported on the training thread
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            # tensorboardX names files by the second and opens them with "wb":
+            # a unique suffix keeps a file reopened in the same second.
+            self._writer = SummaryWriter(
+                self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{uuid.uuid4().hex[:8]}"
+            )
+        return self._writer
+
+    def _close_file(self) -> None:
+        # tensorboardX's flush() leaves events queued in its own writer
+        # thread; only close() drains them. The next write opens a new file
+        # in the same run directory, which TensorBoard reads in order.
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _submit(self, job: Callable[[Any], None]) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
+        self._queue.put(job)
+
+    def scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Writes scalars (floats or device arrays) as ``prefix + name``."""
+
+        def job(writer: Any) -> None:
+            for name, value in values.items():
+                number = float(np.asarray(jax.device_get(value)).reshape(-1)[0])
+                if math.isfinite(number):
+                    writer.add_scalar(prefix + name, number, step)
+
+        self._submit(job)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Writes text (shown in TensorBoard's Text tab; markdown)."""
+        self._submit(lambda writer: writer.add_text(tag, text, step))
+
+    def histogram(self, tag: str, values: Any, step: int) -> None:
+        """Writes a histogram of the finite values (non-finite ones are dropped)."""
+
+        def job(writer: Any) -> None:
+            array = np.asarray(jax.device_get(values), np.float64).ravel()
+            finite = array[np.isfinite(array)]
+            if finite.size:
+                writer.add_histogram(tag, finite, step)
+
+        self._submit(job)
+
+    def call(self, job: Callable[[Any], None]) -> None:
+        """Runs ``job(summary_writer)`` on the writer thread."""
+        self._submit(job)
+
+    def flush(self) -> None:
+        """Waits until everything queued is written and on disk."""
+        self._submit(_CLOSE_FILE)
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
+
+    def close(self) -> None:
+        """Flushes, stops the thread and closes the file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self.flush()
+        finally:
+            self._queue.put(None)
+            self._thread.join()
+
+
+class TensorBoard(Callback):
+    """Writes training and evaluation scalars to TensorBoard, off the training thread.
+
+    Tags: ``train/<metric>`` every ``every`` steps (with ``train/steps_per_s``
+    and ``train/learning_rate``), ``<eval name>/<metric>`` at every
+    evaluation, and the run's hyperparameters in the Text and HParams tabs.
+    Metrics are handed to a writer thread as device arrays and read there, so
+    the training thread never waits for them. Files are flushed at the end of
+    every fit, also after an error or a KeyboardInterrupt.
+
+    Other callbacks write through the same files: at ``fit_start`` the writer
+    is published as ``loop.published["tensorboard"]`` (a
+    :class:`SummaryWriterThread`; absent on processes other than 0).
+
+    Args:
+        logdir: the run directory; checked for writing at once.
+        every: when to write training scalars (default every 50 steps).
+        hparams: the run's hyperparameters, written once.
+        learning_rate: a schedule ``step -> learning rate`` to log; without
+            it, an ``optax.inject_hyperparams`` learning rate is found in the
+            optimizer state.
+
+    Example:
+        >>> import tempfile, flaxhooks
+        >>> tb = flaxhooks.TensorBoard(tempfile.mkdtemp(), hparams={"lr": 0.1})
+    """
+
+    order = -90  # publishes the writer before other callbacks' fit_start
+    process_zero_only = True
+
+    def __init__(
+        self,
+        logdir: str | os.PathLike[str],
+        every: Every | None = None,
+        hparams: Mapping[str, Any] | None = None,
+        learning_rate: Callable[[int], Any] | None = None,
+    ):
+        self.logdir = os.fspath(logdir)
+        check_writable(self.logdir)
+        self.every = every or Every(steps=50)
+        self.hparams = dict(hparams or {})
+        self.learning_rate = learning_rate
+        self.writer: SummaryWriterThread | None = None
+        self._mark = (0, 0.0)
+        self._last_eval: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"TensorBoard({self.logdir!r}, every={self.every!r})"
+
+    def on_fit_start(self, loop: Loop) -> None:
+        check_writable(self.logdir)
+        if self.writer is None:
+            # One event file per run: a later fit of the same Trainer appends to it.
+            self.writer = SummaryWriterThread(self.logdir)
+        loop.publish(TOPIC, self.writer)
+        self._mark = (loop.settled_step or loop.step, time.perf_counter())
+        if self.hparams:
+            rows = "\n".join(f"| {k} | {v} |" for k, v in self.hparams.items())
+            self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
+
+    def on_step_end(self, loop: Loop) -> None:
+        if not self.every(loop.step):
+            return
+        assert self.writer is not None
+        # The rate of steps known to have finished on the devices, not of
+        # steps dispatched: dispatch runs ahead of the devices.
+        settled = loop.settled_step if loop.settled_step is not None else loop.step
+        step, then = self._mark
+        now = time.perf_counter()
+        self._mark = (settled, now)
+        values: dict[str, Any] = _first_replica_scalars(loop.metrics)
+        if settled > step:
+            values["steps_per_s"] = (settled - step) / max(now - then, 1e-9)
+        learning_rate = self._learning_rate(loop)
+        if learning_rate is not None:
+            values["learning_rate"] = learning_rate
+        self.writer.scalars(values, loop.step, prefix="train/")
+
+    def _learning_rate(self, loop: Loop) -> Any | None:
+        if self.learning_rate is not None:
+            return self.learning_rate(loop.step)
+        found = find_learning_rate(loop.state.opt_state)
+        return None if found is None else found.addressable_shards[0].data
+
+    def on_eval_end(self, loop: Loop) -> None:
+        if self.writer is None:
+            return
+        payload = loop.payload
+        self.writer.scalars(payload["metrics"], payload["step"], prefix=f"{payload['name']}/")
+        self._last_eval = {f"{payload['name']}/{k}": v for k, v in payload["metrics"].items()}
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if self.writer is None:
+            return
+        if self.hparams:
+            metrics = {k: v for k, v in self._last_eval.items() if math.isfinite(v)}
+            hparams = {k: v if isinstance(v, (bool, str, int, float)) else str(v)
+                       for k, v in self.hparams.items()}
+            step = loop.step
+            self.writer.call(
+                lambda writer: writer.add_hparams(hparams, metrics, name="hparams", global_step=step)
+            )
+        # Also after an error or KeyboardInterrupt: fit_end always runs.
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Closes the event file (a later fit opens a new one)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
