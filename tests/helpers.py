@@ -78,6 +78,39 @@ for _event in EVENTS:
     setattr(Recorder, f"on_{_event}", _recording(_event))
 
 
+class HostReads(flaxhooks.Callback):
+    """Counts device-to-host reads of arrays between fit_start and fit_end, and
+    whether each array was already computed when it was read.
+
+    (JAX's transfer guard does not see CPU-to-host copies,
+    so the property every host read goes through is wrapped instead.)
+    """
+
+    order = -1000
+
+    def __init__(self, monkeypatch):
+        from jax._src import array
+
+        self.count = 0
+        self.unready = 0
+        self.active = False
+        value = array.ArrayImpl._value
+
+        def counted(arr):
+            if self.active:
+                self.count += 1
+                self.unready += not arr.is_ready()
+            return value.fget(arr)
+
+        monkeypatch.setattr(array.ArrayImpl, "_value", property(counted))
+
+    def on_fit_start(self, loop):
+        self.active = True
+
+    def on_fit_end(self, loop):
+        self.active = False
+
+
 def sgd_trainer(model=None, callbacks=(), devices=None, **kwargs) -> flaxhooks.Trainer:
     return flaxhooks.Trainer(
         model or MLP(), optax.sgd(0.1, 0.9), cross_entropy,
@@ -94,5 +127,7 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
     )
 
 
-__all__ = ["MLP", "BatchNormNet", "Recorder", "cross_entropy", "jnp", "make_arrays", "make_batches",
-           "sgd_trainer", "split_batches", "tree_allclose"]
+__all__ = [
+    "MLP", "BatchNormNet", "HostReads", "Recorder", "cross_entropy", "jnp", "make_arrays", "make_batches",
+    "sgd_trainer", "split_batches", "tree_allclose",
+]

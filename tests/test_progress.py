@@ -11,7 +11,7 @@ import flaxhooks
 from flaxhooks import Callback, CallbackError
 from flaxhooks._loop import Loop
 from flaxhooks._progress import Progress
-from tests.helpers import make_arrays, make_batches, sgd_trainer
+from tests.helpers import HostReads, make_arrays, make_batches, sgd_trainer
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 SHOW_CURSOR, HIDE_CURSOR = "\x1b[?25h", "\x1b[?25l"
@@ -37,39 +37,6 @@ class Tick(Callback):
 
     def on_step_end(self, loop):
         self.clock.now += self.seconds
-
-
-class HostReads(Callback):
-    """Counts device-to-host reads of arrays between fit_start and fit_end, and
-    whether each array was already computed when it was read.
-
-    (As in test_trainer: JAX's transfer guard does not see CPU-to-host copies,
-    so the property every host read goes through is wrapped instead.)
-    """
-
-    order = -1000
-
-    def __init__(self, monkeypatch):
-        from jax._src import array
-
-        self.count = 0
-        self.unready = 0
-        self.active = False
-        value = array.ArrayImpl._value
-
-        def counted(arr):
-            if self.active:
-                self.count += 1
-                self.unready += not arr.is_ready()
-            return value.fget(arr)
-
-        monkeypatch.setattr(array.ArrayImpl, "_value", property(counted))
-
-    def on_fit_start(self, loop):
-        self.active = True
-
-    def on_fit_end(self, loop):
-        self.active = False
 
 
 class _WatchedLoop(Loop):

@@ -14,6 +14,7 @@ from flaxhooks import Callback
 from tests.helpers import (
     MLP,
     BatchNormNet,
+    HostReads,
     cross_entropy,
     make_arrays,
     make_batches,
@@ -213,35 +214,6 @@ def test_the_step_compiles_once_over_a_multi_epoch_run():
     # Everything compiled before the second step; nothing during the loop after.
     assert compiles and all(step in (None, 0, "after fit") for step in compiles)
     assert 0 in compiles
-
-
-class HostReads(Callback):
-    """Counts device-to-host reads of arrays between fit_start and fit_end.
-
-    (JAX's transfer guard does not see CPU-to-host copies, so the property
-    every host read goes through is wrapped instead.)
-    """
-
-    order = -1000
-
-    def __init__(self, monkeypatch):
-        from jax._src import array
-
-        self.count = 0
-        self.active = False
-        value = array.ArrayImpl._value
-
-        def counted(arr):
-            self.count += self.active
-            return value.fget(arr)
-
-        monkeypatch.setattr(array.ArrayImpl, "_value", property(counted))
-
-    def on_fit_start(self, loop):
-        self.active = True
-
-    def on_fit_end(self, loop):
-        self.active = False
 
 
 def test_callbacks_that_are_not_due_cause_no_host_sync(monkeypatch):
