@@ -165,15 +165,19 @@ class Progress(Callback):
             self._refresh_bar(loop)
 
     def on_fit_end(self, loop: Loop) -> None:
-        bar, self._bar = self._bar, None
         try:
-            if bar is not None:
-                bar.stop()
+            if self._bar is not None:
+                self._refresh_bar(loop)  # leave the final count on screen, not the last refresh's
         finally:
+            bar, self._bar = self._bar, None
             try:
-                self._pull(loop)  # a finished step's values: no wait
+                if bar is not None:
+                    bar.stop()
             finally:
-                self._print(self._summary(loop))
+                try:
+                    self._pull(loop)  # a finished step's values: no wait
+                finally:
+                    self._print(self._summary(loop))
 
     # -- helpers -------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flaxhooks._callback import Callback
@@ -48,6 +49,12 @@ def check_writable(logdir: str | os.PathLike[str]) -> None:
 def _first_replica_scalars(values: Mapping[str, Any]) -> dict[str, Any]:
     """Device 0's copy (shape [1]) of each replicated scalar, left on the device: no transfer."""
     return {k: v.addressable_shards[0].data for k, v in values.items()}
+
+
+def _detach(value: Any) -> Any:
+    """A device copy of a device array (an async op, no transfer), so the
+    writer thread can read it after the next step donates the original."""
+    return jnp.copy(value) if isinstance(value, jax.Array) else value
 
 
 def find_learning_rate(opt_state: Any) -> Any | None:
@@ -105,9 +112,10 @@ class SummaryWriterThread:
             from tensorboardX import SummaryWriter
 
             # tensorboardX names files by the second and opens them with "wb":
-            # a unique suffix keeps a file reopened in the same second.
+            # a nanosecond suffix keeps a file reopened in the same second, and
+            # keeps the files' names in the order they were written.
             self._writer = SummaryWriter(
-                self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{uuid.uuid4().hex[:8]}"
+                self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{time.time_ns()}"
             )
         return self._writer
 
@@ -128,11 +136,13 @@ class SummaryWriterThread:
     def scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
         """Writes scalars (floats or device arrays) as ``prefix + name``."""
 
+        values = {name: _detach(value) for name, value in values.items()}
+
         def job(writer: Any) -> None:
             for name, value in values.items():
+                # NaN and inf are written too: TensorBoard shows a diverging run.
                 number = float(np.asarray(jax.device_get(value)).reshape(-1)[0])
-                if math.isfinite(number):
-                    writer.add_scalar(prefix + name, number, step)
+                writer.add_scalar(prefix + name, number, step)
 
         self._submit(job)
 
@@ -142,6 +152,7 @@ class SummaryWriterThread:
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         """Writes a histogram of the finite values (non-finite ones are dropped)."""
+        values = _detach(values)
 
         def job(writer: Any) -> None:
             array = np.asarray(jax.device_get(values), np.float64).ravel()
@@ -221,6 +232,7 @@ class TensorBoard(Callback):
         self.writer: SummaryWriterThread | None = None
         self._mark = (0, 0.0)
         self._last_eval: dict[str, float] = {}
+        self._hparams_written = False
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
@@ -232,7 +244,8 @@ class TensorBoard(Callback):
             self.writer = SummaryWriterThread(self.logdir)
         loop.publish(TOPIC, self.writer)
         self._mark = (loop.settled_step or loop.step, time.perf_counter())
-        if self.hparams:
+        if self.hparams and not self._hparams_written:
+            self._hparams_written = True
             rows = "\n".join(f"| {k} | {v} |" for k, v in self.hparams.items())
             self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
 
@@ -274,9 +287,11 @@ class TensorBoard(Callback):
             metrics = {k: v for k, v in self._last_eval.items() if math.isfinite(v)}
             hparams = {k: v if isinstance(v, (bool, str, int, float)) else str(v)
                        for k, v in self.hparams.items()}
-            step = loop.step
+            # add_hparams opens its own writer, unsuffixed, in logdir/<name>:
+            # a name per fit keeps one fit's record from overwriting another's.
+            step, name = loop.step, f"hparams/{time.time_ns()}"
             self.writer.call(
-                lambda writer: writer.add_hparams(hparams, metrics, name="hparams", global_step=step)
+                lambda writer: writer.add_hparams(hparams, metrics, name=name, global_step=step)
             )
         # Also after an error or KeyboardInterrupt: fit_end always runs.
         self.writer.flush()

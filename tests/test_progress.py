@@ -269,3 +269,10 @@ def test_data_without_a_length_gives_an_indeterminate_bar():
 def test_refresh_per_second_must_be_positive():
     with pytest.raises(ValueError, match="refresh_per_second"):
         Progress(refresh_per_second=0)
+
+
+def test_the_last_frame_shows_the_final_count_even_without_a_refresh():
+    console, clock = terminal(), FakeClock()  # the clock never moves: no timed refresh
+    sgd_trainer(callbacks=[Progress(console=console, clock=clock)]).fit(make_batches(3), epochs=1)
+    frames = text_of(console).rstrip().splitlines()
+    assert re.search(r"\b3/3\b", frames[-2])  # the bar's last frame, above the summary line

@@ -77,8 +77,9 @@ def test_hyperparameters_are_written_as_text_and_hparams(tmp_path):
     trainer.fit(make_batches(2), epochs=1)
     text = read(tmp_path).Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| learning_rate | 0.1 |" in text and "| model | mlp |" in text
-    assert (tmp_path / "hparams").is_dir()  # the HParams plugin's run, with the final eval metrics
-    assert "eval/accuracy" in read(tmp_path / "hparams").Tags()["scalars"]
+    runs = list((tmp_path / "hparams").iterdir())  # the HParams plugin's run, with the final eval metrics
+    assert len(runs) == 1
+    assert "eval/accuracy" in read(runs[0]).Tags()["scalars"]
 
 
 def test_an_unwritable_logdir_is_a_clear_error_before_training(tmp_path):
@@ -207,3 +208,27 @@ def test_the_real_tensorboard_server_serves_the_scalars(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_constant_injected_learning_rate_survives_donation(tmp_path):
+    injected = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    flaxhooks.Trainer(MLP(), injected, cross_entropy,
+                      callbacks=[TensorBoard(tmp_path, every=Every(steps=1))]).fit(make_batches(4), epochs=2)
+    assert scalars(tmp_path, "train/learning_rate") == [(s, pytest.approx(0.1)) for s in range(1, 9)]
+
+
+def test_several_fits_read_back_in_order(tmp_path):
+    tensorboard = TensorBoard(tmp_path, every=Every(steps=1))
+    trainer = sgd_trainer(callbacks=[tensorboard])
+    for epochs in (1, 2, 3):  # each fit closes its file; quick fits share a second
+        trainer.fit(make_batches(2), epochs=epochs)
+    assert [step for step, _ in scalars(tmp_path, "train/loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_non_finite_scalars_are_written(tmp_path):
+    class Diverge(Callback):
+        def on_step_end(self, loop):
+            loop.published["tensorboard"].scalars({"nan": float("nan"), "inf": float("inf")}, loop.step, "x/")
+
+    sgd_trainer(callbacks=[TensorBoard(tmp_path), Diverge()]).fit(make_batches(1), steps=1)
+    assert np.isnan(scalars(tmp_path, "x/nan")[0][1]) and np.isinf(scalars(tmp_path, "x/inf")[0][1])
