@@ -189,8 +189,9 @@ class Trainer:
         key = jax.eval_shape(jax.random.PRNGKey, self.seed)  # abstract: compiles nothing
         with self._explained():
             variables = jax.eval_shape(self.call.init, key, per_device)
-            carried = self._carried(variables, per_device)
-            create = functools.partial(self._create_state, carried)
+        carried = self._carried(variables, per_device)
+        create = functools.partial(self._create_state, carried)
+        with self._explained():
             abstract_state = jax.eval_shape(create, key, per_device)
         self._check_step(abstract_state)
         dropped = sorted(set(variables) - {"params", *carried})
@@ -201,7 +202,8 @@ class Trainer:
 
     def _carried(self, variables: Mapping[str, Any], per_device: Mapping[str, Any]) -> tuple[str, ...]:
         if self.state_collections is None:
-            return carried_collections(self.call, variables, _with_leading(per_device, 1))
+            with self._explained():
+                return carried_collections(self.call, variables, _with_leading(per_device, 1))
         missing = sorted(set(self.state_collections) - set(variables))
         if missing:
             raise ValueError(f"state_collections {missing} are not among the model's {sorted(variables)}")
