@@ -16,14 +16,19 @@ if TYPE_CHECKING:
 _NO_PAYLOAD: Mapping[str, Any] = types.MappingProxyType({})
 
 
+def device0_copy(tree: Any) -> Any:
+    """Device 0's shard (leading axis of 1) of each replicated leaf, left on
+    the device: no transfer, no wait."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+
+
 def first_replica(tree: Any) -> Any:
     """Pulls device 0's copy of a replicated (pmapped) pytree to the host.
 
     Only that copy is transferred. This waits for the values: call it only
     when they are needed.
     """
-    shards = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
-    return jax.tree.map(lambda x: x[0], jax.device_get(shards))
+    return jax.tree.map(lambda x: x[0], jax.device_get(device0_copy(tree)))
 
 
 def unreplicate(tree: Any) -> Any:

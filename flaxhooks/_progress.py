@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import (
@@ -23,6 +22,7 @@ from rich.text import Text
 
 from flaxhooks._callback import Callback
 from flaxhooks._console import format_metrics
+from flaxhooks._loop import first_replica
 from flaxhooks._schedule import Every
 
 if TYPE_CHECKING:
@@ -271,12 +271,8 @@ def _first_replica_floats(metrics: Mapping[str, Any] | None) -> dict[str, float]
     Only for values that are known to be finished: the copy does not wait.
     Metrics that are not scalars are left out.
     """
-    shards = {
-        name: value.addressable_shards[0].data if hasattr(value, "addressable_shards") else value
-        for name, value in (metrics or {}).items()
-    }
     values = {}
-    for name, host in jax.device_get(shards).items():
+    for name, host in first_replica(dict(metrics or {})).items():
         host = np.asarray(host)
         if host.size == 1:
             values[name] = float(host.reshape(-1)[0])

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxhooks._callback import Callback
+from flaxhooks._loop import device0_copy
 from flaxhooks._schedule import Every
 
 if TYPE_CHECKING:
@@ -44,11 +45,6 @@ def check_writable(logdir: str | os.PathLike[str]) -> None:
         os.remove(probe)
     except OSError as error:
         raise LogdirError(f"cannot write TensorBoard logs to {os.fspath(logdir)!r}: {error}") from error
-
-
-def _first_replica_scalars(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Device 0's copy (shape [1]) of each replicated scalar, left on the device: no transfer."""
-    return {k: v.addressable_shards[0].data for k, v in values.items()}
 
 
 def _detach(value: Any) -> Any:
@@ -259,7 +255,7 @@ class TensorBoard(Callback):
         step, then = self._mark
         now = time.perf_counter()
         self._mark = (settled, now)
-        values: dict[str, Any] = _first_replica_scalars(loop.metrics)
+        values: dict[str, Any] = device0_copy(dict(loop.metrics))
         if settled > step:
             values["steps_per_s"] = (settled - step) / max(now - then, 1e-9)
         learning_rate = self._learning_rate(loop)
@@ -271,7 +267,7 @@ class TensorBoard(Callback):
         if self.learning_rate is not None:
             return self.learning_rate(loop.step)
         found = find_learning_rate(loop.state.opt_state)
-        return None if found is None else found.addressable_shards[0].data
+        return None if found is None else device0_copy(found)
 
     def on_eval_end(self, loop: Loop) -> None:
         if self.writer is None:
