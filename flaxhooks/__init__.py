@@ -6,6 +6,13 @@ Example:
     ('fit_start', 'epoch_start', 'step_start')
 """
 
+from flaxhooks._activations import (
+    ActivationGradStats,
+    ActivationStats,
+    InstrumentedCallback,
+    NonFiniteError,
+    TapStats,
+)
 from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, CallbackError, StopTraining
 from flaxhooks._console import ConsoleLog
@@ -13,18 +20,23 @@ from flaxhooks._devices import use_cpu_devices
 from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
 from flaxhooks._events import ALWAYS_RUN, EVENTS
 from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch, EmptyDataError
-from flaxhooks._loop import Loop, first_replica
+from flaxhooks._loop import Loop, device0_copy, first_replica
 from flaxhooks._progress import Progress
 from flaxhooks._schedule import Every
 from flaxhooks._state import TrainState
-from flaxhooks._step import AXIS, LossError, ModelCall, make_train_step
+from flaxhooks._stats import ACTIVATION_STATS, GRADIENT_STATS, tap_stats
+from flaxhooks._step import AXIS, LossError, ModelCall, make_instrumented_step, make_train_step
 from flaxhooks._summary import Summary
+from flaxhooks._taps import Tap, Tapped, Taps, select_modules
 from flaxhooks._tensorboard import LogdirError, SummaryWriterThread, TensorBoard
 from flaxhooks._trainer import Trainer
 
 __all__ = [
+    "ACTIVATION_STATS",
     "ALWAYS_RUN",
     "AXIS",
+    "ActivationGradStats",
+    "ActivationStats",
     "ArrayLoader",
     "BatchError",
     "BatchSpec",
@@ -38,21 +50,32 @@ __all__ = [
     "Evaluate",
     "EmptyDataError",
     "Every",
+    "GRADIENT_STATS",
     "HookBus",
+    "InstrumentedCallback",
     "LogdirError",
     "LossAccuracy",
     "LossError",
     "Loop",
     "ModelCall",
+    "NonFiniteError",
     "Progress",
     "StopTraining",
     "Summary",
     "SummaryWriterThread",
+    "Tap",
+    "TapStats",
+    "Tapped",
+    "Taps",
     "TensorBoard",
     "TrainState",
     "Trainer",
+    "device0_copy",
     "first_replica",
+    "make_instrumented_step",
     "make_train_step",
+    "select_modules",
+    "tap_stats",
     "use_cpu_devices",
 ]
 

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, TextIO
 
 from flaxhooks._callback import Callback
-from flaxhooks._schedule import Every
+from flaxhooks._schedule import Every, as_every
 
 if TYPE_CHECKING:
     from flaxhooks._loop import Loop
@@ -38,8 +38,8 @@ class ConsoleLog(Callback):
     order = 100
     process_zero_only = True
 
-    def __init__(self, every: Every | None = None, stream: TextIO | None = None):
-        self.every = every or Every(steps=100)
+    def __init__(self, every: Every | int | None = None, stream: TextIO | None = None):
+        self.every = Every(steps=100) if every is None else as_every(every)
         self.stream = stream
         self._mark = (0, 0.0)
 

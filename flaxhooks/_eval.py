@@ -18,7 +18,7 @@ from jax import lax
 from flaxhooks._callback import Callback
 from flaxhooks._input import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout
 from flaxhooks._loop import first_replica
-from flaxhooks._schedule import Every
+from flaxhooks._schedule import Every, as_every
 from flaxhooks._step import AXIS, Batch, LossFn, ModelCall, split_loss
 
 if TYPE_CHECKING:
@@ -322,14 +322,14 @@ class Evaluate(Callback):
         self,
         data: Any,
         *,
-        every: Every | None = None,
+        every: Every | int | None = None,
         at_epoch_end: bool = True,
         batch_size: int | None = None,
         metrics: Metrics | None = None,
         name: str = "eval",
     ):
         self.data = data
-        self.every = every
+        self.every = None if every is None else as_every(every)
         self.at_epoch_end = at_epoch_end
         self.batch_size = batch_size
         self.metrics = metrics

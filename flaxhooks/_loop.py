@@ -67,6 +67,9 @@ class Loop:
         settled_step: the newest step known to have finished on the devices
             (the loop waits for it anyway to bound the steps in flight).
         settled_metrics: that step's metrics; reading them does not wait.
+        probes: on a step that ran instrumented, each due
+            ``InstrumentedCallback``'s in-step result (device arrays,
+            replicated); empty on other steps.
         event: the event being emitted.
         payload: what the emitter attached to this event (e.g. eval results).
         published: results callbacks published for each other, by topic.
@@ -87,6 +90,7 @@ class Loop:
     metrics: Any = None
     settled_step: int | None = None
     settled_metrics: Any = None
+    probes: Mapping[Any, Any] = dataclasses.field(default_factory=lambda: _NO_PAYLOAD)
     event: str = ""
     payload: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _NO_PAYLOAD)
     published: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -23,7 +23,7 @@ from rich.text import Text
 from flaxhooks._callback import Callback
 from flaxhooks._console import format_metrics
 from flaxhooks._loop import first_replica
-from flaxhooks._schedule import Every
+from flaxhooks._schedule import Every, as_every
 
 if TYPE_CHECKING:
     from flaxhooks._loop import Loop
@@ -85,7 +85,7 @@ class Progress(Callback):
         self,
         refresh_per_second: float = 4,
         *,
-        every: Every | None = None,
+        every: Every | int | None = None,
         quiet: bool = False,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -93,7 +93,7 @@ class Progress(Callback):
         if refresh_per_second <= 0:
             raise ValueError(f"refresh_per_second must be positive, got {refresh_per_second}")
         self.refresh_per_second = refresh_per_second
-        self.every = every or Every(seconds=10, clock=clock)
+        self.every = Every(seconds=10, clock=clock) if every is None else as_every(every)
         self.quiet = quiet
         self.console = console or Console()
         self._clock = clock

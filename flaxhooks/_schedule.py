@@ -57,3 +57,10 @@ class Every:
             if due:
                 self._last = now
         return due
+
+
+def as_every(every: Every | int) -> Every:
+    """An :class:`Every` from an ``Every`` or a number of steps."""
+    if isinstance(every, bool) or not isinstance(every, (Every, int)):
+        raise TypeError(f"expected Every(...) or a number of steps, got {every!r}")
+    return Every(steps=every) if isinstance(every, int) else every

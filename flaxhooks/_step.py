@@ -14,6 +14,14 @@ import optax
 from jax import lax
 
 from flaxhooks._state import TrainState
+from flaxhooks._taps import (
+    PERTURBATIONS,
+    CallRecorder,
+    Tapped,
+    Taps,
+    collect_taps,
+    warn_dropped,
+)
 
 #: The pmap axis name. Models that reduce over devices themselves
 #: (``nn.BatchNorm(axis_name=...)``) name this axis.
@@ -80,12 +88,14 @@ class ModelCall:
         train: bool,
         rngs: Mapping[str, jax.Array],
         mutable: Sequence[str],
+        capture_intermediates: bool | Callable[[nn.Module, str], bool] = False,
     ) -> tuple[Any, dict[str, Any]]:
         """Runs the model; returns its outputs and the mutated collections."""
         kwargs: dict[str, Any] = {self.train_arg: train} if self.train_arg else {}
         args = [batch[key] for key in self.input_keys]
         outputs, mutated = self.module.apply(
-            variables, *args, rngs=dict(rngs), mutable=list(mutable), **kwargs
+            variables, *args, rngs=dict(rngs), mutable=list(mutable),
+            capture_intermediates=capture_intermediates, **kwargs,
         )
         return outputs, dict(mutated)
 
@@ -130,6 +140,28 @@ def metrics_over_devices(metrics: Mapping[str, jax.Array]) -> dict[str, jax.Arra
     return {name: lax.pmean(as_float(value), AXIS) for name, value in metrics.items()}
 
 
+def _check_scalar(loss: jax.Array) -> None:
+    if jnp.shape(loss) != ():
+        raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+
+
+def _updated(
+    state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
+    metrics: Mapping[str, jax.Array],
+) -> tuple[TrainState, dict[str, jax.Array], Any]:
+    """Applies this device's gradients, averaged over devices; returns the new
+    state, the metrics averaged over devices and the averaged gradients."""
+    grads = lax.pmean(grads, AXIS)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        model_state=mean_over_devices(dict(model_state)),
+        opt_state=opt_state,
+    )
+    return new_state, metrics_over_devices({"loss": loss, **metrics}), grads
+
+
 def make_train_step(
     call: ModelCall, loss_fn: LossFn
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -149,24 +181,104 @@ def make_train_step(
                 train=True, rngs=rngs, mutable=carried,
             )
             loss, metrics = split_loss(loss_fn(outputs, batch))
-            if jnp.shape(loss) != ():
-                raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+            _check_scalar(loss)
             return loss, (metrics, model_state)
 
         (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
             state.params
         )
-        grads = lax.pmean(grads, AXIS)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            model_state=mean_over_devices(model_state),
-            opt_state=opt_state,
-        )
-        return new_state, metrics_over_devices({"loss": loss, **metrics})
+        new_state, metrics, _ = _updated(state, grads, model_state, loss, metrics)
+        return new_state, metrics
 
     return train_step
+
+
+#: An in-step function a callback declares: this device's view of the step
+#: to a pytree of arrays, pure and traced once.
+InsideStep = Callable[[Tapped], Any]
+
+
+def make_instrumented_step(
+    call: ModelCall,
+    loss_fn: LossFn,
+    taps: Taps,
+    inside: Mapping[str, InsideStep],
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], dict[str, Any]]]:
+    """Returns the train step that also exposes intermediate values.
+
+    It updates the state exactly as :func:`make_train_step` does (the
+    perturbations are zeros), and in the same backward pass takes the
+    gradients of the loss with respect to the perturbed values. Perturbations
+    are built inside the step from the shapes of this batch, so any batch
+    size works. Each function of ``inside`` gets a :class:`Tapped` view and
+    its result is returned under its key.
+    """
+    sown = taps.activation_collections
+
+    def instrumented_step(
+        state: TrainState, batch: Batch
+    ) -> tuple[TrainState, dict[str, jax.Array], dict[str, Any]]:
+        rngs = step_rngs(state.rng, state.step, call.rng_names)
+        carried = tuple(state.model_state)
+        collections = [c for c in sown if c not in carried]
+        capture = taps.capture or False
+
+        def run(params, perturbations, mutable):
+            recorder = CallRecorder(taps.perturb, taps.capture)
+            variables = {"params": params, **state.model_state}
+            if perturbations:
+                variables[PERTURBATIONS] = perturbations
+            with nn.intercept_methods(recorder):
+                outputs, mutated = call.apply(
+                    variables, batch, train=True, rngs=rngs, mutable=mutable,
+                    capture_intermediates=capture,
+                )
+            return outputs, mutated, recorder
+
+        perturbations: dict[str, Any] = {}
+        if taps.wants_gradients:  # zeros shaped like this batch's values
+            shapes = jax.eval_shape(
+                lambda params: run(params, None, [*carried, PERTURBATIONS])[1].get(PERTURBATIONS, {}),
+                state.params,
+            )
+            perturbations = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), dict(shapes))
+
+        found: dict[str, Any] = {}
+
+        def objective(params, perturbations):
+            outputs, mutated, recorder = run(params, perturbations, [*carried, *collections])
+            loss, metrics = split_loss(loss_fn(outputs, batch))
+            _check_scalar(loss)
+            # Taps are ordered here: dicts come back from grad sorted by key.
+            activations = collect_taps({c: mutated[c] for c in collections if c in mutated}, recorder)
+            found.update(recorder=recorder, activations=activations)
+            values = tuple(t.value for t in activations)
+            model_state = {c: mutated[c] for c in carried}
+            return loss, (metrics, model_state, values, outputs)
+
+        (loss, (metrics, model_state, values, outputs)), (grads, perturbation_grads) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True
+        )(state.params, perturbations)
+        recorder = found["recorder"]
+        devices = lax.psum(1, AXIS)
+        activations = tuple(
+            dataclasses.replace(t, value=v) for t, v in zip(found["activations"], values, strict=True)
+        )
+        # Gradients of the mean loss over all devices, as for the parameters.
+        gradients = tuple(
+            dataclasses.replace(t, value=t.value / devices)
+            for t in collect_taps({PERTURBATIONS: perturbation_grads}, recorder)
+        )
+        requested = [*taps.collections, *([PERTURBATIONS] if taps.model_perturbations else [])]
+        warn_dropped(recorder, activations + gradients, requested)
+        new_state, metrics, grads = _updated(state, grads, model_state, loss, metrics)
+        tapped = Tapped(
+            activations=activations, gradients=gradients, loss=loss, metrics=metrics,
+            params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
+        )
+        return new_state, metrics, {key: fn(tapped) for key, fn in inside.items()}
+
+    return instrumented_step
 
 
 def carried_collections(

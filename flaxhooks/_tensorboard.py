@@ -18,7 +18,7 @@ import numpy as np
 
 from flaxhooks._callback import Callback
 from flaxhooks._loop import device0_copy
-from flaxhooks._schedule import Every
+from flaxhooks._schedule import Every, as_every
 
 if TYPE_CHECKING:
     from flaxhooks._loop import Loop
@@ -64,6 +64,15 @@ def find_learning_rate(opt_state: Any) -> Any | None:
 
     jax.tree.map(visit, opt_state, is_leaf=lambda node: hasattr(node, "hyperparams"))
     return found[0] if found else None
+
+
+def write_scalars(writer: Any, values: Mapping[str, float], step: int) -> None:
+    """Writes many scalars as one event: one protobuf and one queued record
+    instead of one per tag, which matters at hundreds of tags per step."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
+    writer._get_file_writer().add_summary(summary, step)
 
 
 _CLOSE_FILE: Any = object()  # queue marker: close the current event file
@@ -135,10 +144,11 @@ class SummaryWriterThread:
         values = {name: _detach(value) for name, value in values.items()}
 
         def job(writer: Any) -> None:
-            for name, value in values.items():
-                # NaN and inf are written too: TensorBoard shows a diverging run.
-                number = float(np.asarray(jax.device_get(value)).reshape(-1)[0])
-                writer.add_scalar(prefix + name, number, step)
+            host = jax.device_get(values)
+            # NaN and inf are written too: TensorBoard shows a diverging run.
+            write_scalars(writer, {
+                prefix + name: np.asarray(value).reshape(-1)[0] for name, value in host.items()
+            }, step)
 
         self._submit(job)
 
@@ -216,13 +226,13 @@ class TensorBoard(Callback):
     def __init__(
         self,
         logdir: str | os.PathLike[str],
-        every: Every | None = None,
+        every: Every | int | None = None,
         hparams: Mapping[str, Any] | None = None,
         learning_rate: Callable[[int], Any] | None = None,
     ):
         self.logdir = os.fspath(logdir)
         check_writable(self.logdir)
-        self.every = every or Every(steps=50)
+        self.every = Every(steps=50) if every is None else as_every(every)
         self.hparams = dict(hparams or {})
         self.learning_rate = learning_rate
         self.writer: SummaryWriterThread | None = None

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import jax_utils
 
+from flaxhooks._activations import InstrumentedCallback
 from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, StopTraining
 from flaxhooks._eval import (
@@ -44,8 +45,10 @@ from flaxhooks._step import (
     LossFn,
     ModelCall,
     carried_collections,
+    make_instrumented_step,
     make_train_step,
 )
+from flaxhooks._taps import Taps
 
 _log = logging.getLogger("flaxhooks")
 
@@ -145,6 +148,7 @@ class Trainer:
         self._checked: set[Any] = set()
         self._evaluators: dict[type, Evaluator] = {}
         self._active_loop: Loop | None = None
+        self._instrumented: tuple[tuple[InstrumentedCallback, ...], Callable[..., Any]] | None = None
         self._train_step = jax.pmap(
             self._counted("train_step", make_train_step(self.call, loss_fn)),
             axis_name=AXIS,
@@ -243,7 +247,7 @@ class Trainer:
         spec = self.batch_spec
         assert spec is not None
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves), spec.describe(), spec.num_devices)
-        if key in self._checked:
+        if (*key, self._instrumenting()) in self._checked:
             return
         step = make_train_step(self.call, self.loss_fn)
         with self._explained():
@@ -257,7 +261,13 @@ class Trainer:
                     f"loss_fn must return a scalar loss and scalar metrics; {name!r} has "
                     f"shape {value.shape[1:]}"
                 )
-        self._checked.add(key)
+        instrumenting = self._instrumenting()
+        if instrumenting:  # the callbacks' own errors, raised as they are
+            jax.eval_shape(
+                jax.vmap(self._instrumented_fn(instrumenting), axis_name=AXIS),
+                _with_leading(per_device, len(self.devices)), self._abstract_device_batch(),
+            )
+        self._checked.add((*key, instrumenting))
 
     @contextlib.contextmanager
     def _explained(self) -> Iterator[None]:
@@ -292,6 +302,37 @@ class Trainer:
             return fn(*args)
 
         return traced
+
+    # -- the instrumented step ----------------------------------------------
+
+    def _instrumenting(self) -> tuple[InstrumentedCallback, ...]:
+        return tuple(cb for cb in self.bus.callbacks if isinstance(cb, InstrumentedCallback))
+
+    def _instrumented_fn(self, callbacks: Sequence[InstrumentedCallback]) -> Callable[..., Any]:
+        """The pure instrumented step serving ``callbacks`` (per device)."""
+        taps = functools.reduce(Taps.merge, (cb.taps for cb in callbacks), Taps())
+        # Each callback sees only the values it asked for.
+        inside = {
+            str(i): lambda tapped, cb=cb: cb.inside_step(tapped.only(cb.taps))
+            for i, cb in enumerate(callbacks)
+        }
+        return make_instrumented_step(self.call, self.loss_fn, taps, inside)
+
+    def _instrumented_step(self, callbacks: tuple[InstrumentedCallback, ...]) -> Callable[..., Any]:
+        """The compiled instrumented step, built once per set of callbacks."""
+        if self._instrumented is None or self._instrumented[0] != callbacks:
+            for callback in callbacks:
+                if jax.process_count() > 1 and callback.every.seconds is not None:
+                    raise ValueError(
+                        f"{callback!r} is due by time, which differs between processes; every "
+                        "process must run the instrumented step at the same steps: use Every(steps=N)"
+                    )
+            step = jax.pmap(
+                self._counted("instrumented_step", self._instrumented_fn(callbacks)),
+                axis_name=AXIS, devices=self.devices, donate_argnums=(0,),
+            )
+            self._instrumented = (callbacks, step)
+        return self._instrumented[1]
 
     # -- evaluation ----------------------------------------------------------
 
@@ -470,6 +511,10 @@ class Trainer:
         loop.batches = batches
         self._open(loop, scopes, "epoch")
         emit, step_fn, max_steps = self.bus.emit, self._train_step, loop.max_steps
+        instrumenting = self._instrumenting()
+        instrumented_fn = self._instrumented_step(instrumenting) if instrumenting else None
+        result_keys = {cb: str(i) for i, cb in enumerate(instrumenting)}
+        no_probes: Mapping[Any, Any] = {}
         in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         steps_before = loop.step
         completed = True
@@ -479,7 +524,15 @@ class Trainer:
             if loop.should_stop:
                 completed = False
                 break
-            loop.state, loop.metrics = step_fn(loop.state, batch)
+            # Decided on the host, per step: the lean step unless a callback is due.
+            due = [cb for cb in instrumenting if cb.due(loop.step + 1)] if instrumenting else ()
+            if due:
+                assert instrumented_fn is not None
+                loop.state, loop.metrics, results = instrumented_fn(loop.state, batch)
+                loop.probes = {cb: results[result_keys[cb]] for cb in due}
+            else:
+                loop.state, loop.metrics = step_fn(loop.state, batch)
+                loop.probes = no_probes
             loop.step += 1
             loop.epoch_step += 1
             # Wait for an older step (without reading it) so dispatch cannot
@@ -493,6 +546,7 @@ class Trainer:
                 completed = False
                 break
         loop.batch = None
+        loop.probes = no_probes
         if loop.step == steps_before and not loop.should_stop:
             if not one_shot:
                 raise EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch")

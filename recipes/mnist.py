@@ -34,6 +34,8 @@ class Config:
     download: bool = True
     cpu_devices: int | None = None
     log_every: int = 50
+    stats_every: int = 100
+    histograms: bool = True
 
 
 _HELP = {
@@ -48,6 +50,9 @@ _HELP = {
     "download": "try to download full MNIST when it is not found locally",
     "cpu_devices": "XLA CPU devices to expose (default: one per core, unless XLA_FLAGS sets it)",
     "log_every": "log to TensorBoard (and print, off a terminal) every this many steps",
+    "stats_every": "log per-layer activation and activation-gradient statistics every this many steps "
+                   "(0: never)",
+    "histograms": "with the statistics, also log per-layer histograms",
 }
 
 
@@ -67,7 +72,11 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     Returns:
         The final held-out ``accuracy`` and ``loss``, the number of ``examples``
         evaluated and the number of train ``steps``. TensorBoard logs go to
-        ``workdir/tensorboard``.
+        ``workdir/tensorboard``: training and test scalars, the model
+        summary, and every ``stats_every`` steps per-layer statistics of
+        activations (``activations/...``: each module's output and the
+        post-ReLU values the CNN sows) and of their gradients
+        (``activation_grads/...``).
     """
     import optax
 
@@ -86,18 +95,24 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
     evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="test")
+    callbacks: list[flaxhooks.Callback] = [
+        evaluation,
+        flaxhooks.Summary(depth=1),
+        flaxhooks.Progress(every=config.log_every),
+        flaxhooks.TensorBoard(logdir, every=config.log_every,
+                              hparams={**dataclasses.asdict(config), "data": data.source}),
+    ]
+    if config.stats_every:
+        callbacks += [
+            flaxhooks.ActivationStats(every=config.stats_every, histograms=config.histograms),
+            flaxhooks.ActivationGradStats(every=config.stats_every, histograms=config.histograms),
+        ]
     trainer = flaxhooks.Trainer(
         CNN(),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
-        callbacks=[
-            evaluation,
-            flaxhooks.Summary(depth=1),
-            flaxhooks.Progress(every=flaxhooks.Every(steps=config.log_every)),
-            flaxhooks.TensorBoard(logdir, every=flaxhooks.Every(steps=config.log_every),
-                                  hparams={**dataclasses.asdict(config), "data": data.source}),
-        ],
+        callbacks=callbacks,
     )
     print(
         f"training on {len(data.train_labels)} {data.source} MNIST digits, "

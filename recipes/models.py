@@ -11,20 +11,30 @@ import optax
 
 
 class CNN(nn.Module):
-    """The CNN of Flax's MNIST example."""
+    """The CNN of Flax's MNIST example.
+
+    It also sows its post-ReLU activations into ``intermediates`` (a no-op
+    unless that collection is mutable), so ``ActivationStats`` shows the
+    fraction of dead units per layer.
+    """
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nn.Conv(features=32, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
+        x = self._relu(x, "Conv_0_relu")
         x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
         x = nn.Conv(features=64, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
+        x = self._relu(x, "Conv_1_relu")
         x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
         x = x.reshape((x.shape[0], -1))
         x = nn.Dense(features=256)(x)
-        x = nn.relu(x)
+        x = self._relu(x, "Dense_0_relu")
         return nn.Dense(features=10)(x)
+
+    def _relu(self, x: jax.Array, name: str) -> jax.Array:
+        x = nn.relu(x)
+        self.sow("intermediates", name, x)
+        return x
 
 
 def cross_entropy_loss(

@@ -39,7 +39,7 @@ def test_parse_config_reads_every_option():
 
 
 def test_one_epoch_smoke(tmp_path):
-    config = mnist.Config(epochs=1, download=False, log_every=10)
+    config = mnist.Config(epochs=1, download=False, log_every=10, stats_every=10)
     result = mnist.train_and_evaluate(config, tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -47,6 +47,11 @@ def test_one_epoch_smoke(tmp_path):
     events.Reload()
     assert {"train/loss", "test/accuracy"} <= set(events.Tags()["scalars"])
     assert "model_summary/text_summary" in events.Tags()["tensors"]
+    # Per-layer curves of both kinds, every 10 steps.
+    for tag in ("activations/Conv_0/__call__/std", "activations/Conv_1_relu/zero_fraction",
+                "activation_grads/Dense_1/__call__/l2", "activation_grads/Conv_0/__call__/mean"):
+        assert [e.step for e in events.Scalars(tag)] == [10, 20, 30], tag
+    assert "activations/Dense_0_relu/histogram" in events.Tags()["histograms"]
     assert result["examples"] == 1000  # every held-out digit of the bundled sample
     assert result["steps"] == 4000 // 128
     assert result["accuracy"] > 0.6  # one epoch; the 96% target is checked below

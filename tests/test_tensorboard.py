@@ -115,9 +115,9 @@ def test_a_failing_writer_stops_training_with_a_clear_error(tmp_path, monkeypatc
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    from tensorboardX import SummaryWriter
+    from tensorboardX.writer import FileWriter
 
-    monkeypatch.setattr(SummaryWriter, "add_scalar", disk_full)
+    monkeypatch.setattr(FileWriter, "add_summary", disk_full)
     with pytest.raises(flaxhooks.CallbackError, match="No space left on device"):
         trainer.fit(make_batches(5), steps=6)
 
