@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -49,7 +48,7 @@ import jax
 import optax
 
 import flaxhooks
-from benchmarks.bench_trainer import make_batches, run_trainer
+from benchmarks.bench_trainer import make_batches, run_trainer, start_devices
 from recipes.models import CNN, cross_entropy_loss
 
 TARGETS = {"every_100": 0.98, "every_step": 0.85}
@@ -84,10 +83,7 @@ def make_trainer(every: int | None, histograms: bool) -> flaxhooks.Trainer:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    flaxhooks.use_cpu_devices(args.cpu_devices)
-    devices = jax.local_device_count()
-    if args.batch_size % devices:
-        sys.exit(f"--batch-size {args.batch_size} does not divide over {devices} devices")
+    devices = start_devices(args.cpu_devices, args.batch_size)
     batches = make_batches(args.steps, args.batch_size)
     trainers = {
         "lean": make_trainer(None, args.histograms),

@@ -186,6 +186,16 @@ def run_trainer(
     return final
 
 
+def start_devices(cpu_devices: int | None, batch_size: int) -> int:
+    """Splits the CPU into XLA devices (before any JAX computation); returns
+    their number, exiting if ``batch_size`` does not divide over them."""
+    flaxhooks.use_cpu_devices(cpu_devices)
+    devices = jax.local_device_count()
+    if batch_size % devices:
+        sys.exit(f"--batch-size {batch_size} does not divide over {devices} devices")
+    return devices
+
+
 def timed(fn: Callable[[], Any], steps: int) -> float:
     """Steps per second of ``fn``, which runs ``steps`` steps and blocks."""
     start = time.perf_counter()
@@ -215,12 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    # Before any JAX computation: it fixes the CPU device count.
-    flaxhooks.use_cpu_devices(args.cpu_devices)
-
-    devices = jax.local_device_count()
-    if args.batch_size % devices:
-        sys.exit(f"--batch-size {args.batch_size} does not divide over {devices} devices")
+    devices = start_devices(args.cpu_devices, args.batch_size)
     batches = make_batches(args.steps, args.batch_size)
     model = CNN()
     tx = optax.sgd(0.1, momentum=0.9)

@@ -172,10 +172,6 @@ class Tap:
     variable: str = ""
     origin: tuple[nn.Module, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    @property
-    def site(self) -> tuple[tuple[str, ...], str]:
-        return self.module, self.variable
-
 
 @dataclasses.dataclass(frozen=True)
 class Tapped:
@@ -197,14 +193,6 @@ class Tapped:
         devices: how many devices share the batch.
     """
 
-    def only(self, taps: Taps) -> Tapped:
-        """This view with only the activations and gradients ``taps`` asks for."""
-        return dataclasses.replace(
-            self,
-            activations=tuple(t for t in self.activations if taps.selects(t)),
-            gradients=tuple(t for t in self.gradients if taps.selects(t)),
-        )
-
     activations: tuple[Tap, ...]
     gradients: tuple[Tap, ...]
     loss: jax.Array
@@ -214,6 +202,14 @@ class Tapped:
     outputs: Any
     batch: Mapping[str, jax.Array]
     devices: int
+
+    def only(self, taps: Taps) -> Tapped:
+        """This view with only the activations and gradients ``taps`` asks for."""
+        return dataclasses.replace(
+            self,
+            activations=tuple(t for t in self.activations if taps.selects(t)),
+            gradients=tuple(t for t in self.gradients if taps.selects(t)),
+        )
 
 
 def module_path(module: nn.Module) -> tuple[str, ...]:
@@ -256,7 +252,7 @@ class CallRecorder:
     def __init__(self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None):
         self.perturb = perturb
         self.capture = capture
-        self.completed: list[tuple[str, ...]] = []
+        self._completed: dict[tuple[str, ...], int] = {}  # path -> rank of its first completed call
         self.scans: dict[tuple[str, ...], Mapping[Any, Any]] = {}
         #: (module path, variable) -> (module, method) of each perturbed output.
         self.perturbed: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
@@ -279,18 +275,20 @@ class CallRecorder:
         if path and not isinstance(module.parent, nn.Module) and path[-1] in self._lifted:
             self.scans[path] = self._lifted[path[-1]]
         output = next_fun(*args, **kwargs)
+        captured = self.capture is not None and self.capture(module, method)
+        perturbed = self.perturb is not None and self.perturb(module, method)
         for scan in self.scans:
             if len(path) > len(scan) and path[: len(scan)] == scan:
                 wanted = self.inside_scans.setdefault(scan, set())
-                if self.capture is not None and self.capture(module, method):
+                if captured:
                     wanted.add(INTERMEDIATES)
-                if self.perturb is not None and self.perturb(module, method):
+                if perturbed:
                     wanted.add(PERTURBATIONS)
-        if self.capture is not None and self.capture(module, method):
+        if captured:
             self.captured[(path, method)] = (module, method)
-        if self.perturb is not None and self.perturb(module, method):
+        if perturbed:
             output = self._perturbed(module, path, method, output)
-        self.completed.append(path)
+        self._completed.setdefault(path, len(self._completed))
         return output
 
     def _perturbed(self, module: nn.Module, path: tuple[str, ...], method: str, output: Any) -> Any:
@@ -312,11 +310,8 @@ class CallRecorder:
         return jax.tree.unflatten(treedef, leaves)
 
     def rank(self, path: tuple[str, ...]) -> int:
-        """The position of the first completed call of ``path``'s module."""
-        for i, done in enumerate(self.completed):
-            if done == path:
-                return i
-        return len(self.completed)
+        """The order in which ``path``'s module first completed a call (last if never)."""
+        return self._completed.get(path, len(self._completed))
 
 
 def _values(value: Any, name: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
@@ -362,7 +357,6 @@ def _split_scanned(
 ) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
     """One (display path, value) per layer of every ``nn.scan`` the value passed through."""
     enclosing = [s for s in scans if len(s) <= len(module) and module[: len(s)] == s]
-    parts: list[tuple[int | None, str]] = [(None, m) for m in module]
     axes = []
     for scan in sorted(enclosing, key=len):
         axis = scan_axis(scans[scan], collection)
@@ -371,10 +365,10 @@ def _split_scanned(
 
     def split(value: jax.Array, done: list[str], todo: list[tuple[int, int]], at: int) -> Iterator[Any]:
         if not todo:
-            yield (*done, *[p for _, p in parts[at:]], *name), value
+            yield (*done, *module[at:], *name), value
             return
         (depth, axis), rest = todo[0], todo[1:]
-        prefix = [*done, *[p for _, p in parts[at:depth]]]
+        prefix = [*done, *module[at:depth]]
         if value.ndim <= axis:
             yield from split(value, prefix, rest, depth)
             return
@@ -393,18 +387,18 @@ def collect_taps(
     """
     found: list[tuple[int, int, Tap]] = []
     for collection, tree in collections.items():
-        for module, key, value in _sites(tree):
+        sites = list(_sites(tree))
+        origins = {PERTURBATIONS: recorder.perturbed, INTERMEDIATES: recorder.captured}.get(collection, {})
+        for module, key, value in sites:
             if collection == PERTURBATIONS:
-                siblings = {k for m, k, _ in _sites(tree) if m == module}
+                siblings = {k for m, k, _ in sites if m == module}
                 entries: Iterator[Any] = iter([(_perturbation_name(key, siblings), value)])
             else:
                 entries = _values(value, (key,))
             for name, array in entries:
                 for display, layer_value in _split_scanned(module, name, array, collection, recorder.scans):
-                    origins = recorder.perturbed if collection == PERTURBATIONS else (
-                        recorder.captured if collection == INTERMEDIATES else {})
-                    tap = Tap("/".join(display), module, collection, layer_value, key,
-                              origins.get((module, key)))
+                    origin = origins.get((module, key))
+                    tap = Tap("/".join(display), module, collection, layer_value, key, origin)
                     found.append((recorder.rank(module), len(found), tap))
     taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
     names = [t.name for t in taps]
