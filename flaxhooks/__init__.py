@@ -15,6 +15,7 @@ from flaxhooks._activations import (
 )
 from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, CallbackError, StopTraining
+from flaxhooks._checkpoint import Checkpoint, CheckpointError, CheckpointWarning, Restored
 from flaxhooks._console import ConsoleLog
 from flaxhooks._devices import use_cpu_devices
 from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
@@ -29,7 +30,7 @@ from flaxhooks._step import AXIS, LossError, ModelCall, make_instrumented_step, 
 from flaxhooks._summary import Summary
 from flaxhooks._taps import Tap, Tapped, Taps, select_modules
 from flaxhooks._tensorboard import LogdirError, SummaryWriterThread, TensorBoard
-from flaxhooks._trainer import Trainer
+from flaxhooks._trainer import Trainer, TrainingInterrupted
 
 __all__ = [
     "ACTIVATION_STATS",
@@ -42,6 +43,9 @@ __all__ = [
     "BatchSpec",
     "Callback",
     "CallbackError",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointWarning",
     "ConsoleLog",
     "DevicePrefetch",
     "EVENTS",
@@ -60,6 +64,7 @@ __all__ = [
     "ModelCall",
     "NonFiniteError",
     "Progress",
+    "Restored",
     "StopTraining",
     "Summary",
     "SummaryWriterThread",
@@ -70,6 +75,7 @@ __all__ = [
     "TensorBoard",
     "TrainState",
     "Trainer",
+    "TrainingInterrupted",
     "device0_copy",
     "first_replica",
     "make_instrumented_step",

@@ -48,9 +48,14 @@ class Callback:
     single argument, the :class:`~flaxhooks.Loop`. Handlers run in ascending
     ``order`` (ties keep registration order).
 
+    A callback that holds state a resumed run needs (counters, best values,
+    logging positions) returns it from :meth:`state_dict` and takes it back
+    in :meth:`load_state_dict`; :class:`~flaxhooks.Checkpoint` saves it with
+    the train state.
+
     Attributes:
         order: where this callback runs relative to others; lower runs first.
-            The input pipeline runs at -100, writers at 100.
+            The input pipeline runs at -100, writers at 100, checkpoints at 1000.
         process_zero_only: when True the callback is only registered on JAX
             process 0 (console and file writers on multi-host runs).
 
@@ -61,6 +66,10 @@ class Callback:
         ...         self.steps = 0
         ...     def on_step_end(self, loop):
         ...         self.steps += 1
+        ...     def state_dict(self):  # kept in checkpoints
+        ...         return {"steps": self.steps}
+        ...     def load_state_dict(self, state):
+        ...         self.steps = state["steps"]
     """
 
     order: int = 0
@@ -68,6 +77,17 @@ class Callback:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a resumed run must get back, as JSON-serializable values.
+
+        None (the default) means the callback holds no such state.
+        """
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` returned, before ``fit_start``."""
+        raise NotImplementedError(f"{type(self).__name__} saves state but cannot load it")
 
 
 def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:

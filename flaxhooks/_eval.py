@@ -348,8 +348,17 @@ class Evaluate(Callback):
         if self.every is not None and self.every(loop.step):
             self._evaluate(loop)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The latest result, so a resumed run still has it."""
+        return {"result": None if self.result is None else dataclasses.asdict(self.result)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.result = None if state["result"] is None else EvalResult(**state["result"])
+
     def on_epoch_end(self, loop: Loop) -> None:
-        if self.at_epoch_end and loop.exception is None:
+        # Not when interrupted: a signal asks to stop quickly, and the resumed
+        # run must log what an uninterrupted one does.
+        if self.at_epoch_end and loop.exception is None and loop.interrupted is None:
             self._evaluate(loop)
 
     def _evaluate(self, loop: Loop) -> None:
@@ -401,6 +410,13 @@ class EarlyStopping(Callback):
         if self.mode == "min":
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best value, its step and the evaluations waited since."""
+        return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]
 
     def on_eval_end(self, loop: Loop) -> None:
         if loop.payload.get("name") != self.source:

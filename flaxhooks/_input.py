@@ -282,18 +282,21 @@ class ArrayLoader:
         whole, part = divmod(self._mine(), self.batch_size)
         return whole if self.drop_remainder or not part else whole + 1
 
-    def __call__(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+    def __call__(self, epoch: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of ``epoch``, from batch ``start`` on (a resumed run skips
+        the ones it already took without making them)."""
         order = (
             np.random.default_rng([self.seed, epoch]).permutation(self._count)
             if self.shuffle else np.arange(self._count)
         )
         order = order[jax.process_index()::jax.process_count()][: self._mine()]
+        offsets = range(start * self.batch_size, len(self) * self.batch_size, self.batch_size)
         if not self.shuffle and jax.process_count() == 1:  # in order: views, no copies
-            for start in range(0, len(self) * self.batch_size, self.batch_size):
-                yield {key: a[start:start + self.batch_size] for key, a in self.arrays.items()}
+            for offset in offsets:
+                yield {key: a[offset:offset + self.batch_size] for key, a in self.arrays.items()}
             return
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            index = order[start:start + self.batch_size]
+        for offset in offsets:
+            index = order[offset:offset + self.batch_size]
             yield {key: a[index] for key, a in self.arrays.items()}
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:

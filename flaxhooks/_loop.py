@@ -75,6 +75,10 @@ class Loop:
         published: results callbacks published for each other, by topic.
         exception: the error that is ending training, if any.
         stop_reason: why training was asked to stop, or None.
+        epoch_done: whether the current epoch's data ran out (set before
+            ``epoch_end``), as opposed to training stopping inside it.
+        interrupted: the signal (SIGINT, SIGTERM) that asked training to stop
+            at the next step boundary, or None.
     """
 
     trainer: Trainer
@@ -96,6 +100,8 @@ class Loop:
     published: dict[str, Any] = dataclasses.field(default_factory=dict)
     exception: BaseException | None = None
     stop_reason: str | None = None
+    epoch_done: bool = False
+    interrupted: int | None = None
     _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -107,6 +113,11 @@ class Loop:
         """Asks the loop to stop after the current event; end hooks still run."""
         if self.stop_reason is None:
             self.stop_reason = reason
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, batches into it)`` at which training would go on from here."""
+        return (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.epoch_step)
 
     def publish(self, topic: str, value: Any) -> None:
         """Makes a result visible to every other callback as ``published[topic]``."""

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import logging
 import math
 import os
 import queue
+import shutil
+import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,6 +27,8 @@ from flaxhooks._schedule import Every, as_every
 if TYPE_CHECKING:
     from flaxhooks._loop import Loop
 
+_log = logging.getLogger("flaxhooks")
+
 #: The topic under which the running writer is published for other callbacks.
 TOPIC = "tensorboard"
 
@@ -31,20 +37,24 @@ class LogdirError(OSError):
     """The TensorBoard log directory cannot be written."""
 
 
-def check_writable(logdir: str | os.PathLike[str]) -> None:
-    """Creates ``logdir`` and writes a probe file in it.
+def check_writable(
+    directory: str | os.PathLike[str],
+    what: str = "TensorBoard logs",
+    error_type: type[Exception] = LogdirError,
+) -> None:
+    """Creates ``directory`` and writes a probe file in it.
 
     Raises:
-        LogdirError: naming the directory and the reason.
+        error_type: naming what was to be written there, the directory and the reason.
     """
     try:
-        os.makedirs(logdir, exist_ok=True)
-        probe = os.path.join(logdir, f".flaxhooks-probe-{uuid.uuid4().hex}")
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".flaxhooks-probe-{uuid.uuid4().hex}")
         with open(probe, "w") as file:
             file.write("ok")
         os.remove(probe)
     except OSError as error:
-        raise LogdirError(f"cannot write TensorBoard logs to {os.fspath(logdir)!r}: {error}") from error
+        raise error_type(f"cannot write {what} to {os.fspath(directory)!r}: {error}") from error
 
 
 def _detach(value: Any) -> Any:
@@ -75,7 +85,65 @@ def write_scalars(writer: Any, values: Mapping[str, float], step: int) -> None:
     writer._get_file_writer().add_summary(summary, step)
 
 
+def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """``(end offset, payload)`` of each whole TFRecord in an event file's bytes
+    (length, its CRC, payload, its CRC); a record cut short ends the file."""
+    offset = 0
+    while offset + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield end, data[offset + 12:offset + 12 + length]
+        offset = end
+
+
+def truncate_events(logdir: str, after_step: int) -> int:
+    """Drops every event logged at a step after ``after_step`` from the event
+    files under ``logdir``, and any record a killed writer left half-written.
+
+    A run resumed from a checkpoint at ``after_step`` logs those steps again;
+    without this TensorBoard would show each of them twice. Each file is
+    rewritten atomically (a new file renamed over it).
+
+    Returns:
+        How many events were dropped.
+    """
+    from tensorboardX.proto.event_pb2 import Event
+
+    dropped = 0
+    for root, _, names in os.walk(logdir):
+        for name in names:
+            if "tfevents" not in name:
+                continue
+            path = os.path.join(root, name)
+            with open(path, "rb") as file:
+                data = file.read()
+            kept, start, changed = [], 0, False
+            for end, payload in _records(data):
+                if Event.FromString(payload).step <= after_step:
+                    kept.append(data[start:end])
+                else:
+                    dropped, changed = dropped + 1, True
+                start = end
+            if changed or start != len(data):
+                temporary = f"{path}.truncating"
+                with open(temporary, "wb") as file:
+                    file.writelines(kept)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temporary, path)
+    return dropped
+
+
 _CLOSE_FILE: Any = object()  # queue marker: close the current event file
+
+
+@dataclasses.dataclass(frozen=True)
+class _Synced:
+    """Queue marker: close the current event file, then set ``done``."""
+
+    done: threading.Event
 
 
 class SummaryWriterThread:
@@ -95,7 +163,7 @@ class SummaryWriterThread:
         self._thread = threading.Thread(target=self._work, name="flaxhooks-tensorboard", daemon=True)
         self._thread.start()
         self._closed = False
-        atexit.register(self.close)  # writes queued after the last flush still land
+        atexit.register(self._close_at_exit)  # writes queued after the last flush still land
 
     def _work(self) -> None:
         while True:
@@ -105,6 +173,11 @@ class SummaryWriterThread:
                     return
                 if job is _CLOSE_FILE:
                     self._close_file()
+                elif isinstance(job, _Synced):
+                    try:
+                        self._close_file()
+                    finally:
+                        job.done.set()
                 elif self._error is None:
                     job(self._open())
             except BaseException as error:  # reported on the training thread
@@ -172,6 +245,16 @@ class SummaryWriterThread:
         """Runs ``job(summary_writer)`` on the writer thread."""
         self._submit(job)
 
+    def sync_point(self) -> threading.Event:
+        """An event set once everything queued so far is on disk; returns at once.
+
+        A checkpoint waits for it before it commits, so the logs up to a
+        checkpoint's step survive even a kill -9 right after it.
+        """
+        done = threading.Event()
+        self._submit(_Synced(done))  # type: ignore[arg-type]
+        return done
+
     def flush(self) -> None:
         """Waits until everything queued is written and on disk."""
         self._submit(_CLOSE_FILE)
@@ -180,12 +263,18 @@ class SummaryWriterThread:
             error, self._error = self._error, None
             raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
 
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except RuntimeError as error:  # the interpreter is exiting: report, do not raise
+            _log.error("%s", error)
+
     def close(self) -> None:
         """Flushes, stops the thread and closes the file (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         try:
             self.flush()
         finally:
@@ -239,12 +328,27 @@ class TensorBoard(Callback):
         self._mark = (0, 0.0)
         self._last_eval: dict[str, float] = {}
         self._hparams_written = False
+        self._step = 0  # the latest step whose events were logged
+        self._resumed_from: int | None = None
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
 
+    def state_dict(self) -> dict[str, Any]:
+        """The step logged up to, the latest evaluation (for the HParams
+        record) and whether the hyperparameters were written."""
+        return {"step": self._step, "last_eval": self._last_eval, "hparams_written": self._hparams_written}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed_from = state["step"]
+        self._last_eval = dict(state["last_eval"])
+        self._hparams_written = state["hparams_written"]
+
     def on_fit_start(self, loop: Loop) -> None:
         check_writable(self.logdir)
+        if self._resumed_from is not None:
+            self._drop_after(self._resumed_from)
+        self._step = loop.step
         if self.writer is None:
             # One event file per run: a later fit of the same Trainer appends to it.
             self.writer = SummaryWriterThread(self.logdir)
@@ -255,7 +359,20 @@ class TensorBoard(Callback):
             rows = "\n".join(f"| {k} | {v} |" for k, v in self.hparams.items())
             self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
 
+    def _drop_after(self, step: int) -> None:
+        """Resuming from ``step``: the points the stopped run logged after it
+        are logged again, so they go; so does its HParams record, as the
+        resumed run writes the run's final one."""
+        if self.writer is not None:
+            self.writer.flush()  # closes the event file, so it can be rewritten
+        dropped = truncate_events(self.logdir, step)
+        shutil.rmtree(os.path.join(self.logdir, "hparams"), ignore_errors=True)
+        self._resumed_from = None
+        if dropped:
+            _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
+
     def on_step_end(self, loop: Loop) -> None:
+        self._step = loop.step
         if not self.every(loop.step):
             return
         assert self.writer is not None

@@ -5,8 +5,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
+import signal
+import threading
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +24,7 @@ from flax import jax_utils
 from flaxhooks._activations import InstrumentedCallback
 from flaxhooks._bus import HookBus
 from flaxhooks._callback import Callback, StopTraining
+from flaxhooks._checkpoint import Checkpoint, Restored
 from flaxhooks._eval import (
     EvalResult,
     Evaluator,
@@ -186,6 +191,14 @@ class Trainer:
         Raises:
             BatchError: the batch does not fit the devices, the model or the loss.
         """
+        create, abstract_state = self._planned_state(batch)
+        spec = self.batch_spec
+        assert spec is not None
+        batch_shard = {k: np.asarray(v)[: spec.batch_size // spec.num_devices] for k, v in batch.items()}
+        return jax.jit(create)(jax.random.PRNGKey(self.seed), batch_shard)
+
+    def _planned_state(self, batch: HostBatch) -> tuple[Callable[..., TrainState], TrainState]:
+        """Checks ``batch``; returns the state's constructor and its abstract value."""
         spec = BatchSpec.of(batch, len(self.devices), self.call.input_keys)
         self.batch_spec = spec
         device_batch = self._abstract_device_batch()
@@ -201,8 +214,7 @@ class Trainer:
         dropped = sorted(set(variables) - {"params", *carried})
         if dropped:
             _log.info("not training collections %s: they are per-step values", dropped)
-        batch_shard = {k: np.asarray(v)[: spec.batch_size // spec.num_devices] for k, v in batch.items()}
-        return jax.jit(create)(jax.random.PRNGKey(self.seed), batch_shard)
+        return create, abstract_state
 
     def _carried(self, variables: Mapping[str, Any], per_device: Mapping[str, Any]) -> tuple[str, ...]:
         if self.state_collections is None:
@@ -408,8 +420,14 @@ class Trainer:
         epochs: int | None = None,
         steps: int | None = None,
         state: TrainState | None = None,
+        resume: bool = False,
     ) -> TrainState:
         """Trains until ``epochs`` epochs or ``steps`` total steps, whichever is first.
+
+        Ctrl-C (SIGINT) and SIGTERM stop training at the next step boundary:
+        end hooks run (a :class:`Checkpoint` saves the state, logs are
+        flushed), then ``fit`` raises :class:`TrainingInterrupted`. A second
+        signal interrupts at once. (Only when ``fit`` runs on the main thread.)
 
         Args:
             data: host batches (dicts of numpy arrays). A callable is called
@@ -422,17 +440,29 @@ class Trainer:
                 taken some already continues from there).
             state: the state to start from; default: the state of the last
                 ``fit``, else a fresh one built from the first batch.
+            resume: go on from the latest good checkpoint of the registered
+                :class:`Checkpoint` callback: the train state, every
+                callback's state, and the position in the data (the epoch's
+                batches are made again and the ones already taken skipped).
+                Without any checkpoint, training starts afresh.
 
         Returns:
             The final train state, on one device.
+
+        Raises:
+            TrainingInterrupted: a signal stopped training (after the end hooks).
         """
         if epochs is None and steps is None:
             raise ValueError("fit needs epochs, steps or both")
         if not self.bus.find(DevicePrefetch):
             self.bus.add(DevicePrefetch())
-        continuing = state is None and self._replicated_state is not None
-        start_step = int(state.step) if state is not None else self._last_step if continuing else 0
-        epoch, skip = self._position_of(data, start_step, continuing)
+        restored = self._latest_checkpoint(state) if resume else None
+        continuing = state is None and restored is None and self._replicated_state is not None
+        if restored is not None:
+            start_step, (epoch, skip) = restored.step, restored.position
+        else:
+            start_step = int(state.step) if state is not None else self._last_step if continuing else 0
+            epoch, skip = self._position_of(data, start_step, continuing)
         first_batches = _epoch_batches(data, epoch, skip)
         try:
             first = next(first_batches)
@@ -440,7 +470,11 @@ class Trainer:
             raise EmptyDataError(
                 f"the training data yielded no batch (epoch {epoch}, after {skip} batches)"
             ) from None
-        if state is None and not continuing:
+        if restored is not None:
+            state = restored.train_state(self._planned_state(first)[1])
+            restored.load_callbacks(self.callbacks)
+            _log.info("resuming from step %d (%s)", restored.step, restored.path)
+        elif state is None and not continuing:
             state = self.init(first)
         else:
             self.batch_spec = BatchSpec.of(first, len(self.devices), self.call.input_keys)
@@ -453,13 +487,30 @@ class Trainer:
             max_steps=steps, max_epochs=epochs, steps_per_epoch=_length(data),
         )
         try:
-            self._drive(loop, data, itertools.chain([first], first_batches))
+            with _stop_on_signals(loop):
+                self._drive(loop, data, itertools.chain([first], first_batches))
         finally:
             self._active_loop = None
             self._replicated_state = loop.state
             self._last_step = loop.step
             self._last_position = (loop.epoch, loop.epoch_step)
+        if loop.interrupted is not None:
+            raise TrainingInterrupted(loop.interrupted, loop.step)
         return unreplicate(loop.state)
+
+    def _latest_checkpoint(self, state: TrainState | None) -> Restored | None:
+        if state is not None:
+            raise ValueError("pass state= or resume=True, not both")
+        checkpoints = typing.cast(list[Checkpoint], self.bus.find(Checkpoint))
+        if len(checkpoints) != 1:
+            raise ValueError(
+                f"resume=True needs exactly one Checkpoint callback to read from; this Trainer has "
+                f"{len(checkpoints)}"
+            )
+        restored = checkpoints[0].restore_latest()
+        if restored is None:
+            _log.info("no checkpoint in %s yet: starting afresh", checkpoints[0].directory)
+        return restored
 
     def _position_of(self, data: Data, step: int, continuing: bool) -> tuple[int, int]:
         """The epoch and the batches into it at which training ``step`` starts.
@@ -547,6 +598,7 @@ class Trainer:
                 break
         loop.batch = None
         loop.probes = no_probes
+        loop.epoch_done = completed
         if loop.step == steps_before and not loop.should_stop:
             if not one_shot:
                 raise EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch")
@@ -555,6 +607,7 @@ class Trainer:
         if completed:
             loop.epoch += 1
             loop.epoch_step = 0
+            loop.epoch_done = False
 
     def _open(self, loop: Loop, scopes: list[str], scope: str) -> None:
         scopes.append(scope)
@@ -585,9 +638,57 @@ def _is_iterator(data: Data) -> bool:
 
 
 def _epoch_batches(data: Data, epoch: int, skip: int) -> Iterator[HostBatch]:
-    """The batches of ``epoch``, after the first ``skip``."""
+    """The batches of ``epoch``, after the first ``skip``.
+
+    A callable taking ``start`` (as :class:`ArrayLoader` does) skips them
+    without making them; other data is made and dropped.
+    """
+    if skip and callable(data) and "start" in inspect.signature(data).parameters:
+        return iter(data(epoch, start=skip))  # type: ignore[call-arg]
     batches = iter(data(epoch)) if callable(data) else iter(data)
     return itertools.islice(batches, skip, None) if skip else batches
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """``fit`` stopped on SIGINT or SIGTERM, after its end hooks ran.
+
+    A KeyboardInterrupt, so an uncaught one ends a script as Ctrl-C does.
+
+    Attributes:
+        signal: the signal's number.
+        step: the step training stopped at.
+    """
+
+    def __init__(self, signum: int, step: int):
+        self.signal, self.step = signum, step
+        super().__init__(f"training stopped by {signal.Signals(signum).name} at step {step}")
+
+
+@contextlib.contextmanager
+def _stop_on_signals(loop: Loop) -> Iterator[None]:
+    """SIGINT and SIGTERM ask the loop to stop at the next step boundary; a
+    second signal raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python delivers signals to the main thread only
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        if loop.interrupted is not None:
+            raise KeyboardInterrupt
+        loop.interrupted = signum
+        loop.stop(f"interrupted by {signal.Signals(signum).name}")
+        _log.warning(
+            "%s: stopping after step %d finishes; signal again to stop at once",
+            signal.Signals(signum).name, loop.step + 1,
+        )
+
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(signum, handle) for signum in signums]
+    try:
+        yield
+    finally:
+        for signum, handler in zip(signums, previous, strict=True):
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _length(data: Data) -> int | None:

@@ -36,6 +36,9 @@ class Config:
     log_every: int = 50
     stats_every: int = 100
     histograms: bool = True
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
 
 
 _HELP = {
@@ -53,6 +56,10 @@ _HELP = {
     "stats_every": "log per-layer activation and activation-gradient statistics every this many steps "
                    "(0: never)",
     "histograms": "with the statistics, also log per-layer histograms",
+    "checkpoint_every": "save a checkpoint every this many steps, besides each epoch's end and the "
+                        "end of training (0: only those)",
+    "keep_checkpoints": "how many of the latest checkpoints to keep",
+    "resume": "go on from the latest checkpoint in the workdir (a fresh start if there is none)",
 }
 
 
@@ -71,7 +78,11 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
 
     Returns:
         The final held-out ``accuracy`` and ``loss``, the number of ``examples``
-        evaluated and the number of train ``steps``. TensorBoard logs go to
+        evaluated and the number of train ``steps``. Checkpoints go to
+        ``workdir/checkpoints`` (each epoch's end, every ``checkpoint_every``
+        steps, and on Ctrl-C or SIGTERM, after which
+        :class:`flaxhooks.TrainingInterrupted` is raised); ``config.resume``
+        goes on from the latest. TensorBoard logs go to
         ``workdir/tensorboard``: training and test scalars, the model
         summary, and every ``stats_every`` steps per-layer statistics of
         activations (``activations/...``: each module's output and the
@@ -102,6 +113,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flaxhooks.TensorBoard(logdir, every=config.log_every,
                               hparams={**dataclasses.asdict(config), "data": data.source}),
     ]
+    callbacks.append(flaxhooks.Checkpoint(
+        Path(workdir) / "checkpoints", every=config.checkpoint_every or None, keep=config.keep_checkpoints,
+    ))
     if config.stats_every:
         callbacks += [
             flaxhooks.ActivationStats(every=config.stats_every, histograms=config.histograms),
@@ -120,7 +134,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         f"{config.epochs} epochs of {len(train)} steps",
         flush=True,
     )
-    state = trainer.fit(train, epochs=config.epochs)
+    state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
     final = evaluation.result  # the evaluation at the last epoch's end
     assert final is not None and final.step == int(state.step)
     print(
@@ -159,7 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import flaxhooks  # JAX's backends start only when first used, after this
 
     flaxhooks.use_cpu_devices(config.cpu_devices)
-    train_and_evaluate(config, workdir)
+    try:
+        train_and_evaluate(config, workdir)
+    except flaxhooks.TrainingInterrupted as interrupted:
+        print(f"{interrupted}; checkpoint saved: continue with\n"
+              f"  python -m recipes.mnist --workdir {workdir} --resume", flush=True)
+        return 128 + interrupted.signal  # as a shell reports a signal
     return 0
 
 

@@ -32,6 +32,42 @@ class BatchNormNet(nn.Module):
         return nn.Dense(3)(nn.relu(x))
 
 
+class ResumeNet(nn.Module):
+    """Dense → BatchNorm → dropout → Dense: carried state and per-step RNG,
+    everything an exact resume must restore."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5, axis_name=flaxhooks.AXIS)(x)
+        x = nn.Dropout(0.3, deterministic=not train)(nn.relu(x))
+        return nn.Dense(3)(x)
+
+
+def resume_trainer(workdir, callbacks=(), every=2, keep=3, **kwargs) -> flaxhooks.Trainer:
+    """A Trainer with the callbacks whose state a resume restores: checkpoints
+    every ``every`` steps, evaluation each epoch, early stopping (never
+    triggered) and TensorBoard at every step."""
+    import os
+
+    return flaxhooks.Trainer(
+        ResumeNet(), optax.adam(0.01), cross_entropy,
+        callbacks=[
+            flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=every, keep=keep),
+            flaxhooks.Evaluate(make_arrays(40, seed=9), batch_size=16),
+            flaxhooks.EarlyStopping("accuracy", patience=100, mode="max"),
+            flaxhooks.TensorBoard(os.path.join(workdir, "tensorboard"), every=1),
+            *callbacks,
+        ],
+        **kwargs,
+    )
+
+
+def resume_data() -> flaxhooks.ArrayLoader:
+    """Six shuffled batches of 16 per epoch."""
+    return flaxhooks.ArrayLoader(make_arrays(96, seed=3), 16, seed=3)
+
+
 def cross_entropy(logits, batch):
     return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
@@ -128,6 +164,6 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
 
 
 __all__ = [
-    "MLP", "BatchNormNet", "HostReads", "Recorder", "cross_entropy", "jnp", "make_arrays", "make_batches",
-    "sgd_trainer", "split_batches", "tree_allclose",
+    "MLP", "BatchNormNet", "HostReads", "Recorder", "ResumeNet", "cross_entropy", "jnp", "make_arrays",
+    "make_batches", "resume_data", "resume_trainer", "sgd_trainer", "split_batches", "tree_allclose",
 ]

@@ -68,3 +68,47 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
     assert "Total Parameters: 824,458" in output
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", output).group(1))
     assert accuracy >= 0.96, output[-2000:]
+
+
+def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
+    config = mnist.Config(epochs=2, download=False, stats_every=0, batch_size=256, checkpoint_every=5)
+    straight = mnist.train_and_evaluate(config, tmp_path / "straight")
+    first = mnist.train_and_evaluate(dataclasses.replace(config, epochs=1), tmp_path / "resumed")
+    assert first["steps"] == 4000 // 256
+    resumed = mnist.train_and_evaluate(dataclasses.replace(config, resume=True), tmp_path / "resumed")
+    assert resumed["steps"] == straight["steps"] == 2 * (4000 // 256)
+    assert resumed["accuracy"] == straight["accuracy"]
+    assert abs(resumed["loss"] - straight["loss"]) < 1e-5
+    steps = sorted(int(p.name) for p in (tmp_path / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [20, 25, 30]  # every 5 steps (epoch ends at 15 and 30), the last 3 kept
+
+
+def test_sigterm_saves_and_says_how_to_resume(tmp_path):
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
+    args = ["--workdir", str(tmp_path), "--no-download", "--epochs", "2", "--stats-every", "0",
+            "--log-every", "5"]
+    recipe = subprocess.Popen(
+        [sys.executable, "-m", "recipes.mnist", *args], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    try:
+        for line in recipe.stdout:
+            lines.append(line)
+            if line.startswith("step 10"):
+                recipe.send_signal(signal.SIGTERM)
+        recipe.wait(timeout=120)
+    finally:
+        recipe.kill()
+    output = "".join(lines)
+    assert recipe.returncode == 128 + signal.SIGTERM, output
+    assert "checkpoint saved: continue with" in output and "--resume" in output
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", output).group(1))
+    assert str(stopped) in os.listdir(tmp_path / "checkpoints")
+    result = _run_recipe(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resuming from step {stopped}" in result.stdout + result.stderr
+    assert "held-out accuracy" in result.stdout
