@@ -28,7 +28,7 @@ What is compared
     read the medians of many rounds.
 
 How to run
-    python benchmarks/bench_activations.py [--steps 200] [--rounds 9]
+    python -m benchmarks.bench_activations [--steps 200] [--rounds 9]
         [--batch-size 128] [--cpu-devices N] [--histograms]
 
     The last line of output is one JSON object with the results.

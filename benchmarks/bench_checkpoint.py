@@ -22,7 +22,7 @@ What is compared
     FAIL, but the script exits 0: it is a measurement.
 
 How to run
-    python benchmarks/bench_checkpoint.py [--steps 200] [--rounds 9] [--every 50]
+    python -m benchmarks.bench_checkpoint [--steps 200] [--rounds 9] [--every 50]
         [--batch-size 128] [--cpu-devices N]
 
     The last line of output is one JSON object with the results.

@@ -16,7 +16,7 @@ ratio of throughputs, ``exact examples/s / plain examples/s``, with a target of
 at least 0.95. The JSON line also reports how often the exact eval step
 compiled (once per batch size, the ragged last batch included).
 
-    python benchmarks/bench_eval.py [--examples 10000] [--batch-size 128] [--rounds 15] [--cpu-devices N]
+    python -m benchmarks.bench_eval [--examples 10000] [--batch-size 128] [--rounds 15] [--cpu-devices N]
 
 On a CPU host split into several devices, a pmapped step over two devices
 runs this CNN about 10% slower than ``jit`` on one device, which uses every

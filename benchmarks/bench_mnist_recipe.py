@@ -6,7 +6,7 @@ processes, bundled sample when full MNIST cannot be had), alternating
 the held-out accuracy and wall time of each. Targets: >= 96% held-out accuracy
 on the bundled sample in under 2 minutes with the defaults.
 
-    python benchmarks/bench_mnist_recipe.py [--rounds 2] [--epochs 10]
+    python -m benchmarks.bench_mnist_recipe [--rounds 2] [--epochs 10]
 
 Ends with one JSON line of its figures.
 """

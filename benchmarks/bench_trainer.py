@@ -38,7 +38,7 @@ What is compared
     a FAIL as overhead.
 
 How to run
-    python benchmarks/bench_trainer.py [--steps 50] [--rounds 21]
+    python -m benchmarks.bench_trainer [--steps 50] [--rounds 21]
         [--batch-size 128] [--cpu-devices N]
 
     On a CPU-only host the CPU is split into ``--cpu-devices`` XLA devices

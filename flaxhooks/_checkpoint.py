@@ -78,6 +78,7 @@ class Restored:
         leaves: the state's arrays by key path (see :func:`state_leaves`).
         callbacks: each callback's saved state, by :func:`callback_keys` name.
         path: the checkpoint's directory.
+        stop_reason: why the saved run had decided to stop, if it had.
     """
 
     step: int
@@ -85,6 +86,7 @@ class Restored:
     leaves: Mapping[str, np.ndarray]
     callbacks: Mapping[str, Any]
     path: str
+    stop_reason: str | None = None
 
     def train_state(self, like: TrainState) -> TrainState:
         """The saved arrays in the structure of ``like`` (abstract or concrete).
@@ -170,10 +172,12 @@ class Checkpoint(Callback):
       :class:`CheckpointWarning` and the one before it is used.
 
     When: every ``every`` steps, at each epoch's end (``at_epoch_end``), and
-    at the end of ``fit`` — including when training is interrupted by
-    Ctrl-C, SIGINT or SIGTERM. A save due at a step is taken once that step's
-    events are all done (its epoch-end evaluation included), so the saved
-    callbacks' state matches the saved parameters. Saving copies the state on
+    at the end of ``fit``, including when training is interrupted by
+    Ctrl-C, SIGINT or SIGTERM (which stop at a step boundary). A save due at a
+    step is taken once that step's events are all done (its epoch-end
+    evaluation included), so the saved callbacks' state matches the saved
+    parameters. A ``KeyboardInterrupt`` raised elsewhere is saved only if it
+    left such a boundary; otherwise the latest checkpoint stands. Saving copies the state on
     device 0 and returns; the transfer and the writing happen on a background
     thread, one save at a time. A failed save stops training with a
     :class:`CheckpointError` at the next step. Only process 0 writes; every
@@ -219,6 +223,7 @@ class Checkpoint(Callback):
         self._due = False
         self._saved_step: int | None = None
         self._restored_step: int | None = None
+        self._boundary: int | None = None  # the last step whose events all ran
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.directory!r}, every={self.every!r}, keep={self.keep})"
@@ -231,12 +236,14 @@ class Checkpoint(Callback):
         A save still in progress, or killed halfway, is in a temporary
         directory that does not count until renamed to its step.
         """
-        if not os.path.isdir(self.directory):
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
             return []
-        return sorted(
-            int(name) for name in os.listdir(self.directory)
-            if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))
-        )
+        except OSError as error:
+            raise CheckpointError(f"cannot list the checkpoints in {self.directory!r}: {error}") from error
+        directory = self.directory
+        return sorted(int(name) for name in names if name.isdigit() and os.path.isdir(f"{directory}/{name}"))
 
     def restore_latest(self) -> Restored | None:
         """Reads the newest checkpoint that reads back and verifies.
@@ -289,17 +296,21 @@ class Checkpoint(Callback):
                     f"{info['path']} does not match the shape, dtype and checksum saved with it"
                 )
             leaves[info["path"]] = array
-        return Restored(step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path)
+        return Restored(
+            step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path, meta["stop_reason"]
+        )
 
     # -- writing -------------------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
         self._due = False
+        self._boundary = loop.step
         if jax.process_index() == 0:
             check_writable(self.directory, "checkpoints", CheckpointError)
-            self._set_aside_later_steps(loop.step)
+        self._set_aside_later_steps(loop.step)
         self._saved_step = loop.step if loop.step in self.saved_steps() else None
         self._restored_step = None
+        self._writer = None  # opened afresh: its list of steps may be stale
 
     def _set_aside_later_steps(self, step: int) -> None:
         """Checkpoints after the step training starts from are either
@@ -308,11 +319,13 @@ class Checkpoint(Callback):
         later = [s for s in self.saved_steps() if s > step]
         if not later:
             return
-        if self._restored_step != step:
+        if self._restored_step != step:  # on every process: none goes on alone
             raise CheckpointError(
                 f"{self.directory!r} holds checkpoints of another run (steps {later}) beyond this run's "
                 f"start at step {step}: pass resume=True to go on from them, or use another directory"
             )
+        if jax.process_index() != 0:
+            return
         for unreadable in later:
             aside = os.path.join(self.directory, f"unreadable-{unreadable}-{time.time_ns()}")
             os.replace(os.path.join(self.directory, str(unreadable)), aside)
@@ -326,10 +339,15 @@ class Checkpoint(Callback):
     def on_step_end(self, loop: Loop) -> None:
         if self.every is not None and self.every(loop.step):
             self._due = True
+        # This runs last, so the step's handlers are all done; an epoch's
+        # last step is done once its epoch_end is.
+        self._boundary = loop.step if loop.epoch_step != loop.steps_per_epoch else None
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.exception is None and (self._due or (self.at_epoch_end and loop.epoch_done)):
-            self._save(loop)
+        if loop.exception is None:
+            self._boundary = loop.step
+            if self._due or (self.at_epoch_end and loop.epoch_done):
+                self._save(loop)
 
     def on_fit_end(self, loop: Loop) -> None:
         # The last state, also when stopped early or interrupted: Ctrl-C and
@@ -371,11 +389,8 @@ class Checkpoint(Callback):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", loop.step)
             return
         (epoch, epoch_step), step = loop.position, loop.step
-        if loop.exception is not None:
-            # Interrupted between any two statements: the state's own step
-            # says whether its last step was counted yet.
-            uncounted = int(jax.device_get(device0_step(state))) - step
-            epoch_step, step = epoch_step + uncounted, step + uncounted
+        if loop.exception is not None and not self._at_boundary(loop):
+            return
         if step == self._saved_step:
             return
         meta = {
@@ -384,6 +399,8 @@ class Checkpoint(Callback):
             "epoch": epoch,
             "epoch_step": epoch_step,
             "time": time.time(),
+            # A run that decided to stop (early stopping) stays stopped on resume.
+            "stop_reason": loop.stop_reason if loop.interrupted is None else None,
             "callbacks": self._callback_states(loop),
         }
         self.wait()  # one save at a time
@@ -396,6 +413,19 @@ class Checkpoint(Callback):
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flaxhooks-checkpoint")
         self._saving = self._pool.submit(self._write, step, copy, meta, logs_synced)
         self._saved_step = step
+
+    def _at_boundary(self, loop: Loop) -> bool:
+        """Whether a KeyboardInterrupt raised anywhere left a state that can
+        be saved: every event of its step ran, and no later step was
+        dispatched. Otherwise the resumed run could not be exact."""
+        device_step = int(jax.device_get(device0_step(loop.state)))
+        if self._boundary == loop.step == device_step:
+            return True
+        _log.warning(
+            "interrupted inside step %d's work: not saved (the latest checkpoint: step %s)",
+            max(loop.step, device_step), max(self.saved_steps(), default=None),
+        )
+        return False
 
     def _callback_states(self, loop: Loop) -> dict[str, Any]:
         states = {}
@@ -434,8 +464,8 @@ class Checkpoint(Callback):
             for path, x in zip(paths, host, strict=True)
         ]
         arrays = {str(i): x for i, x in enumerate(host) if x.size}  # orbax refuses empty arrays
-        if logs_synced is not None:
-            logs_synced.wait()
+        if logs_synced is not None and not logs_synced.wait(timeout=300):
+            _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:
             self._writer = _writer(self.directory, self.keep)
         if step in self._writer.all_steps():  # an older or unreadable save of this step

@@ -356,9 +356,9 @@ class Evaluate(Callback):
         self.result = None if state["result"] is None else EvalResult(**state["result"])
 
     def on_epoch_end(self, loop: Loop) -> None:
-        # Not when interrupted: a signal asks to stop quickly, and the resumed
-        # run must log what an uninterrupted one does.
-        if self.at_epoch_end and loop.exception is None and loop.interrupted is None:
+        # Not for an epoch cut short by a signal, which asks to stop quickly:
+        # the resumed run finishes that epoch and evaluates it then.
+        if self.at_epoch_end and loop.exception is None and (loop.epoch_done or loop.interrupted is None):
             self._evaluate(loop)
 
     def _evaluate(self, loop: Loop) -> None:

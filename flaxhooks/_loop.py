@@ -79,6 +79,9 @@ class Loop:
             ``epoch_end``), as opposed to training stopping inside it.
         interrupted: the signal (SIGINT, SIGTERM) that asked training to stop
             at the next step boundary, or None.
+        resumed_from: on ``fit(..., resume=True)``, the checkpoint's step
+            (0 when there was none and training started afresh); else None.
+            Writers drop what they logged after it, as it is logged again.
     """
 
     trainer: Trainer
@@ -102,6 +105,7 @@ class Loop:
     stop_reason: str | None = None
     epoch_done: bool = False
     interrupted: int | None = None
+    resumed_from: int | None = None
     _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
 
     @property

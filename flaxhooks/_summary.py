@@ -160,6 +160,8 @@ class Summary(Callback):
                 self.console = Console(**self.console_kwargs)
             self.console.print(rendered, soft_wrap=True)
         writer = loop.published.get(TOPIC)
+        if loop.resumed_from:  # the resumed run's first part wrote it
+            self._written_to = writer
         if writer is not None and writer is not self._written_to:
             writer.text(TAG, f"```\n{self.table.rstrip()}\n```", loop.step)
             self._written_to = writer

@@ -328,27 +328,23 @@ class TensorBoard(Callback):
         self._mark = (0, 0.0)
         self._last_eval: dict[str, float] = {}
         self._hparams_written = False
-        self._step = 0  # the latest step whose events were logged
-        self._resumed_from: int | None = None
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
 
     def state_dict(self) -> dict[str, Any]:
-        """The step logged up to, the latest evaluation (for the HParams
-        record) and whether the hyperparameters were written."""
-        return {"step": self._step, "last_eval": self._last_eval, "hparams_written": self._hparams_written}
+        """The latest evaluation (for the HParams record) and whether the
+        hyperparameters were written."""
+        return {"last_eval": self._last_eval, "hparams_written": self._hparams_written}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resumed_from = state["step"]
         self._last_eval = dict(state["last_eval"])
         self._hparams_written = state["hparams_written"]
 
     def on_fit_start(self, loop: Loop) -> None:
         check_writable(self.logdir)
-        if self._resumed_from is not None:
-            self._drop_after(self._resumed_from)
-        self._step = loop.step
+        if loop.resumed_from is not None:
+            self._drop_after(loop.resumed_from)
         if self.writer is None:
             # One event file per run: a later fit of the same Trainer appends to it.
             self.writer = SummaryWriterThread(self.logdir)
@@ -367,12 +363,10 @@ class TensorBoard(Callback):
             self.writer.flush()  # closes the event file, so it can be rewritten
         dropped = truncate_events(self.logdir, step)
         shutil.rmtree(os.path.join(self.logdir, "hparams"), ignore_errors=True)
-        self._resumed_from = None
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
 
     def on_step_end(self, loop: Loop) -> None:
-        self._step = loop.step
         if not self.every(loop.step):
             return
         assert self.writer is not None

@@ -460,6 +460,8 @@ class Trainer:
         continuing = state is None and restored is None and self._replicated_state is not None
         if restored is not None:
             start_step, (epoch, skip) = restored.step, restored.position
+            if skip and skip == _length(data):
+                epoch, skip = epoch + 1, 0
         else:
             start_step = int(state.step) if state is not None else self._last_step if continuing else 0
             epoch, skip = self._position_of(data, start_step, continuing)
@@ -485,7 +487,10 @@ class Trainer:
         loop = Loop(
             trainer=self, state=self._replicated_state, step=start_step, epoch=epoch, epoch_step=skip,
             max_steps=steps, max_epochs=epochs, steps_per_epoch=_length(data),
+            resumed_from=(restored.step if restored else 0) if resume else None,
         )
+        if restored is not None and restored.stop_reason:
+            loop.stop(f"the checkpointed run had stopped: {restored.stop_reason}")
         try:
             with _stop_on_signals(loop):
                 self._drive(loop, data, itertools.chain([first], first_batches))
@@ -584,8 +589,8 @@ class Trainer:
             else:
                 loop.state, loop.metrics = step_fn(loop.state, batch)
                 loop.probes = no_probes
-            loop.step += 1
-            loop.epoch_step += 1
+            # One statement: a KeyboardInterrupt cannot land between the two.
+            loop.step, loop.epoch_step = loop.step + 1, loop.epoch_step + 1
             # Wait for an older step (without reading it) so dispatch cannot
             # queue the whole epoch's batches on the devices.
             in_flight.append((loop.step, loop.metrics))
@@ -598,6 +603,8 @@ class Trainer:
                 break
         loop.batch = None
         loop.probes = no_probes
+        # Stopped on an epoch's last batch: that epoch is done all the same.
+        completed = completed or loop.epoch_step == loop.steps_per_epoch
         loop.epoch_done = completed
         if loop.step == steps_before and not loop.should_stop:
             if not one_shot:
@@ -605,9 +612,7 @@ class Trainer:
             loop.stop("the data iterator is exhausted")
         self._close(loop, scopes)
         if completed:
-            loop.epoch += 1
-            loop.epoch_step = 0
-            loop.epoch_done = False
+            loop.epoch, loop.epoch_step, loop.epoch_done = loop.epoch + 1, 0, False
 
     def _open(self, loop: Loop, scopes: list[str], scope: str) -> None:
         scopes.append(scope)
@@ -678,8 +683,8 @@ def _stop_on_signals(loop: Loop) -> Iterator[None]:
         loop.interrupted = signum
         loop.stop(f"interrupted by {signal.Signals(signum).name}")
         _log.warning(
-            "%s: stopping after step %d finishes; signal again to stop at once",
-            signal.Signals(signum).name, loop.step + 1,
+            "%s: stopping at the next step boundary (%d steps done); signal again to stop at once",
+            signal.Signals(signum).name, loop.step,
         )
 
     signums = (signal.SIGINT, signal.SIGTERM)

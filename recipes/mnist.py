@@ -69,6 +69,11 @@ def _images(images: Any) -> Any:
     return (np.asarray(images, np.float32) / 255.0)[..., None]
 
 
+def _hyperparameters(config: Config) -> dict[str, Any]:
+    """The settings that define the run (a resumed run is the same run)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "resume"}
+
+
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     """Trains the CNN and evaluates it on every held-out example.
 
@@ -111,7 +116,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flaxhooks.Summary(depth=1),
         flaxhooks.Progress(every=config.log_every),
         flaxhooks.TensorBoard(logdir, every=config.log_every,
-                              hparams={**dataclasses.asdict(config), "data": data.source}),
+                              hparams={**_hyperparameters(config), "data": data.source}),
     ]
     callbacks.append(flaxhooks.Checkpoint(
         Path(workdir) / "checkpoints", every=config.checkpoint_every or None, keep=config.keep_checkpoints,

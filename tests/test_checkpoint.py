@@ -64,14 +64,18 @@ def reference(tmp_path_factory):
 
 
 class FailAt(Callback):
-    """Raises ``error`` at the end of ``step``."""
+    """Raises ``error`` (or sends this process ``error``, a signal number) at
+    the end of ``step``."""
 
-    def __init__(self, step: int, error: BaseException):
+    def __init__(self, step: int, error: BaseException | int):
         self.step, self.error = step, error
 
     def on_step_end(self, loop):
         if loop.step == self.step:
-            raise self.error
+            if isinstance(self.error, int):
+                signal.raise_signal(self.error)
+            else:
+                raise self.error
 
 
 def callback_states(trainer) -> dict:
@@ -80,17 +84,31 @@ def callback_states(trainer) -> dict:
 
 @pytest.mark.parametrize(
     ("error", "failed_at", "resumed_from"),
-    [(KeyboardInterrupt(), 7, 7), (RuntimeError("crash"), 8, 6)],
-    ids=["keyboard-interrupt-saves-step-7", "crash-at-step-8-resumes-from-6"],
+    [
+        (signal.SIGINT, 7, 7),
+        (signal.SIGTERM, 6, 6),
+        (KeyboardInterrupt(), 8, 6),
+        (RuntimeError("crash"), 8, 6),
+    ],
+    ids=[
+        "ctrl-c-at-step-7-saves-it",
+        "sigterm-on-an-epochs-last-step-finishes-the-epoch",
+        "keyboard-interrupt-inside-step-8-events-keeps-step-6",
+        "crash-at-step-8-resumes-from-6",
+    ],
 )
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     tmp_path, reference, error, failed_at, resumed_from
 ):
-    # Step 7 is inside the second epoch. A crash saves nothing: step 7 and
-    # 8's points, logged before it, must not appear twice after the resume.
+    # Six steps an epoch. A signal stops at the step boundary and saves it;
+    # on an epoch's last step, the epoch's end (its evaluation) runs first.
+    # A KeyboardInterrupt raised inside a step's handlers, or a crash, saves
+    # nothing: the points logged after step 6 must not appear twice.
     interrupted = resume_trainer(tmp_path, [FailAt(failed_at, error)])
-    with pytest.raises((KeyboardInterrupt, flaxhooks.CallbackError)):
+    with pytest.raises((KeyboardInterrupt, flaxhooks.CallbackError)) as raised:
         interrupted.fit(resume_data(), epochs=EPOCHS)
+    if isinstance(error, int):
+        assert raised.type is flaxhooks.TrainingInterrupted and raised.value.step == failed_at
     checkpoint = interrupted.bus.find(Checkpoint)[0]
     assert checkpoint.saved_steps()[-1] == resumed_from
     assert logged(tmp_path / "tensorboard")["train/loss"][-1][0] == failed_at
@@ -108,6 +126,29 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     assert states["Evaluate"]["result"]["metrics"] == pytest.approx(
         reference["callbacks"]["Evaluate"]["result"]["metrics"], rel=1e-5)
     assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+
+
+def test_resume_before_any_checkpoint_starts_afresh_without_doubling_the_logs(tmp_path, reference):
+    crashed = resume_trainer(tmp_path, [FailAt(4, RuntimeError("crash"))], every=100)
+    with pytest.raises(flaxhooks.CallbackError):
+        crashed.fit(resume_data(), epochs=EPOCHS)
+    assert Checkpoint(tmp_path / "checkpoints").saved_steps() == []
+    state = resume_trainer(tmp_path, every=100).fit(resume_data(), epochs=EPOCHS, resume=True)
+    assert_same_params(state.params, reference["state"].params)
+    assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+
+
+def test_a_run_that_stopped_early_stays_stopped_on_resume(tmp_path):
+    def trainer():
+        return flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.0), cross_entropy, callbacks=[
+            Checkpoint(tmp_path), flaxhooks.Evaluate(make_arrays(40, seed=9)),
+            flaxhooks.EarlyStopping(patience=1)])
+
+    stopped = trainer().fit(resume_data(), epochs=5)  # a zero learning rate never improves
+    assert int(stopped.step) == 12
+    again = trainer()
+    state = again.fit(resume_data(), epochs=5, resume=True)
+    assert int(state.step) == 12 and again.trace_counts["train_step"] == 0
 
 
 def test_resume_restores_callback_state_before_fit_start(tmp_path):
