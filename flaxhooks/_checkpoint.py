@@ -222,7 +222,6 @@ class Checkpoint(Callback):
         self._saving: concurrent.futures.Future[None] | None = None
         self._due = False
         self._saved_step: int | None = None
-        self._restored_step: int | None = None
         self._boundary: int | None = None  # the last step whose events all ran
 
     def __repr__(self) -> str:
@@ -260,9 +259,7 @@ class Checkpoint(Callback):
         failures = []
         for step in reversed(steps):
             try:
-                restored = self._read(step)
-                self._restored_step = step
-                return restored
+                return self._read(step)
             except Exception as error:  # corrupted, truncated, or not ours
                 failures.append(f"step {step}: {type(error).__name__}: {error}")
                 warnings.warn(
@@ -307,19 +304,19 @@ class Checkpoint(Callback):
         self._boundary = loop.step
         if jax.process_index() == 0:
             check_writable(self.directory, "checkpoints", CheckpointError)
-        self._set_aside_later_steps(loop.step)
+        self._set_aside_later_steps(loop)
         self._saved_step = loop.step if loop.step in self.saved_steps() else None
-        self._restored_step = None
         self._writer = None  # opened afresh: its list of steps may be stale
 
-    def _set_aside_later_steps(self, step: int) -> None:
+    def _set_aside_later_steps(self, loop: Loop) -> None:
         """Checkpoints after the step training starts from are either
         unreadable ones a resume skipped, set aside as ``unreadable-<step>``,
         or another run's, which this run must not mix with its own."""
+        step = loop.step
         later = [s for s in self.saved_steps() if s > step]
         if not later:
             return
-        if self._restored_step != step:  # on every process: none goes on alone
+        if loop.resumed_from != step:  # on every process: none goes on alone
             raise CheckpointError(
                 f"{self.directory!r} holds checkpoints of another run (steps {later}) beyond this run's "
                 f"start at step {step}: pass resume=True to go on from them, or use another directory"
@@ -418,7 +415,7 @@ class Checkpoint(Callback):
         """Whether a KeyboardInterrupt raised anywhere left a state that can
         be saved: every event of its step ran, and no later step was
         dispatched. Otherwise the resumed run could not be exact."""
-        device_step = int(jax.device_get(device0_step(loop.state)))
+        device_step = int(jax.device_get(unreplicate(loop.state.step)))
         if self._boundary == loop.step == device_step:
             return True
         _log.warning(
@@ -468,15 +465,9 @@ class Checkpoint(Callback):
             _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:
             self._writer = _writer(self.directory, self.keep)
-        if step in self._writer.all_steps():  # an older or unreadable save of this step
-            self._writer.delete(step)
         self._writer.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
         ), force=True)
         self._writer.wait_until_finished()
         _log.info("saved checkpoint at step %d to %s", step, self.directory)
 
-
-def device0_step(state: Any) -> Any:
-    """Device 0's copy of a replicated state's step counter (on the device)."""
-    return state.step.addressable_shards[0].data.reshape(())

@@ -136,9 +136,6 @@ def truncate_events(logdir: str, after_step: int) -> int:
     return dropped
 
 
-_CLOSE_FILE: Any = object()  # queue marker: close the current event file
-
-
 @dataclasses.dataclass(frozen=True)
 class _Synced:
     """Queue marker: close the current event file, then set ``done``."""
@@ -171,9 +168,7 @@ class SummaryWriterThread:
             try:
                 if job is None:
                     return
-                if job is _CLOSE_FILE:
-                    self._close_file()
-                elif isinstance(job, _Synced):
+                if isinstance(job, _Synced):
                     try:
                         self._close_file()
                     finally:
@@ -205,10 +200,14 @@ class SummaryWriterThread:
             self._writer.close()
             self._writer = None
 
-    def _submit(self, job: Callable[[Any], None]) -> None:
+    def _raise_failure(self) -> None:
+        """Raises what failed on the worker since the last call, once."""
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
+
+    def _submit(self, job: Callable[[Any], None]) -> None:
+        self._raise_failure()
         self._queue.put(job)
 
     def scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
@@ -257,11 +256,8 @@ class SummaryWriterThread:
 
     def flush(self) -> None:
         """Waits until everything queued is written and on disk."""
-        self._submit(_CLOSE_FILE)
-        self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
+        self.sync_point().wait()
+        self._raise_failure()
 
     def _close_at_exit(self) -> None:
         try:

@@ -460,8 +460,6 @@ class Trainer:
         continuing = state is None and restored is None and self._replicated_state is not None
         if restored is not None:
             start_step, (epoch, skip) = restored.step, restored.position
-            if skip and skip == _length(data):
-                epoch, skip = epoch + 1, 0
         else:
             start_step = int(state.step) if state is not None else self._last_step if continuing else 0
             epoch, skip = self._position_of(data, start_step, continuing)
