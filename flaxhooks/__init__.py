@@ -22,6 +22,7 @@ from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
 from flaxhooks._events import ALWAYS_RUN, EVENTS
 from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch, EmptyDataError
 from flaxhooks._loop import Loop, device0_copy, first_replica
+from flaxhooks._processes import PeerLost, PeerTimeout, ProcessError
 from flaxhooks._progress import Progress
 from flaxhooks._schedule import Every
 from flaxhooks._state import TrainState
@@ -63,6 +64,9 @@ __all__ = [
     "Loop",
     "ModelCall",
     "NonFiniteError",
+    "PeerLost",
+    "PeerTimeout",
+    "ProcessError",
     "Progress",
     "Restored",
     "StopTraining",

@@ -27,6 +27,10 @@ class HookBus:
         self._handlers: dict[str, tuple[tuple[Callback, Callable[[Loop], Any]], ...]] = {
             event: () for event in EVENTS
         }
+        #: Set on runs of several processes: every handler of an event runs
+        #: even if one raises, and StopTraining acts as ``loop.stop``, so each
+        #: process runs the same collectives (an evaluation) at the same step.
+        self.agreed = False
         self.add(*callbacks)
 
     @property
@@ -77,7 +81,7 @@ class HookBus:
         outer = loop.event, loop.payload
         loop.event, loop.payload = event, payload
         try:
-            if event in ALWAYS_RUN:
+            if event in ALWAYS_RUN or self.agreed:
                 self._emit_to_all(event, loop)
                 return
             for callback, handler in self._handlers[event]:
@@ -95,6 +99,11 @@ class HookBus:
         for callback, handler in self._handlers[event]:
             try:
                 handler(loop)
+            except StopTraining as stop:
+                if not self.agreed:
+                    first = first or stop
+                    continue
+                loop.stop(str(stop) or f"{callback!r} raised StopTraining")
             except Exception as error:
                 if first is None:
                     first = error

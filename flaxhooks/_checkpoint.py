@@ -129,11 +129,19 @@ class Restored:
                 ) from error
 
 
+def _this_process_only() -> Any:
+    """orbax options under which this process reads or writes alone: no
+    orbax barrier, which would wait for (and time out on) slower processes."""
+    import orbax.checkpoint as ocp
+
+    index = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
 def _writer(directory: str, keep: int) -> Any:
     import orbax.checkpoint as ocp
 
     # Only process 0 writes; no process waits on another's barrier.
-    index = jax.process_index()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=False,  # made (and checked) by Checkpoint itself
@@ -141,11 +149,45 @@ def _writer(directory: str, keep: int) -> Any:
         # renamed into place; it is removed when the next writer opens.
         cleanup_tmp_directories=True,
         enable_async_checkpointing=False,  # saves already run on their own thread
-        multiprocessing_options=ocp.options.MultiprocessingOptions(
-            primary_host=index, active_processes={index}
-        ),
+        multiprocessing_options=_this_process_only(),
     )
     return ocp.CheckpointManager(directory, options=options)
+
+
+class _Background:
+    """``fn(*args)`` running on a daemon thread of its own.
+
+    A thread pool's threads are joined before the interpreter exits, so one
+    stuck reading a state that can never be computed (a lost process) would
+    keep the process alive. A daemon thread must instead be joined once done:
+    one still unwinding orbax's native state when the interpreter exits
+    aborts the process.
+    """
+
+    def __init__(self, fn: Any, *args: Any):
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                self._future.set_result(fn(*args))
+            except BaseException as error:
+                self._future.set_exception(error)
+
+        self._thread = threading.Thread(target=run, name="flaxhooks-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> bool:
+        """Waits up to ``timeout``; False if still running, else its result (or error)."""
+        try:
+            self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        self._thread.join()
+        self._future.result()
+        return True
 
 
 class Checkpoint(Callback):
@@ -218,8 +260,7 @@ class Checkpoint(Callback):
         #: Steps whose state was not saved because it was not finite.
         self.skipped_steps: list[int] = []
         self._writer: Any = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._saving: concurrent.futures.Future[None] | None = None
+        self._saving: _Background | None = None
         self._due = False
         self._saved_step: int | None = None
         self._boundary: int | None = None  # the last step whose events all ran
@@ -260,7 +301,11 @@ class Checkpoint(Callback):
         for step in reversed(steps):
             try:
                 return self._read(step)
-            except Exception as error:  # corrupted, truncated, or not ours
+            except (TimeoutError, jax.errors.JaxRuntimeError):
+                raise  # waiting or the runtime failed: the checkpoint itself may be fine
+            except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
+                # Corrupted, truncated, or not ours. (Anything else is a fault
+                # of the reader, never a reason to set a checkpoint aside.)
                 failures.append(f"step {step}: {type(error).__name__}: {error}")
                 warnings.warn(
                     f"the checkpoint at step {step} in {self.directory!r} cannot be restored "
@@ -275,7 +320,14 @@ class Checkpoint(Callback):
         import orbax.checkpoint as ocp
 
         path = os.path.join(self.directory, str(step))
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        # Every process reads on its own: a slower process (one that starts
+        # late) never makes another's read time out.
+        alone = _this_process_only()
+        handler = ocp.CompositeCheckpointHandler(
+            state=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+            meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone),
+        )
+        with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
             read = checkpointer.restore(path, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
             ))
@@ -346,36 +398,62 @@ class Checkpoint(Callback):
             if self._due or (self.at_epoch_end and loop.epoch_done):
                 self._save(loop)
 
+    #: Seconds to wait for a save in progress at the end of a failed fit:
+    #: the state it copies may come from a step that never finishes (a lost
+    #: process), and the checkpoints before it stay intact.
+    FAILING_WAIT_SECONDS = 30.0
+
     def on_fit_end(self, loop: Loop) -> None:
         # The last state, also when stopped early or interrupted: Ctrl-C and
         # signals stop at a step boundary; a KeyboardInterrupt raised anywhere
         # else is saved too if the state it left is whole.
-        if loop.exception is None or isinstance(loop.exception, KeyboardInterrupt):
+        failed = loop.exception is not None and not isinstance(loop.exception, KeyboardInterrupt)
+        if not failed:
             self._save(loop)
-        self.wait()
+        if self.wait(timeout=self.FAILING_WAIT_SECONDS if failed else None):
+            self._close_writer()  # each fit opens its own: nothing left behind between fits
+        else:
+            _log.warning(
+                "the checkpoint save in progress did not finish within %g s of the failure; the "
+                "checkpoints %s are intact", self.FAILING_WAIT_SECONDS, self.saved_steps(),
+            )
 
-    def wait(self) -> None:
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
         """Waits for the save in progress, if any.
+
+        Args:
+            timeout: the longest to wait, in seconds (None: until it is done).
+
+        Returns:
+            Whether no save is in progress any more.
 
         Raises:
             CheckpointError: it failed.
         """
-        saving, self._saving = self._saving, None
-        if saving is not None:
-            self._result(saving)
-
-    def _raise_failed_save(self) -> None:
-        if self._saving is not None and self._saving.done():
-            self.wait()
-
-    def _result(self, saving: concurrent.futures.Future[None]) -> None:
+        saving = self._saving
+        if saving is None:
+            return True
         try:
-            saving.result()
+            if not saving.result(timeout):
+                return False
         except Exception as error:
             raise CheckpointError(
                 f"saving a checkpoint to {self.directory!r} failed: {type(error).__name__}: {error}; "
                 f"the earlier checkpoints {self.saved_steps()} are intact"
             ) from error
+        finally:
+            if saving.done():
+                self._saving = None
+        return True
+
+    def _raise_failed_save(self) -> None:
+        if self._saving is not None and self._saving.done():
+            self.wait()
 
     def _save(self, loop: Loop) -> None:
         self._due = False
@@ -406,9 +484,7 @@ class Checkpoint(Callback):
         # checkpoint commits: a resumed run re-logs only what comes after it.
         writer = loop.published.get(TENSORBOARD_TOPIC)
         logs_synced = writer.sync_point() if writer is not None else None
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flaxhooks-checkpoint")
-        self._saving = self._pool.submit(self._write, step, copy, meta, logs_synced)
+        self._saving = _Background(self._write, step, copy, meta, logs_synced)
         self._saved_step = step
 
     def _at_boundary(self, loop: Loop) -> bool:

@@ -342,6 +342,11 @@ class Evaluate(Callback):
         return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
 
     def on_fit_start(self, loop: Loop) -> None:
+        if jax.process_count() > 1 and self.every is not None and self.every.seconds is not None:
+            raise ValueError(
+                f"{self!r} is due by time, which differs between processes; every process must "
+                "evaluate at the same steps: use Every(steps=N)"
+            )
         self._evaluated_step = None  # a new fit: evaluate even at a step seen before
 
     def on_step_end(self, loop: Loop) -> None:

@@ -100,7 +100,7 @@ class Summary(Callback):
         self.console = console
         self.table: str | None = None
         self.parameters: int | None = None
-        self._written_to: Any = None  # the TensorBoard writer the table went to
+        self._written_to: Any = None  # the run (a writer's logdir) the table went to
 
     def __repr__(self) -> str:
         return f"Summary(depth={self.depth!r})"
@@ -160,8 +160,12 @@ class Summary(Callback):
                 self.console = Console(**self.console_kwargs)
             self.console.print(rendered, soft_wrap=True)
         writer = loop.published.get(TOPIC)
+        if writer is None:
+            return
+        # Each fit opens a new writer on the same run: the run is what counts.
+        run = getattr(writer, "logdir", writer)
         if loop.resumed_from:  # the resumed run's first part wrote it
-            self._written_to = writer
-        if writer is not None and writer is not self._written_to:
+            self._written_to = run
+        if run != self._written_to:
             writer.text(TAG, f"```\n{self.table.rstrip()}\n```", loop.step)
-            self._written_to = writer
+            self._written_to = run

@@ -76,6 +76,33 @@ def find_learning_rate(opt_state: Any) -> Any | None:
     return found[0] if found else None
 
 
+def _write_directly(writer: Any) -> None:
+    """Makes a tensorboardX ``SummaryWriter`` write each event to its file at
+    once, on the calling thread (ours already runs off the training thread).
+
+    tensorboardX hands every event to its own writer thread through a
+    ``multiprocessing.Queue``, which pickles it: about 0.2 ms an event, a cost
+    that shows when every step is logged. Writing directly also keeps one
+    file in the order events were made. Should tensorboardX's internals
+    change, its own path is kept.
+    """
+    event_writer = getattr(writer._get_file_writer(), "event_writer", None)
+    records = getattr(event_writer, "_ev_writer", None)
+    if records is not None and hasattr(records, "write_event"):
+        event_writer.add_event = records.write_event
+
+
+def _close_summary_writer(writer: Any) -> None:
+    """Closes a tensorboardX ``SummaryWriter`` and waits for every thread it
+    started: closing its ``multiprocessing.Queue`` leaves the queue's feeder
+    thread to finish on its own."""
+    event_writer = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    queue = getattr(event_writer, "_event_queue", None)
+    writer.close()
+    if queue is not None and hasattr(queue, "join_thread"):
+        queue.join_thread()
+
+
 def write_scalars(writer: Any, values: Mapping[str, float], step: int) -> None:
     """Writes many scalars as one event: one protobuf and one queued record
     instead of one per tag, which matters at hundreds of tags per step."""
@@ -151,6 +178,11 @@ class SummaryWriterThread:
     call from the training thread.
     """
 
+    #: Buffered step scalars go to the thread in batches of at most this many
+    #: steps, or once the oldest has waited this many seconds.
+    BATCH_STEPS = 64
+    BATCH_SECONDS = 1.0
+
     def __init__(self, logdir: str, flush_secs: int = 30):
         self.logdir = logdir
         self._flush_secs = flush_secs
@@ -160,6 +192,8 @@ class SummaryWriterThread:
         self._thread = threading.Thread(target=self._work, name="flaxhooks-tensorboard", daemon=True)
         self._thread.start()
         self._closed = False
+        self._buffer: list[tuple[int, str, Mapping[str, Any]]] = []
+        self._buffer_since = 0.0
         atexit.register(self._close_at_exit)  # writes queued after the last flush still land
 
     def _work(self) -> None:
@@ -190,6 +224,7 @@ class SummaryWriterThread:
             self._writer = SummaryWriter(
                 self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{time.time_ns()}"
             )
+            _write_directly(self._writer)
         return self._writer
 
     def _close_file(self) -> None:
@@ -197,7 +232,7 @@ class SummaryWriterThread:
         # thread; only close() drains them. The next write opens a new file
         # in the same run directory, which TensorBoard reads in order.
         if self._writer is not None:
-            self._writer.close()
+            _close_summary_writer(self._writer)
             self._writer = None
 
     def _raise_failure(self) -> None:
@@ -207,7 +242,45 @@ class SummaryWriterThread:
             raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
 
     def _submit(self, job: Callable[[Any], None]) -> None:
+        if self._closed:
+            raise RuntimeError(f"the TensorBoard writer of {self.logdir!r} is closed")
         self._raise_failure()
+        self._send_buffer()  # what was buffered before this job is written before it
+        self._queue.put(job)
+
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Buffers one step's scalars; cheap enough to call every step.
+
+        ``values`` are floats or replicated device arrays that the step
+        returned (never donated, so they are neither copied nor read here):
+        the writer thread reads device 0's copy of a whole batch of steps at
+        once. What is buffered goes out before any later call's work.
+        """
+        if not self._buffer:
+            self._buffer_since = time.monotonic()
+        self._buffer.append((step, prefix, values))
+        waited = time.monotonic() - self._buffer_since
+        if len(self._buffer) >= self.BATCH_STEPS or waited >= self.BATCH_SECONDS:
+            self._raise_failure()
+            self._send_buffer()
+
+    def _send_buffer(self) -> None:
+        if not self._buffer:
+            return
+        entries, self._buffer = self._buffer, []
+
+        def job(writer: Any) -> None:
+            # One transfer per value, of device 0's copy only, all started together.
+            host = jax.device_get([
+                [v.addressable_shards[0].data if isinstance(v, jax.Array) else v for v in values.values()]
+                for _, _, values in entries
+            ])
+            for (step, prefix, values), row in zip(entries, host, strict=True):
+                write_scalars(writer, {
+                    prefix + name: np.asarray(value).reshape(-1)[0]
+                    for name, value in zip(values, row, strict=True)
+                }, step)
+
         self._queue.put(job)
 
     def scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
@@ -251,13 +324,24 @@ class SummaryWriterThread:
         checkpoint's step survive even a kill -9 right after it.
         """
         done = threading.Event()
+        if self._closed:  # everything it was given is on disk
+            done.set()
+            return done
         self._submit(_Synced(done))  # type: ignore[arg-type]
         return done
 
-    def flush(self) -> None:
-        """Waits until everything queued is written and on disk."""
-        self.sync_point().wait()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until everything queued is written and on disk.
+
+        Args:
+            timeout: the longest to wait, in seconds (None: as long as it takes).
+
+        Returns:
+            Whether everything was written (False only when ``timeout`` ran out).
+        """
+        done = self.sync_point().wait(timeout)
         self._raise_failure()
+        return done
 
     def _close_at_exit(self) -> None:
         try:
@@ -265,17 +349,29 @@ class SummaryWriterThread:
         except RuntimeError as error:  # the interpreter is exiting: report, do not raise
             _log.error("%s", error)
 
-    def close(self) -> None:
-        """Flushes, stops the thread and closes the file (idempotent)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Flushes, stops the thread and closes the file (idempotent).
+
+        Args:
+            timeout: the longest to wait for what is queued (None: as long as
+                it takes). A failing run passes one: the values a job reads may
+                come from a step that can never finish.
+
+        Returns:
+            Whether everything queued was written.
+        """
         if self._closed:
-            return
-        self._closed = True
+            return True
         atexit.unregister(self._close_at_exit)
+        done = False
         try:
-            self.flush()
+            done = self.flush(timeout)
         finally:
+            self._closed = True
             self._queue.put(None)
-            self._thread.join()
+            if done:
+                self._thread.join()
+        return done
 
 
 class TensorBoard(Callback):
@@ -284,13 +380,19 @@ class TensorBoard(Callback):
     Tags: ``train/<metric>`` every ``every`` steps (with ``train/steps_per_s``
     and ``train/learning_rate``), ``<eval name>/<metric>`` at every
     evaluation, and the run's hyperparameters in the Text and HParams tabs.
-    Metrics are handed to a writer thread as device arrays and read there, so
-    the training thread never waits for them. Files are flushed at the end of
-    every fit, also after an error or a KeyboardInterrupt.
 
-    Other callbacks write through the same files: at ``fit_start`` the writer
-    is published as ``loop.published["tensorboard"]`` (a
-    :class:`SummaryWriterThread`; absent on processes other than 0).
+    Logging is cheap enough for every step. The training thread only buffers
+    the step's metrics, as the device arrays the step returned; a writer
+    thread reads a batch of steps at once (device 0's copy only) and writes
+    them. Nothing waits for the devices, and no value is copied but the
+    learning rate, which lives in the optimizer state the next step donates.
+
+    Each fit opens the run's writer at ``fit_start`` and closes it, with its
+    thread and event file, at ``fit_end`` (also after an error or a
+    KeyboardInterrupt), so many fits in one process (a sweep, a notebook)
+    leave nothing behind. While a fit runs, other callbacks write through the
+    same files: the writer is published as ``loop.published["tensorboard"]``
+    (a :class:`SummaryWriterThread`; absent on processes other than 0).
 
     Args:
         logdir: the run directory; checked for writing at once.
@@ -307,6 +409,9 @@ class TensorBoard(Callback):
 
     order = -90  # publishes the writer before other callbacks' fit_start
     process_zero_only = True
+    #: Seconds to wait for the writer at the end of a failed fit: what it
+    #: still has to read may come from a step that never finishes.
+    FAILING_WAIT_SECONDS = 5.0
 
     def __init__(
         self,
@@ -339,11 +444,10 @@ class TensorBoard(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         check_writable(self.logdir)
+        self.close()  # a fit that never reached its end (killed between fits)
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
-        if self.writer is None:
-            # One event file per run: a later fit of the same Trainer appends to it.
-            self.writer = SummaryWriterThread(self.logdir)
+        self.writer = SummaryWriterThread(self.logdir)
         loop.publish(TOPIC, self.writer)
         self._mark = (loop.settled_step or loop.step, time.perf_counter())
         if self.hparams and not self._hparams_written:
@@ -355,8 +459,6 @@ class TensorBoard(Callback):
         """Resuming from ``step``: the points the stopped run logged after it
         are logged again, so they go; so does its HParams record, as the
         resumed run writes the run's final one."""
-        if self.writer is not None:
-            self.writer.flush()  # closes the event file, so it can be rewritten
         dropped = truncate_events(self.logdir, step)
         shutil.rmtree(os.path.join(self.logdir, "hparams"), ignore_errors=True)
         if dropped:
@@ -372,30 +474,40 @@ class TensorBoard(Callback):
         step, then = self._mark
         now = time.perf_counter()
         self._mark = (settled, now)
-        values: dict[str, Any] = device0_copy(dict(loop.metrics))
+        values: dict[str, Any] = dict(loop.metrics)
         if settled > step:
             values["steps_per_s"] = (settled - step) / max(now - then, 1e-9)
         learning_rate = self._learning_rate(loop)
         if learning_rate is not None:
             values["learning_rate"] = learning_rate
-        self.writer.scalars(values, loop.step, prefix="train/")
+        self.writer.step_scalars(values, loop.step, prefix="train/")
 
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:
             return self.learning_rate(loop.step)
         found = find_learning_rate(loop.state.opt_state)
-        return None if found is None else device0_copy(found)
+        # The next step donates the optimizer state: keep a copy (no transfer).
+        return None if found is None else _detach(device0_copy(found))
 
     def on_eval_end(self, loop: Loop) -> None:
-        if self.writer is None:
-            return
         payload = loop.payload
-        self.writer.scalars(payload["metrics"], payload["step"], prefix=f"{payload['name']}/")
         self._last_eval = {f"{payload['name']}/{k}": v for k, v in payload["metrics"].items()}
+        if self.writer is not None:
+            self.writer.scalars(payload["metrics"], payload["step"], prefix=f"{payload['name']}/")
+            return
+        # An evaluation outside fit (Trainer.evaluate): a writer just for it.
+        writer = SummaryWriterThread(self.logdir)
+        try:
+            writer.scalars(payload["metrics"], payload["step"], prefix=f"{payload['name']}/")
+        finally:
+            writer.close()
 
     def on_fit_end(self, loop: Loop) -> None:
-        if self.writer is None:
+        writer, self.writer = self.writer, None
+        if writer is None:
             return
+        if loop.published.get(TOPIC) is writer:
+            del loop.published[TOPIC]
         if self.hparams:
             metrics = {k: v for k, v in self._last_eval.items() if math.isfinite(v)}
             hparams = {k: v if isinstance(v, (bool, str, int, float)) else str(v)
@@ -403,14 +515,18 @@ class TensorBoard(Callback):
             # add_hparams opens its own writer, unsuffixed, in logdir/<name>:
             # a name per fit keeps one fit's record from overwriting another's.
             step, name = loop.step, f"hparams/{time.time_ns()}"
-            self.writer.call(
-                lambda writer: writer.add_hparams(hparams, metrics, name=name, global_step=step)
-            )
+            writer.call(lambda w: w.add_hparams(hparams, metrics, name=name, global_step=step))
         # Also after an error or KeyboardInterrupt: fit_end always runs.
-        self.writer.flush()
+        if loop.exception is None:
+            writer.close()
+        elif not writer.close(timeout=self.FAILING_WAIT_SECONDS):
+            _log.warning(
+                "TensorBoard: what was logged in the last steps before the failure could not be "
+                "written within %g s and is left out", self.FAILING_WAIT_SECONDS,
+            )
 
     def close(self) -> None:
-        """Closes the event file (a later fit opens a new one)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        """Closes the event file and its thread (each fit opens its own)."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()

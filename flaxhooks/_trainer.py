@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -43,6 +44,7 @@ from flaxhooks._input import (
     check_layout,
 )
 from flaxhooks._loop import Loop, unreplicate
+from flaxhooks._processes import AgreedStops, LocalStops, stops_for
 from flaxhooks._state import TrainState
 from flaxhooks._step import (
     AXIS,
@@ -82,7 +84,9 @@ class Trainer:
         rng_names: RNG streams the model uses, each given a different key per
             step and per device.
         seed: seeds initialization and the per-step keys.
-        devices: local devices to train on (default: all of them).
+        devices: local devices to train on (default: all of them). On
+            several processes every device of every process takes part, so
+            leave it out there.
         state_collections: the collections carried from step to step besides
             ``params`` (e.g. ``("batch_stats",)``). Default: every collection
             ``init`` returns whose structure and shapes a train-mode call
@@ -98,6 +102,9 @@ class Trainer:
             read). It bounds the device memory held by queued batches and, on
             a CPU split into several devices, keeps XLA's all-reduce
             rendezvous from deadlocking under unbounded dispatch.
+        peer_timeout: on several processes, the longest one process waits
+            for another (at the start of ``fit``, for a resume, for an agreed
+            stop), in seconds; while it waits it says which process it waits for.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -130,13 +137,24 @@ class Trainer:
         example_loss_fn: ExampleLossFn | None = None,
         label_key: str | None = "label",
         max_steps_in_flight: int = 2,
+        peer_timeout: float = 600.0,
     ):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.call = ModelCall.create(model, input_keys, train_arg, rng_names)
         self.seed = seed
+        if devices and jax.process_count() > 1:
+            raise ValueError(
+                f"devices= picks local devices, but this run has {jax.process_count()} processes: every "
+                "compiled step spans every device of every process, so leave devices out"
+            )
         self.devices: list[jax.Device] = list(devices) if devices else jax.local_devices()
+        # None: pmap over every device of every process (its local ones here).
+        self._pmap_devices = list(devices) if devices else None
+        if peer_timeout <= 0:
+            raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
+        self.peer_timeout = peer_timeout
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight
@@ -154,10 +172,12 @@ class Trainer:
         self._evaluators: dict[type, Evaluator] = {}
         self._active_loop: Loop | None = None
         self._instrumented: tuple[tuple[InstrumentedCallback, ...], Callable[..., Any]] | None = None
+        self._stops: LocalStops = LocalStops()
+        self._zeros: Any = None
         self._train_step = jax.pmap(
             self._counted("train_step", make_train_step(self.call, loss_fn)),
             axis_name=AXIS,
-            devices=list(devices) if devices else None,
+            devices=self._pmap_devices,
             donate_argnums=(0,),
         )
 
@@ -191,7 +211,9 @@ class Trainer:
         Raises:
             BatchError: the batch does not fit the devices, the model or the loss.
         """
-        create, abstract_state = self._planned_state(batch)
+        return self._created(self._planned_state(batch)[0], batch)
+
+    def _created(self, create: Callable[..., TrainState], batch: HostBatch) -> TrainState:
         spec = self.batch_spec
         assert spec is not None
         batch_shard = {k: np.asarray(v)[: spec.batch_size // spec.num_devices] for k, v in batch.items()}
@@ -341,7 +363,7 @@ class Trainer:
                     )
             step = jax.pmap(
                 self._counted("instrumented_step", self._instrumented_fn(callbacks)),
-                axis_name=AXIS, devices=self.devices, donate_argnums=(0,),
+                axis_name=AXIS, devices=self._pmap_devices, donate_argnums=(0,),
             )
             self._instrumented = (callbacks, step)
         return self._instrumented[1]
@@ -449,23 +471,80 @@ class Trainer:
         Returns:
             The final train state, on one device.
 
+        On several JAX processes every process must call ``fit`` alike. They
+        agree before compiling on the batch layout, the batches per epoch and
+        where training starts, and any stop (a signal, ``loop.stop``, an
+        error) takes effect at the same step on every process.
+
         Raises:
             TrainingInterrupted: a signal stopped training (after the end hooks).
+            ProcessError: on several processes, training failed on one of them
+                (raised on every process, naming it).
         """
         if epochs is None and steps is None:
             raise ValueError("fit needs epochs, steps or both")
         if not self.bus.find(DevicePrefetch):
             self.bus.add(DevicePrefetch())
+        stops = stops_for(self.peer_timeout)
+        self._stops, self.bus.agreed = stops, stops.several
+        failure: Exception | None = None
+        try:
+            start = self._prepare(data, state, resume)
+        except Exception as error:
+            if not stops.several:
+                raise
+            start, failure = None, error
+        # On several processes: the same layout, length and position
+        # everywhere, and a failure anywhere raised everywhere, before compiling.
+        stops.start(start.record if start else {}, failure)
+        assert start is not None
+        if start.state is not None:
+            state = start.state
+        elif start.create is not None:
+            state = self._created(start.create, start.first)
+        if state is not None:
+            self._replicated_state = jax_utils.replicate(state, self.devices, axis_name=AXIS)
+        assert self._replicated_state is not None
+        restored, resumed = start.restored, start.record["resumed"]
+        loop = Loop(
+            trainer=self, state=self._replicated_state, step=start.step, epoch=start.epoch,
+            epoch_step=start.skip, max_steps=steps, max_epochs=epochs, steps_per_epoch=_length(data),
+            resumed_from=resumed,
+        )
+        if restored is not None and restored.stop_reason:
+            loop.stop(f"the checkpointed run had stopped: {restored.stop_reason}")
+        error: BaseException | None = None
+        try:
+            with _stop_on_signals(loop):
+                self._drive(loop, data, itertools.chain([start.first], start.batches))
+        except BaseException as failed:
+            error = failed
+            raise
+        finally:
+            self._active_loop = None
+            self._replicated_state = loop.state
+            self._last_step = loop.step
+            self._last_position = (loop.epoch, loop.epoch_step)
+            stops.close(loop, error)
+        signum = stops.interrupted(loop)
+        if signum is not None:
+            raise TrainingInterrupted(signum, loop.step)
+        return unreplicate(loop.state)
+
+    def _prepare(self, data: Data, state: TrainState | None, resume: bool) -> _Start:
+        """Everything ``fit`` checks before compiling: the checkpoint to
+        resume, the position in the data, the first batch and its layout."""
         restored = self._latest_checkpoint(state) if resume else None
         continuing = state is None and restored is None and self._replicated_state is not None
+        create = None
         if restored is not None:
             start_step, (epoch, skip) = restored.step, restored.position
         else:
             start_step = int(state.step) if state is not None else self._last_step if continuing else 0
             epoch, skip = self._position_of(data, start_step, continuing)
-        first_batches = _epoch_batches(data, epoch, skip)
+        batches = _epoch_batches(data, epoch, skip)
         try:
-            first = next(first_batches)
+            first = next(batches)
         except StopIteration:
             raise EmptyDataError(
                 f"the training data yielded no batch (epoch {epoch}, after {skip} batches)"
@@ -475,31 +554,19 @@ class Trainer:
             restored.load_callbacks(self.callbacks)
             _log.info("resuming from step %d (%s)", restored.step, restored.path)
         elif state is None and not continuing:
-            state = self.init(first)
+            create = self._planned_state(first)[0]  # abstract: compiles nothing
         else:
             self.batch_spec = BatchSpec.of(first, len(self.devices), self.call.input_keys)
             self._check_step(self._replicated_state if state is None else state, replicated=state is None)
-        if state is not None:
-            self._replicated_state = jax_utils.replicate(state, self.devices, axis_name=AXIS)
-        assert self._replicated_state is not None
-        loop = Loop(
-            trainer=self, state=self._replicated_state, step=start_step, epoch=epoch, epoch_step=skip,
-            max_steps=steps, max_epochs=epochs, steps_per_epoch=_length(data),
-            resumed_from=(restored.step if restored else 0) if resume else None,
-        )
-        if restored is not None and restored.stop_reason:
-            loop.stop(f"the checkpointed run had stopped: {restored.stop_reason}")
-        try:
-            with _stop_on_signals(loop):
-                self._drive(loop, data, itertools.chain([first], first_batches))
-        finally:
-            self._active_loop = None
-            self._replicated_state = loop.state
-            self._last_step = loop.step
-            self._last_position = (loop.epoch, loop.epoch_step)
-        if loop.interrupted is not None:
-            raise TrainingInterrupted(loop.interrupted, loop.step)
-        return unreplicate(loop.state)
+        spec = self.batch_spec
+        assert spec is not None
+        record = {
+            "layout": f"{spec.describe()} over {spec.num_devices} devices",
+            "length": _length(data),
+            "start": [start_step, epoch, skip],
+            "resumed": (restored.step if restored else 0) if resume else None,
+        }
+        return _Start(record, first, batches, start_step, epoch, skip, state, create, restored)
 
     def _latest_checkpoint(self, state: TrainState | None) -> Restored | None:
         if state is not None:
@@ -531,7 +598,7 @@ class Trainer:
 
     def _finished(self, loop: Loop) -> bool:
         return (
-            loop.should_stop
+            self._stops.at_boundary(loop)
             or (loop.max_steps is not None and loop.step >= loop.max_steps)
             or (loop.max_epochs is not None and loop.epoch >= loop.max_epochs)
         )
@@ -546,6 +613,7 @@ class Trainer:
                     first_epoch = _epoch_batches(data, loop.epoch, 0)
                 self._run_epoch(loop, scopes, first_epoch, one_shot=_is_iterator(data))
                 first_epoch = None
+            self._stops.finish(loop)
             self._close(loop, scopes)
         except StopTraining as stop:
             loop.stop(str(stop) or "a callback raised StopTraining")
@@ -556,7 +624,10 @@ class Trainer:
                 self._fail(loop, scopes, error)
                 raise
         except BaseException as error:
-            self._fail(loop, scopes, error)
+            reported = self._stops.failed(loop, error)
+            self._fail(loop, scopes, reported)
+            if reported is not error:
+                raise reported from error
             raise
         if loop.stop_reason:
             _log.info("training stopped at step %d: %s", loop.step, loop.stop_reason)
@@ -564,7 +635,7 @@ class Trainer:
     def _run_epoch(self, loop: Loop, scopes: list[str], batches: Iterator[HostBatch], one_shot: bool) -> None:
         loop.batches = batches
         self._open(loop, scopes, "epoch")
-        emit, step_fn, max_steps = self.bus.emit, self._train_step, loop.max_steps
+        emit, step_fn, max_steps, stops = self._emit, self._train_step, loop.max_steps, self._stops
         instrumenting = self._instrumenting()
         instrumented_fn = self._instrumented_step(instrumenting) if instrumenting else None
         result_keys = {cb: str(i) for i, cb in enumerate(instrumenting)}
@@ -572,10 +643,13 @@ class Trainer:
         in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         steps_before = loop.step
         completed = True
-        for batch in loop.batches if not loop.should_stop else ():
+        for batch in self._epoch_source(loop) if not stops.at_boundary(loop) else ():
             loop.batch = batch
+            if stops.at_boundary(loop, pulled=True):
+                completed = False
+                break
             emit("step_start", loop)
-            if loop.should_stop:
+            if stops.at_boundary(loop) or not stops.may_dispatch(loop):
                 completed = False
                 break
             # Decided on the host, per step: the lean step unless a callback is due.
@@ -594,9 +668,9 @@ class Trainer:
             in_flight.append((loop.step, loop.metrics))
             if len(in_flight) > self.max_steps_in_flight:
                 loop.settled_step, loop.settled_metrics = in_flight.popleft()
-                loop.settled_metrics["loss"].block_until_ready()
+                stops.wait_ready(loop, loop.settled_metrics["loss"])
             emit("step_end", loop)
-            if loop.should_stop or (max_steps is not None and loop.step >= max_steps):
+            if stops.at_boundary(loop) or (max_steps is not None and loop.step >= max_steps):
                 completed = False
                 break
         loop.batch = None
@@ -606,20 +680,75 @@ class Trainer:
         loop.epoch_done = completed
         if loop.step == steps_before and not loop.should_stop:
             if not one_shot:
-                raise EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch")
-            loop.stop("the data iterator is exhausted")
+                self._fault(loop, EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch"))
+            else:
+                loop.stop("the data iterator is exhausted")
         self._close(loop, scopes)
         if completed:
             loop.epoch, loop.epoch_step, loop.epoch_done = loop.epoch + 1, 0, False
 
+    def _epoch_source(self, loop: Loop) -> Iterator[Any]:
+        """The epoch's device batches. On several processes, data that fails
+        or runs out before the others' is replaced by zeros until the step
+        every process stops at, so no process waits in a collective alone."""
+        batches = loop.batches
+        assert batches is not None
+        if not self._stops.several:
+            yield from batches
+            return
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                if self._stops.data_ended(loop):
+                    return
+                break
+            except Exception as error:
+                self._fault(loop, error)
+                break
+            yield batch
+        if self._zeros is None:
+            spec = self.batch_spec
+            assert spec is not None
+            zeros = spec.shard({k: np.zeros((spec.batch_size, *shape), dtype)
+                                for k, (dtype, shape) in spec.fields.items()})
+            self._zeros = next(jax_utils.prefetch_to_device(iter([zeros]), 1, devices=self.devices))
+        while True:
+            yield self._zeros
+
+    def _emit(self, event: str, loop: Loop) -> None:
+        try:
+            self.bus.emit(event, loop)
+        except Exception as error:
+            self._fault(loop, error)
+
+    def _fault(self, loop: Loop, error: Exception) -> None:
+        """Raises ``error``; on several processes keeps it instead, to be
+        raised on every process at the step they agree to stop at."""
+        if not self._stops.several:
+            raise error
+        stops = typing.cast(AgreedStops, self._stops)
+        if stops.fault is None:
+            stops.fault = error
+            _log.error(
+                "process %d failed at step %d (%s): every process stops at the step they agree on",
+                jax.process_index(), loop.step, error, exc_info=error,
+            )
+        else:
+            _log.error("process %d failed again at step %d: %s", jax.process_index(), loop.step, error)
+
     def _open(self, loop: Loop, scopes: list[str], scope: str) -> None:
         scopes.append(scope)
-        self.bus.emit(f"{scope}_start", loop)
+        self._emit(f"{scope}_start", loop)
 
     def _close(self, loop: Loop, scopes: list[str]) -> None:
         """Emits the end event of the innermost open scope on a normal exit."""
+        scope = scopes.pop()
         try:
-            self.bus.emit(f"{scopes.pop()}_end", loop)
+            if scope == "fit":  # nothing comes after it to agree at
+                self.bus.emit("fit_end", loop)
+            else:
+                self._emit(f"{scope}_end", loop)
         except StopTraining as stop:
             loop.stop(str(stop) or "a callback raised StopTraining")
 
@@ -629,6 +758,21 @@ class Trainer:
         self.bus.emit_while_failing("exception", loop)
         while scopes:
             self.bus.emit_while_failing(f"{scopes.pop()}_end", loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What ``fit`` found before compiling (see ``Trainer._prepare``)."""
+
+    record: dict[str, Any]  # what every process must agree on
+    first: HostBatch
+    batches: Iterator[HostBatch]  # the first epoch's, after ``first``
+    step: int
+    epoch: int
+    skip: int
+    state: TrainState | None  # given or restored
+    create: Callable[..., TrainState] | None  # builds a fresh state
+    restored: Restored | None
 
 
 def _with_leading(tree: Any, size: int) -> Any:

@@ -39,6 +39,9 @@ class Config:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 _HELP = {
@@ -60,7 +63,16 @@ _HELP = {
                         "end of training (0: only those)",
     "keep_checkpoints": "how many of the latest checkpoints to keep",
     "resume": "go on from the latest checkpoint in the workdir (a fresh start if there is none)",
+    "coordinator": "several processes: the address (host:port) of process 0, where JAX's coordination "
+                   "service runs; with --num-processes and --process-id, or 'auto' to let JAX detect "
+                   "all three (SLURM, Cloud TPU, ...)",
+    "num_processes": "several processes: how many take part",
+    "process_id": "several processes: this one's index, from 0",
 }
+
+#: Settings of where the run happens, not of the run: a resumed run, or one
+#: on another number of processes, is the same run.
+_PLACEMENT = ("resume", "coordinator", "num_processes", "process_id")
 
 
 def _images(images: Any) -> Any:
@@ -71,7 +83,7 @@ def _images(images: Any) -> Any:
 
 def _hyperparameters(config: Config) -> dict[str, Any]:
     """The settings that define the run (a resumed run is the same run)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k != "resume"}
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _PLACEMENT}
 
 
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
@@ -94,6 +106,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         post-ReLU values the CNN sows) and of their gradients
         (``activation_grads/...``).
     """
+    import jax
     import optax
 
     import flaxhooks
@@ -104,9 +117,13 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     logdir = str(Path(workdir) / "tensorboard")
     # Says in one logged line why it fell back to the bundled sample, if it did.
     data = mnist_data.load_mnist(config.data_dir, config.cache_dir, download=config.download)
+    processes = jax.process_count()
+    if config.batch_size % processes:
+        raise ValueError(f"--batch-size {config.batch_size} does not divide over {processes} processes")
+    # Each process takes its own share of every global batch.
     train = flaxhooks.ArrayLoader(
         {"image": _images(data.train_images), "label": data.train_labels},
-        config.batch_size, seed=config.seed,
+        config.batch_size // processes, seed=config.seed,
     )
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
@@ -133,21 +150,23 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         seed=config.seed,
         callbacks=callbacks,
     )
-    print(
+    say = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)
+    where = f" on {processes} processes" if processes > 1 else ""
+    say(
         f"training on {len(data.train_labels)} {data.source} MNIST digits, "
-        f"{len(trainer.devices)} {trainer.devices[0].platform} device(s), "
+        f"{jax.device_count()} {trainer.devices[0].platform} device(s){where}, "
         f"{config.epochs} epochs of {len(train)} steps",
         flush=True,
     )
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
     final = evaluation.result  # the evaluation at the last epoch's end
     assert final is not None and final.step == int(state.step)
-    print(
+    say(
         f"held-out accuracy {final.metrics['accuracy']:.4f}  loss {final.metrics['loss']:.4f} "
         f"({final.examples} {data.source} MNIST test digits, step {int(state.step)})",
         flush=True,
     )
-    print(f"view the run: tensorboard --logdir {logdir}", flush=True)
+    say(f"view the run: tensorboard --logdir {logdir}", flush=True)
     return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 
@@ -163,12 +182,25 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=_HELP[field.name])
             continue
-        kind = {"int": int, "float": float, "int | None": int}.get(field.type, str)
+        kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
         parser.add_argument(flag, type=kind, default=field.default,
                             help=_HELP[field.name] + " (default: %(default)s)")
     args = vars(parser.parse_args(argv))
     workdir = args.pop("workdir")
     return Config(**args), workdir
+
+
+def _join_processes(config: Config) -> None:
+    """Joins this process to the others with JAX's own multi-process runtime."""
+    import jax
+
+    # CPU devices of several processes reduce over TCP (gloo); GPUs and TPUs
+    # use their own interconnect and ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if config.coordinator == "auto":
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import flaxhooks  # JAX's backends start only when first used, after this
 
     flaxhooks.use_cpu_devices(config.cpu_devices)
+    if config.coordinator or config.num_processes or config.process_id is not None:
+        _join_processes(config)
     try:
         train_and_evaluate(config, workdir)
     except flaxhooks.TrainingInterrupted as interrupted:

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -232,3 +233,25 @@ def test_non_finite_scalars_are_written(tmp_path):
 
     sgd_trainer(callbacks=[TensorBoard(tmp_path), Diverge()]).fit(make_batches(1), steps=1)
     assert np.isnan(scalars(tmp_path, "x/nan")[0][1]) and np.isinf(scalars(tmp_path, "x/inf")[0][1])
+
+
+def test_many_fits_leave_no_threads_or_open_files_behind(tmp_path):
+    """A sweep or a notebook fits many Trainers in one process: each fit's
+    writers, their threads and their files are closed when it ends."""
+
+    def fit(i):
+        trainer = sgd_trainer(callbacks=[
+            TensorBoard(tmp_path / f"tensorboard-{i}", every=1, hparams={"run": i}),
+            flaxhooks.Checkpoint(tmp_path / f"checkpoints-{i}", every=1),
+        ])
+        trainer.fit(make_batches(3), epochs=1)
+        trainer.evaluate(make_arrays(16), batch_size=8)  # outside fit: a writer just for it
+
+    fit(0)  # the first fit starts what lives as long as the process (JAX's and orbax's pools)
+    threads = {t.name for t in threading.enumerate()}
+    files = len(os.listdir("/proc/self/fd"))
+    for i in range(1, 6):
+        fit(i)
+    assert {t.name for t in threading.enumerate()} <= threads
+    assert len(os.listdir("/proc/self/fd")) <= files
+    assert scalars(tmp_path / "tensorboard-5", "eval/loss")[0][0] == 3
