@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **{f"ratio_{name}": statistics.median(ratios[name]) for name in TARGETS},
         **{f"ratios_{name}": ratios[name] for name in TARGETS},
         "targets": TARGETS,
-        "compiles": {name: dict(trainer.trace_counts) for name, trainer in trainers.items()},
+        "compiles": {name: dict(trainer.runner.traces) for name, trainer in trainers.items()},
         "jax_version": jax.__version__,
     }
     for name, target in TARGETS.items():

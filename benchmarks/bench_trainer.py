@@ -298,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "ratio_observed": statistics.median(ratios["observed"]),
         "ratios_observed": ratios["observed"],
         "target_observed": TARGET_RATIO_OBSERVED,
-        "compiles": trainer.trace_counts["train_step"],
-        "compiles_observed": observed.trace_counts["train_step"],
+        "compiles": trainer.runner.traces["train_step"],
+        "compiles_observed": observed.runner.traces["train_step"],
         "jax_version": jax.__version__,
     }
     for label, key, target in (("trainer + 10 no-op callbacks", "ratio", TARGET_RATIO),

@@ -1,47 +1,67 @@
 """flaxhooks: a training loop for Flax with a hook bus for callbacks.
 
+The names here are what users write. The subpackages show the architecture
+and hold the rest: ``core`` (events, callbacks, the bus, the loop, the
+Trainer), ``step`` (the model adapter, the state, the step and its runner),
+``data`` (batches, the input pipeline, devices), ``eval`` (exact
+evaluation), ``callbacks`` (one file each) and ``writers`` (what callbacks
+write through).
+
 Example:
     >>> import flaxhooks
     >>> flaxhooks.EVENTS[:3]
     ('fit_start', 'epoch_start', 'step_start')
 """
 
-from flaxhooks._activations import (
+from flaxhooks.callbacks import (
     ActivationGradStats,
     ActivationStats,
+    Checkpoint,
+    CheckpointError,
+    CheckpointWarning,
+    ConsoleLog,
+    EarlyStopping,
+    Evaluate,
     InstrumentedCallback,
     NonFiniteError,
+    Progress,
+    Summary,
     TapStats,
+    TensorBoard,
 )
-from flaxhooks._bus import HookBus
-from flaxhooks._callback import Callback, CallbackError, StopTraining
-from flaxhooks._checkpoint import Checkpoint, CheckpointError, CheckpointWarning, Restored
-from flaxhooks._console import ConsoleLog
-from flaxhooks._devices import use_cpu_devices
-from flaxhooks._eval import EarlyStopping, EvalResult, Evaluate, LossAccuracy
-from flaxhooks._events import ALWAYS_RUN, EVENTS
-from flaxhooks._input import ArrayLoader, BatchError, BatchSpec, DevicePrefetch, EmptyDataError
-from flaxhooks._loop import Loop, device0_copy, first_replica
-from flaxhooks._processes import PeerLost, PeerTimeout, ProcessError
-from flaxhooks._progress import Progress
-from flaxhooks._schedule import Every
-from flaxhooks._state import TrainState
-from flaxhooks._stats import ACTIVATION_STATS, GRADIENT_STATS, tap_stats
-from flaxhooks._step import AXIS, LossError, ModelCall, make_instrumented_step, make_train_step
-from flaxhooks._summary import Summary
-from flaxhooks._taps import Tap, Tapped, Taps, select_modules
-from flaxhooks._tensorboard import LogdirError, SummaryWriterThread, TensorBoard
-from flaxhooks._trainer import Trainer, TrainingInterrupted
+from flaxhooks.core import (
+    EVENTS,
+    Callback,
+    CallbackError,
+    Event,
+    Every,
+    Loop,
+    PeerLost,
+    PeerTimeout,
+    ProcessError,
+    StopTraining,
+    Trainer,
+    TrainingInterrupted,
+)
+from flaxhooks.data import (
+    ArrayLoader,
+    BatchError,
+    DevicePrefetch,
+    EmptyDataError,
+    device0_copy,
+    use_cpu_devices,
+)
+from flaxhooks.eval import EvalResult, LossAccuracy
+from flaxhooks.step import AXIS, LossError, Tapped, Taps, TrainState, select_modules
+from flaxhooks.writers import LogdirError
 
 __all__ = [
-    "ACTIVATION_STATS",
-    "ALWAYS_RUN",
     "AXIS",
+    "EVENTS",
     "ActivationGradStats",
     "ActivationStats",
     "ArrayLoader",
     "BatchError",
-    "BatchSpec",
     "Callback",
     "CallbackError",
     "Checkpoint",
@@ -49,30 +69,24 @@ __all__ = [
     "CheckpointWarning",
     "ConsoleLog",
     "DevicePrefetch",
-    "EVENTS",
     "EarlyStopping",
+    "EmptyDataError",
     "EvalResult",
     "Evaluate",
-    "EmptyDataError",
+    "Event",
     "Every",
-    "GRADIENT_STATS",
-    "HookBus",
     "InstrumentedCallback",
     "LogdirError",
     "LossAccuracy",
     "LossError",
     "Loop",
-    "ModelCall",
     "NonFiniteError",
     "PeerLost",
     "PeerTimeout",
     "ProcessError",
     "Progress",
-    "Restored",
     "StopTraining",
     "Summary",
-    "SummaryWriterThread",
-    "Tap",
     "TapStats",
     "Tapped",
     "Taps",
@@ -81,12 +95,8 @@ __all__ = [
     "Trainer",
     "TrainingInterrupted",
     "device0_copy",
-    "first_replica",
-    "make_instrumented_step",
-    "make_train_step",
     "select_modules",
-    "tap_stats",
     "use_cpu_devices",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

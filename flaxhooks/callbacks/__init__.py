@@ -1,0 +1,33 @@
+"""The callbacks that come with flaxhooks, one file each."""
+
+from flaxhooks.callbacks._activations import (
+    ActivationGradStats,
+    ActivationStats,
+    InstrumentedCallback,
+    NonFiniteError,
+    TapStats,
+)
+from flaxhooks.callbacks._checkpoint import Checkpoint, CheckpointError, CheckpointWarning, Restored
+from flaxhooks.callbacks._console import ConsoleLog
+from flaxhooks.callbacks._evaluate import EarlyStopping, Evaluate
+from flaxhooks.callbacks._progress import Progress
+from flaxhooks.callbacks._summary import Summary
+from flaxhooks.callbacks._tensorboard import TensorBoard
+
+__all__ = [
+    "ActivationGradStats",
+    "ActivationStats",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointWarning",
+    "ConsoleLog",
+    "EarlyStopping",
+    "Evaluate",
+    "InstrumentedCallback",
+    "NonFiniteError",
+    "Progress",
+    "Restored",
+    "Summary",
+    "TapStats",
+    "TensorBoard",
+]

@@ -1,0 +1,565 @@
+"""Checkpoints with orbax: atomic, the last K kept, checksummed, with every callback's state."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxhooks.core import Callback, Every, Loop, as_every
+from flaxhooks.data import unreplicate
+from flaxhooks.writers import check_writable
+
+if TYPE_CHECKING:
+    from flaxhooks.step import TrainState
+
+_log = logging.getLogger("flaxhooks")
+
+#: Bumped when the layout of what is saved changes.
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, read, or used for this model."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped: unreadable on restore, or a non-finite state on save."""
+
+
+def state_leaves(state: Any) -> list[tuple[str, Any]]:
+    """The leaves of a train state by key path, e.g. ``.params['Dense_0']['kernel']``.
+
+    Only pytree leaves: the static optimizer (``tx``) is not saved, and
+    per-step collections never live in the state.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def callback_keys(callbacks: Sequence[Callback]) -> dict[str, Callback]:
+    """A stable name per callback: its class name, with ``#i`` for the i-th repeat."""
+    keys: dict[str, Callback] = {}
+    seen: dict[str, int] = {}
+    for callback in callbacks:
+        name = type(callback).__name__
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        keys[name if count == 0 else f"{name}#{count}"] = callback
+    return keys
+
+
+def _checksum(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A checkpoint read back and verified, not yet tied to a model.
+
+    Attributes:
+        step: the optimizer steps the saved state had taken.
+        position: ``(epoch, batches into it)`` where training goes on.
+        leaves: the state's arrays by key path (see :func:`state_leaves`).
+        callbacks: each callback's saved state, by :func:`callback_keys` name.
+        path: the checkpoint's directory.
+        stop_reason: why the saved run had decided to stop, if it had.
+    """
+
+    step: int
+    position: tuple[int, int]
+    leaves: Mapping[str, np.ndarray]
+    callbacks: Mapping[str, Any]
+    path: str
+    stop_reason: str | None = None
+
+    def train_state(self, like: TrainState) -> TrainState:
+        """The saved arrays in the structure of ``like`` (abstract or concrete).
+
+        Raises:
+            CheckpointError: the model or optimizer state has other leaves,
+                shapes or dtypes than the saved one.
+        """
+        flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+        paths = [jax.tree_util.keystr(path) for path, _ in flat]
+        missing = [p for p in paths if p not in self.leaves]
+        unexpected = sorted(set(self.leaves) - set(paths))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"the checkpoint {self.path!r} does not fit this model and optimizer: "
+                f"it lacks {missing[:3]} and has {unexpected[:3]} that the train state does not"
+            )
+        for path, (_, leaf) in zip(paths, flat, strict=True):
+            saved = self.leaves[path]
+            if saved.shape != jnp.shape(leaf) or saved.dtype != jnp.result_type(leaf):
+                raise CheckpointError(
+                    f"the checkpoint {self.path!r} holds {path} as {saved.dtype}{list(saved.shape)}; "
+                    f"this train state has {jnp.result_type(leaf)}{list(jnp.shape(leaf))}"
+                )
+        return jax.tree_util.tree_unflatten(treedef, [self.leaves[p] for p in paths])
+
+    def load_callbacks(self, callbacks: Sequence[Callback]) -> None:
+        """Gives each callback its saved state (``load_state_dict``)."""
+        keyed = callback_keys(callbacks)
+        for key, state in self.callbacks.items():
+            callback = keyed.get(key)
+            if callback is None:
+                _log.warning("the checkpoint holds state for %s, which this Trainer lacks: ignored", key)
+                continue
+            try:
+                callback.load_state_dict(state)
+            except Exception as error:
+                raise CheckpointError(
+                    f"{callback!r} cannot load its state from {self.path!r}: {type(error).__name__}: {error}"
+                ) from error
+
+
+def _this_process_only() -> Any:
+    """orbax options under which this process reads or writes alone: no
+    orbax barrier, which would wait for (and time out on) slower processes."""
+    import orbax.checkpoint as ocp
+
+    index = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
+def _writer(directory: str, keep: int) -> Any:
+    import orbax.checkpoint as ocp
+
+    # Only process 0 writes; no process waits on another's barrier.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        create=False,  # made (and checked) by Checkpoint itself
+        # A save killed halfway leaves a temporary directory that was never
+        # renamed into place; it is removed when the next writer opens.
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=False,  # saves already run on their own thread
+        multiprocessing_options=_this_process_only(),
+    )
+    return ocp.CheckpointManager(directory, options=options)
+
+
+class _Background:
+    """``fn(*args)`` running on a daemon thread of its own.
+
+    A thread pool's threads are joined before the interpreter exits, so one
+    stuck reading a state that can never be computed (a lost process) would
+    keep the process alive. A daemon thread must instead be joined once done:
+    one still unwinding orbax's native state when the interpreter exits
+    aborts the process.
+    """
+
+    def __init__(self, fn: Any, *args: Any):
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                self._future.set_result(fn(*args))
+            except BaseException as error:
+                self._future.set_exception(error)
+
+        self._thread = threading.Thread(target=run, name="flaxhooks-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> bool:
+        """Waits up to ``timeout``; False if still running, else its result (or error)."""
+        try:
+            self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        self._thread.join()
+        self._future.result()
+        return True
+
+
+class Checkpoint(Callback):
+    """Saves the train state and every callback's state with orbax, and
+    restores the latest good checkpoint for ``Trainer.fit(..., resume=True)``
+    (it is the fit's :class:`~flaxhooks.core.Restorer`).
+
+    What is saved: the train state's arrays (parameters, carried model state
+    such as BatchNorm statistics, optimizer state, step and base RNG key; the
+    per-step ``perturbations`` and sown intermediates never live in it),
+    where in the data training goes on, and each callback's
+    :meth:`~flaxhooks.Callback.state_dict`.
+
+    How it is kept safe:
+
+    * Saves are atomic: orbax writes into a temporary directory and renames it
+      into place when complete, so a save killed halfway never touches the
+      last good checkpoint (the leftover is cleaned up on the next run).
+    * Only the last ``keep`` checkpoints are kept, older ones deleted after a
+      newer one is complete.
+    * A state holding NaN or inf is not saved (a warning says so), so it
+      never replaces a good checkpoint.
+    * Every array's CRC32 is stored with it and checked on restore; a
+      checkpoint that fails to read or verify is skipped with a
+      :class:`CheckpointWarning` and the one before it is used.
+
+    When: every ``every`` steps, at each epoch's end (``at_epoch_end``), and
+    at the end of ``fit``, including when training is interrupted by
+    Ctrl-C, SIGINT or SIGTERM (which stop at a step boundary). A save due at a
+    step is taken once every handler of that step's events has run (its
+    epoch-end evaluation included, through ``loop.after``), so the saved
+    callbacks' state matches the saved parameters. A ``KeyboardInterrupt``
+    raised elsewhere is saved only if it
+    left such a boundary; otherwise the latest checkpoint stands. Saving copies the state on
+    device 0 and returns; the transfer and the writing happen on a background
+    thread, one save at a time; the fit's writers are asked to get their logs
+    up to the step onto disk first (``loop.writers.sync_point()``). A failed
+    save stops training with a :class:`CheckpointError` at the next step.
+    Only process 0 writes; every process reads on resume (use a shared
+    directory).
+
+    Args:
+        directory: where checkpoints go (one subdirectory per step); checked
+            for writing at once.
+        every: save every this many steps (or an ``Every``); None: only at
+            epoch ends and at the end.
+        at_epoch_end: save when an epoch's data runs out.
+        keep: how many of the latest checkpoints to keep.
+
+    Example:
+        >>> import tempfile, flaxhooks
+        >>> checkpoint = flaxhooks.Checkpoint(tempfile.mkdtemp(), every=500, keep=3)
+        >>> checkpoint.saved_steps()
+        []
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: Every | int | None = None,
+        at_epoch_end: bool = True,
+        keep: int = 3,
+    ):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        check_writable(self.directory, "checkpoints", CheckpointError)
+        self.every = None if every is None else as_every(every)
+        self.at_epoch_end = at_epoch_end
+        self.keep = keep
+        #: Steps whose state was not saved because it was not finite.
+        self.skipped_steps: list[int] = []
+        self._writer: Any = None
+        self._saving: _Background | None = None
+        self._due = False
+        self._saved_step: int | None = None
+        self._boundary: int | None = None  # the last step whose events all ran
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.directory!r}, every={self.every!r}, keep={self.keep})"
+
+    # -- reading -------------------------------------------------------------
+
+    def saved_steps(self) -> list[int]:
+        """The steps of the complete checkpoints on disk, oldest first.
+
+        A save still in progress, or killed halfway, is in a temporary
+        directory that does not count until renamed to its step.
+        """
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise CheckpointError(f"cannot list the checkpoints in {self.directory!r}: {error}") from error
+        directory = self.directory
+        return sorted(int(name) for name in names if name.isdigit() and os.path.isdir(f"{directory}/{name}"))
+
+    def restore_latest(self) -> Restored | None:
+        """Reads the newest checkpoint that reads back and verifies.
+
+        Returns:
+            None when there is no checkpoint at all.
+
+        Raises:
+            CheckpointError: there are checkpoints, but none can be read.
+        """
+        steps = self.saved_steps()
+        if not steps:
+            return None
+        failures = []
+        for step in reversed(steps):
+            try:
+                return self._read(step)
+            except (TimeoutError, jax.errors.JaxRuntimeError):
+                raise  # waiting or the runtime failed: the checkpoint itself may be fine
+            except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
+                # Corrupted, truncated, or not ours. (Anything else is a fault
+                # of the reader, never a reason to set a checkpoint aside.)
+                failures.append(f"step {step}: {type(error).__name__}: {error}")
+                warnings.warn(
+                    f"the checkpoint at step {step} in {self.directory!r} cannot be restored "
+                    f"({type(error).__name__}: {error}); trying the one before it",
+                    CheckpointWarning, stacklevel=2,
+                )
+        raise CheckpointError(
+            f"no checkpoint in {self.directory!r} can be restored:\n  " + "\n  ".join(failures)
+        )
+
+    def _read(self, step: int) -> Restored:
+        import orbax.checkpoint as ocp
+
+        path = os.path.join(self.directory, str(step))
+        # Every process reads on its own: a slower process (one that starts
+        # late) never makes another's read time out.
+        alone = _this_process_only()
+        handler = ocp.CompositeCheckpointHandler(
+            state=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+            meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone),
+        )
+        with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
+            read = checkpointer.restore(path, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
+            ))
+        meta, arrays = read.meta, read.state
+        if meta.get("format") != FORMAT or meta.get("step") != step:
+            raise CheckpointError(
+                f"{path!r} is not a flaxhooks checkpoint of format {FORMAT} for step {step}"
+            )
+        leaves = {}
+        for index, info in enumerate(meta["leaves"]):
+            shape, dtype = tuple(info["shape"]), jnp.dtype(info["dtype"])
+            array = np.asarray(arrays[str(index)]) if np.prod(shape) else np.zeros(shape, dtype)
+            if array.shape != shape or array.dtype != dtype or _checksum(array) != info["crc32"]:
+                raise CheckpointError(
+                    f"{info['path']} does not match the shape, dtype and checksum saved with it"
+                )
+            leaves[info["path"]] = array
+        return Restored(
+            step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path, meta["stop_reason"]
+        )
+
+    # -- writing -------------------------------------------------------------
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._due = False
+        self._boundary = loop.step
+        if jax.process_index() == 0:
+            check_writable(self.directory, "checkpoints", CheckpointError)
+        self._set_aside_later_steps(loop)
+        self._saved_step = loop.step if loop.step in self.saved_steps() else None
+        self._writer = None  # opened afresh: its list of steps may be stale
+
+    def _set_aside_later_steps(self, loop: Loop) -> None:
+        """Checkpoints after the step training starts from are either
+        unreadable ones a resume skipped, set aside as ``unreadable-<step>``,
+        or another run's, which this run must not mix with its own."""
+        step = loop.step
+        later = [s for s in self.saved_steps() if s > step]
+        if not later:
+            return
+        if loop.resumed_from != step:  # on every process: none goes on alone
+            raise CheckpointError(
+                f"{self.directory!r} holds checkpoints of another run (steps {later}) beyond this run's "
+                f"start at step {step}: pass resume=True to go on from them, or use another directory"
+            )
+        if jax.process_index() != 0:
+            return
+        for unreadable in later:
+            aside = os.path.join(self.directory, f"unreadable-{unreadable}-{time.time_ns()}")
+            os.replace(os.path.join(self.directory, str(unreadable)), aside)
+            _log.warning("set the unreadable checkpoint at step %d aside as %s", unreadable, aside)
+
+    def on_step_start(self, loop: Loop) -> None:
+        self._raise_failed_save()
+
+    # Saves happen once every handler of the event has run (loop.after), so
+    # the saved callbacks' state matches the saved parameters, whatever the
+    # callbacks' order.
+
+    def on_step_end(self, loop: Loop) -> None:
+        due = self.every is not None and self.every(loop.step)
+        loop.after(self, lambda loop: self._step_done(loop, due))
+
+    def _step_done(self, loop: Loop, due: bool) -> None:
+        self._due = self._due or due
+        if loop.epoch_step == loop.steps_per_epoch:
+            return  # an epoch's last step is done once its epoch_end is
+        self._boundary = loop.step
+        if self._due:
+            self._save(loop)
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        if loop.exception is None:
+            loop.after(self, self._epoch_done)
+
+    def _epoch_done(self, loop: Loop) -> None:
+        self._boundary = loop.step
+        if self._due or (self.at_epoch_end and loop.epoch_done):
+            self._save(loop)
+
+    #: Seconds to wait for a save in progress at the end of a failed fit:
+    #: the state it copies may come from a step that never finishes (a lost
+    #: process), and the checkpoints before it stay intact.
+    FAILING_WAIT_SECONDS = 30.0
+
+    def on_fit_end(self, loop: Loop) -> None:
+        # The last state, also when stopped early or interrupted: Ctrl-C and
+        # signals stop at a step boundary; a KeyboardInterrupt raised anywhere
+        # else is saved too if the state it left is whole.
+        if loop.exception is None:
+            loop.after(self, self._fit_done)
+            return
+        if isinstance(loop.exception, KeyboardInterrupt):
+            self._save(loop)
+        self._fit_done(loop)
+
+    def _fit_done(self, loop: Loop) -> None:
+        failed = loop.exception is not None and not isinstance(loop.exception, KeyboardInterrupt)
+        if loop.exception is None:
+            self._save(loop)
+        if self.wait(timeout=self.FAILING_WAIT_SECONDS if failed else None):
+            self._close_writer()  # each fit opens its own: nothing left behind between fits
+        else:
+            _log.warning(
+                "the checkpoint save in progress did not finish within %g s of the failure; the "
+                "checkpoints %s are intact", self.FAILING_WAIT_SECONDS, self.saved_steps(),
+            )
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the save in progress, if any.
+
+        Args:
+            timeout: the longest to wait, in seconds (None: until it is done).
+
+        Returns:
+            Whether no save is in progress any more.
+
+        Raises:
+            CheckpointError: it failed.
+        """
+        saving = self._saving
+        if saving is None:
+            return True
+        try:
+            if not saving.result(timeout):
+                return False
+        except Exception as error:
+            raise CheckpointError(
+                f"saving a checkpoint to {self.directory!r} failed: {type(error).__name__}: {error}; "
+                f"the earlier checkpoints {self.saved_steps()} are intact"
+            ) from error
+        finally:
+            if saving.done():
+                self._saving = None
+        return True
+
+    def _raise_failed_save(self) -> None:
+        if self._saving is not None and self._saving.done():
+            self.wait()
+
+    def _save(self, loop: Loop) -> None:
+        self._due = False
+        if jax.process_index() != 0:
+            return
+        state = loop.state
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            _log.warning("step %d's state was consumed by an interrupted step: not saved", loop.step)
+            return
+        (epoch, epoch_step), step = loop.position, loop.step
+        if loop.exception is not None and not self._at_boundary(loop):
+            return
+        if step == self._saved_step:
+            return
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "epoch": epoch,
+            "epoch_step": epoch_step,
+            "time": time.time(),
+            # A run that decided to stop (early stopping) stays stopped on resume.
+            "stop_reason": loop.stop_reason if loop.interrupted is None else None,
+            "callbacks": self._callback_states(loop),
+        }
+        self.wait()  # one save at a time
+        copy = jax.tree.map(jnp.copy, unreplicate(state))  # the next step donates the original
+        # The TensorBoard logs up to this step reach the disk before the
+        # checkpoint commits: a resumed run re-logs only what comes after it.
+        logs_synced = loop.writers.sync_point()
+        self._saving = _Background(self._write, step, copy, meta, logs_synced)
+        self._saved_step = step
+
+    def _at_boundary(self, loop: Loop) -> bool:
+        """Whether a KeyboardInterrupt raised anywhere left a state that can
+        be saved: every event of its step ran, and no later step was
+        dispatched. Otherwise the resumed run could not be exact."""
+        device_step = int(jax.device_get(unreplicate(loop.state.step)))
+        if self._boundary == loop.step == device_step:
+            return True
+        _log.warning(
+            "interrupted inside step %d's work: not saved (the latest checkpoint: step %s)",
+            max(loop.step, device_step), max(self.saved_steps(), default=None),
+        )
+        return False
+
+    def _callback_states(self, loop: Loop) -> dict[str, Any]:
+        states = {}
+        for key, callback in callback_keys(loop.callbacks).items():
+            state = callback.state_dict()
+            if state is None:
+                continue
+            try:  # a frozen copy, taken now
+                states[key] = json.loads(json.dumps(state))
+            except (TypeError, ValueError) as error:
+                raise CheckpointError(
+                    f"{callback!r}.state_dict() is not JSON-serializable: {error}"
+                ) from error
+        return states
+
+    def _write(
+        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any
+    ) -> None:
+        import orbax.checkpoint as ocp
+
+        paths, leaves = zip(*state_leaves(state), strict=True)
+        host = [np.asarray(x) for x in jax.device_get(list(leaves))]
+        nonfinite = [
+            path for path, x in zip(paths, host, strict=True)
+            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all()
+        ]
+        if nonfinite:
+            self.skipped_steps.append(step)
+            warnings.warn(
+                f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
+                f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
+            )
+            return
+        meta["leaves"] = [
+            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype), "crc32": _checksum(x)}
+            for path, x in zip(paths, host, strict=True)
+        ]
+        arrays = {str(i): x for i, x in enumerate(host) if x.size}  # orbax refuses empty arrays
+        if not logs_synced.wait(timeout=300):
+            _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
+        if self._writer is None:
+            self._writer = _writer(self.directory, self.keep)
+        self._writer.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+        ), force=True)
+        self._writer.wait_until_finished()
+        _log.info("saved checkpoint at step %d to %s", step, self.directory)
+

@@ -1,0 +1,162 @@
+"""Evaluation during training, and early stopping on its results."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from flaxhooks.core import Callback, Every, Loop, as_every
+from flaxhooks.eval import EvalResult, Metrics
+
+
+class Evaluate(Callback):
+    """Evaluates every example of a dataset during training.
+
+    Each evaluation emits ``eval_start`` and ``eval_end``, whose payload is the
+    :class:`EvalResult` (``name``, ``metrics``, ``step``, ``examples``) that
+    logging and early stopping consume. The latest is also :attr:`result`.
+
+    Args:
+        data: arrays in memory (a dict of equal-length arrays) or a re-iterable
+            of host batches.
+        every: when to evaluate during training (e.g. ``Every(steps=500)``);
+            use step-based schedules on several hosts.
+        at_epoch_end: also evaluate at the end of each epoch.
+        batch_size: batch size for arrays (default: the training batch size).
+        metrics: a clu Collection or Metric class, or ``{name: Metric}``
+            (default: mean loss and accuracy).
+        name: the result's name.
+
+    Example:
+        >>> import numpy as np, flaxhooks
+        >>> test = {"image": np.zeros((10, 5), np.float32), "label": np.zeros(10, np.int32)}
+        >>> evaluate = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=4)
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        every: Every | int | None = None,
+        at_epoch_end: bool = True,
+        batch_size: int | None = None,
+        metrics: Metrics | None = None,
+        name: str = "eval",
+    ):
+        self.data = data
+        self.every = None if every is None else as_every(every)
+        self.at_epoch_end = at_epoch_end
+        self.batch_size = batch_size
+        self.metrics = metrics
+        self.name = name
+        #: The latest result.
+        self.result: EvalResult | None = None
+        self._evaluated_step: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if jax.process_count() > 1 and self.every is not None and self.every.seconds is not None:
+            raise ValueError(
+                f"{self!r} is due by time, which differs between processes; every process must "
+                "evaluate at the same steps: use Every(steps=N)"
+            )
+        self._evaluated_step = None  # a new fit: evaluate even at a step seen before
+
+    def on_step_end(self, loop: Loop) -> None:
+        if self.every is not None and self.every(loop.step):
+            self._evaluate(loop)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The latest result, so a resumed run still has it."""
+        return {"result": None if self.result is None else dataclasses.asdict(self.result)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.result = None if state["result"] is None else EvalResult(**state["result"])
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        # Not for an epoch cut short by a signal, which asks to stop quickly:
+        # the resumed run finishes that epoch and evaluates it then.
+        if self.at_epoch_end and loop.exception is None and (loop.epoch_done or loop.interrupted is None):
+            self._evaluate(loop)
+
+    def _evaluate(self, loop: Loop) -> None:
+        if self._evaluated_step == loop.step:
+            return  # due twice at one step (every N and epoch end)
+        self._evaluated_step = loop.step
+        assert loop.evaluate is not None, "set by Trainer.fit"
+        self.result = loop.evaluate(
+            self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name
+        )
+
+
+class EarlyStopping(Callback):
+    """Stops training when an evaluation metric stops improving.
+
+    Args:
+        monitor: the metric to watch, e.g. ``"loss"`` or ``"accuracy"``.
+        patience: evaluations without improvement before stopping.
+        min_delta: the least change that counts as an improvement.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        source: the evaluation (its name) to watch.
+
+    Example:
+        >>> import flaxhooks
+        >>> stop = flaxhooks.EarlyStopping("accuracy", patience=3, mode="max")
+    """
+
+    def __init__(self, monitor: str = "loss", patience: int = 3, min_delta: float = 0.0,
+                 mode: str = "min", source: str = "eval"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if patience < 1 or min_delta < 0:
+            raise ValueError("patience must be at least 1 and min_delta at least 0")
+        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
+        self.mode, self.source = mode, source
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.waited = 0
+
+    def __repr__(self) -> str:
+        return f"EarlyStopping({self.monitor!r}, patience={self.patience}, mode={self.mode!r})"
+
+    def _improved(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best value, its step and the evaluations waited since."""
+        return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]
+
+    def on_eval_end(self, loop: Loop) -> None:
+        result: EvalResult = loop.payload
+        if result.name != self.source:
+            return
+        metrics = result.metrics
+        if self.monitor not in metrics:
+            raise KeyError(f"EarlyStopping monitors {self.monitor!r}; {self.source!r} has {sorted(metrics)}")
+        value = metrics[self.monitor]
+        if self._improved(value):
+            self.best, self.best_step, self.waited = value, result.step, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            best = "no finite value yet" if self.best is None else f"{self.best:.6g} (step {self.best_step})"
+            loop.stop(
+                f"early stopping: {self.source} {self.monitor} has not improved on {best} "
+                f"for {self.waited} evaluations"
+            )
+
+

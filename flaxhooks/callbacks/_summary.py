@@ -1,0 +1,127 @@
+"""A summary of the model at the start of training: the model adapter's
+table (``flax.linen.tabulate`` for Linen) through rich."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from flaxhooks.core import Callback, Loop
+
+if TYPE_CHECKING:
+    import rich.console
+
+
+class Summary(Callback):
+    """Prints ``flax.linen.tabulate`` of the model once, when the first fit starts.
+
+    The table is built from the layout of the training batch (one device's
+    share of it) with ``jax.eval_shape``: it allocates no arrays and compiles
+    nothing, unless ``compute_flops`` or ``compute_vjp_flops`` ask for FLOP
+    counts. Parameter totals count parameters only: the model is traced with
+    ``mutable=["params", *carried collections]``, so per-step collections
+    (``perturbations``, ``intermediates``, sown values) are left out, where a
+    plain ``nn.tabulate`` counts them as parameters. Carried collections such
+    as ``batch_stats`` keep their own column, as in ``nn.tabulate``.
+
+    The table is printed through rich, on process 0 only, and once per
+    ``Summary`` (a second ``fit`` prints nothing). The same table, as plain
+    text in a markdown code block, goes to the fit's writers
+    (``loop.writers``: TensorBoard's Text tab) under the tag ``model_summary``.
+
+    Args:
+        depth: how many submodules deep the table goes (None: no limit).
+        show_repeated: show repeated calls of the same submodule.
+        compute_flops: add a ``flops`` column (lowers each call: costs time).
+        compute_vjp_flops: add a ``vjp_flops`` column (backward-pass FLOPs).
+        console_kwargs: keyword arguments of the ``rich.console.Console`` the
+            table is rendered with (and, without ``console``, printed to).
+        table_kwargs: keyword arguments of ``rich.table.Table``.
+        column_kwargs: keyword arguments of ``rich.table.Table.add_column``.
+        console: the rich console to print to (default: a new one made from
+            ``console_kwargs``, writing to stdout).
+
+    Attributes:
+        table: the rendered table as plain text, once printed (else None).
+        parameters: the number of scalars in the model's ``params``, counted
+            from the train state (else None).
+
+    Example:
+        >>> from flaxhooks import Summary
+        >>> summary = Summary(depth=1)
+        >>> summary.table is None
+        True
+    """
+
+    process_zero_only = True
+    #: The Text tag the table is written under.
+    tag = "model_summary"
+
+    def __init__(
+        self,
+        depth: int | None = None,
+        *,
+        show_repeated: bool = False,
+        compute_flops: bool = False,
+        compute_vjp_flops: bool = False,
+        console_kwargs: Mapping[str, Any] | None = None,
+        table_kwargs: Mapping[str, Any] | None = None,
+        column_kwargs: Mapping[str, Any] | None = None,
+        console: rich.console.Console | None = None,
+    ):
+        self.depth = depth
+        self.show_repeated = show_repeated
+        self.compute_flops = compute_flops
+        self.compute_vjp_flops = compute_vjp_flops
+        self.console_kwargs = dict(console_kwargs or {})
+        self.table_kwargs = dict(table_kwargs or {})
+        self.column_kwargs = dict(column_kwargs or {})
+        self.console = console
+        self.table: str | None = None
+        self.parameters: int | None = None
+        self._written = False  # the table went to the run's writers
+
+    def __repr__(self) -> str:
+        return f"Summary(depth={self.depth!r})"
+
+    def render(self, loop: Loop) -> str:
+        """The model's table on one device's share of the training batch.
+
+        Returns:
+            The table as rich renders it (with ANSI styles when the console
+            kwargs force a terminal, as tabulate's defaults do).
+        """
+        if loop.model is None or loop.spec is None:
+            raise ValueError("no model or batch layout yet: render during a fit")
+        console_kwargs = self.console_kwargs
+        if self.console is not None and "width" not in console_kwargs:
+            console_kwargs = {"width": self.console.width, **console_kwargs}
+        return loop.model.tabulate(
+            loop.spec.per_device(), tuple(loop.state.model_state), depth=self.depth,
+            show_repeated=self.show_repeated, console_kwargs=console_kwargs, table_kwargs=self.table_kwargs,
+            column_kwargs=self.column_kwargs, compute_flops=self.compute_flops,
+            compute_vjp_flops=self.compute_vjp_flops,
+        )
+
+    def on_fit_start(self, loop: Loop) -> None:
+        from rich.text import Text
+
+        if self.table is None:
+            rendered = Text.from_ansi(self.render(loop))
+            # Replicated leaves carry a leading device axis; shapes only, no transfer.
+            self.parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
+            self.table = rendered.plain
+            if self.console is None:
+                from rich.console import Console
+
+                self.console = Console(**self.console_kwargs)
+            self.console.print(rendered, soft_wrap=True)
+        if loop.resumed_from:  # the resumed run's first part wrote it
+            self._written = True
+        if loop.writers and not self._written:
+            loop.writers.text(self.tag, f"```\n{self.table.rstrip()}\n```", loop.step)
+            self._written = True

@@ -1,0 +1,37 @@
+"""The loop's core: events, callbacks and the bus that calls them, the loop
+context, schedules, signals, agreement between processes, and the Trainer."""
+
+from flaxhooks.core._bus import HookBus
+from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
+from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
+from flaxhooks.core._fit import Fit
+from flaxhooks.core._loop import Loop
+from flaxhooks.core._processes import PeerLost, PeerTimeout, ProcessError
+from flaxhooks.core._restore import Restorer, SavedRun
+from flaxhooks.core._schedule import Every, Rate, as_every
+from flaxhooks.core._signals import TrainingInterrupted
+from flaxhooks.core._trainer import Trainer
+
+__all__ = [
+    "ALWAYS_RUN",
+    "EVENTS",
+    "Callback",
+    "CallbackError",
+    "Event",
+    "Every",
+    "Fit",
+    "HookBus",
+    "Loop",
+    "PeerLost",
+    "PeerTimeout",
+    "Phase",
+    "ProcessError",
+    "Rate",
+    "SavedRun",
+    "Restorer",
+    "StopTraining",
+    "Trainer",
+    "TrainingInterrupted",
+    "as_every",
+    "handlers_of",
+]

@@ -1,0 +1,186 @@
+"""The hook bus: registers callbacks and emits events to them in order, with
+one bracket that guarantees every phase's end event."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+
+from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
+from flaxhooks.core._events import ALWAYS_RUN, Event, Phase
+from flaxhooks.core._loop import Loop
+
+_log = logging.getLogger("flaxhooks")
+
+Handler = Callable[[Loop], Any]
+
+
+class HookBus:
+    """Holds callbacks and calls their handlers, in ``order``, for each event.
+
+    Handlers are looked up once at registration, so emitting an event nobody
+    handles costs one dictionary lookup.
+
+    Attributes:
+        defer: on runs of several processes, where a handler's error goes
+            instead of being raised: every handler of an event then runs even
+            if one raises, and ``StopTraining`` acts as ``loop.stop``, so each
+            process runs the same collectives (an evaluation) at the same step.
+            The error is raised on every process at the step they agree on.
+        failure: turns an error that ends training into the one reported
+            (names a lost process); called once, where the error is first caught.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] = ()):
+        self._callbacks: list[Callback] = []
+        self._handlers: dict[Event, tuple[tuple[Callback, Handler], ...]] = {event: () for event in Event}
+        self.defer: Callable[[Loop, Exception], None] | None = None
+        self.failure: Callable[[Loop, BaseException], BaseException] = lambda loop, error: error
+        self.add(*callbacks)
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """Registered callbacks in the order their handlers run."""
+        return tuple(self._callbacks)
+
+    def add(self, *callbacks: Callback) -> None:
+        """Registers callbacks, checking every ``on_*`` name first.
+
+        Callbacks marked ``process_zero_only`` are skipped on other processes.
+        """
+        checked = [(cb, handlers_of(cb)) for cb in callbacks]
+        seen = list(self._callbacks)
+        for cb, _ in checked:
+            if any(cb is known for known in seen):
+                raise ValueError(f"{cb!r} is already registered")
+            seen.append(cb)
+        on_this_process = jax.process_index() == 0
+        for cb, _ in checked:
+            if on_this_process or not cb.process_zero_only:
+                self._callbacks.append(cb)
+        # sorted() is stable: equal orders keep registration order.
+        self._callbacks.sort(key=lambda cb: cb.order)
+        table = {cb: handlers_of(cb) for cb in self._callbacks}
+        self._handlers = {
+            event: tuple((cb, table[cb][event.value]) for cb in self._callbacks if event.value in table[cb])
+            for event in Event
+        }
+
+    def of(self, kind: type) -> list[Any]:
+        """The registered callbacks that are ``kind`` (a class or a runtime protocol)."""
+        return [cb for cb in self._callbacks if isinstance(cb, kind)]
+
+    def emit(self, event: Event, loop: Loop, payload: Any = None, *, failing: bool = False) -> None:
+        """Calls every handler of ``event`` with ``loop``; ``loop.payload`` is ``payload``.
+
+        ``loop.event`` and ``loop.payload`` are put back afterwards, so an
+        event emitted from inside another (an evaluation during ``step_end``)
+        leaves the outer one intact. Handlers of the events in
+        :data:`ALWAYS_RUN` all run even if one raises; the first error is
+        raised after them. While ``failing`` (another error is ending
+        training) every handler runs, and their own errors are logged
+        instead of hiding the original one.
+
+        Raises:
+            StopTraining: passed through from a handler.
+            CallbackError: a handler raised; it names the callback and event.
+        """
+        outer = loop.event, loop.payload, loop._after
+        loop.event, loop.payload, loop._after = event, payload, []
+        try:
+            if failing:
+                for callback, handler in self._handlers[event]:
+                    try:
+                        handler(loop)
+                    except Exception:
+                        _log.exception("%r raised in %s while training was already ending",
+                                       callback, event.handler)
+                return
+            if self.defer is not None or event in ALWAYS_RUN:
+                self._emit_to_all(event, loop)
+            else:
+                for callback, handler in self._handlers[event]:
+                    self._call(callback, handler, event, loop)
+            # What handlers asked to do once all of them had run (loop.after).
+            for callback, then in loop._after:
+                self._call(callback, then, event, loop)
+        except StopTraining as stop:
+            if self.defer is None:
+                raise
+            loop.stop(str(stop) or "a callback raised StopTraining")
+        except Exception as error:
+            if self.defer is None or event is Event.FIT_END:
+                raise
+            self.defer(loop, error)
+        finally:
+            loop.event, loop.payload, loop._after = outer
+
+    @staticmethod
+    def _call(callback: Callback, handler: Handler, event: Event, loop: Loop) -> None:
+        try:
+            handler(loop)
+        except (StopTraining, CallbackError):
+            raise
+        except Exception as error:
+            raise CallbackError(callback, event.value, loop.step, error) from error
+
+    def _emit_to_all(self, event: Event, loop: Loop) -> None:
+        first: Exception | None = None
+        for callback, handler in self._handlers[event]:
+            try:
+                handler(loop)
+            except StopTraining as stop:
+                if self.defer is None:
+                    first = first or stop
+                    continue
+                loop.stop(str(stop) or f"{callback!r} raised StopTraining")
+            except Exception as error:
+                if first is None:
+                    first = error
+                    if not isinstance(error, (StopTraining, CallbackError)):
+                        first = CallbackError(callback, event.value, loop.step, error)
+                        first.__cause__ = error
+                else:
+                    _log.exception("%r raised in %s after an earlier handler failed", callback, event.handler)
+        if first is not None:
+            raise first
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase, loop: Loop, payload: Any = None) -> Iterator[None]:
+        """The bracket of every phase: emits its start event, runs the body,
+        and always emits its end event.
+
+        On a normal exit, or ``StopTraining`` (which asks the loop to stop),
+        the end event runs as usual. On an error the first bracket to see it
+        sets ``loop.exception`` and emits ``exception``; every bracket then
+        emits its end event while failing (each handler runs; their own
+        errors are logged) and lets the error go on.
+        """
+        try:
+            self.emit(phase.start, loop, payload)
+            yield
+        except StopTraining as stop:
+            loop.stop(str(stop) or "a callback raised StopTraining")
+            self._end(phase, loop)
+            raise
+        except BaseException as error:
+            reported = error
+            if loop.exception is None:
+                reported = self.failure(loop, error)
+                loop.exception = reported
+                self.emit(Event.EXCEPTION, loop, reported, failing=True)
+            self.emit(phase.end, loop, failing=True)
+            if reported is not error:
+                raise reported from error
+            raise
+        self._end(phase, loop)
+
+    def _end(self, phase: Phase, loop: Loop) -> None:
+        try:
+            self.emit(phase.end, loop)
+        except StopTraining as stop:
+            loop.stop(str(stop) or "a callback raised StopTraining")

@@ -1,0 +1,120 @@
+"""The callback base class and the exceptions of the hook bus."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from flaxhooks.core._events import EVENTS
+
+if TYPE_CHECKING:
+    from flaxhooks.core._loop import Loop
+
+
+class StopTraining(Exception):
+    """Raised by a callback to end training cleanly.
+
+    Equivalent to ``loop.stop(reason)``, but takes effect at once: the rest of
+    the current event's handlers are skipped, then ``epoch_end`` and ``fit_end``
+    run as on any other stop.
+    """
+
+
+class CallbackError(RuntimeError):
+    """A callback raised while handling an event.
+
+    Attributes:
+        callback: the callback that raised.
+        event: the event it was handling.
+        step: the loop's step count at the time.
+    """
+
+    def __init__(self, callback: Callback, event: str, step: int, error: BaseException):
+        self.callback = callback
+        self.event = event
+        self.step = step
+        super().__init__(
+            f"{callback!r} raised in on_{event} at step {step}: "
+            f"{type(error).__name__}: {error}"
+        )
+
+
+class Callback:
+    """Base class of everything that plugs into a :class:`~flaxhooks.Trainer`.
+
+    A callback subscribes to an event by defining ``on_<event>(self, loop)``
+    for any name in :data:`flaxhooks.EVENTS`; every handler takes the same
+    single argument, the :class:`~flaxhooks.Loop`. Handlers run in ascending
+    ``order`` (ties keep registration order).
+
+    A callback that holds state a resumed run needs (counters, best values,
+    logging positions) returns it from :meth:`state_dict` and takes it back
+    in :meth:`load_state_dict`; :class:`~flaxhooks.Checkpoint` saves it with
+    the train state.
+
+    Attributes:
+        order: where this callback runs relative to others (lower first;
+            default 0, ties keep registration order). Callbacks work together
+            through mechanisms that need no particular order: events carry
+            their data, writers are a service on the loop.
+        process_zero_only: when True the callback is only registered on JAX
+            process 0 (console and file writers on multi-host runs).
+
+    Example:
+        >>> import flaxhooks
+        >>> class CountSteps(flaxhooks.Callback):
+        ...     def __init__(self):
+        ...         self.steps = 0
+        ...     def on_step_end(self, loop):
+        ...         self.steps += 1
+        ...     def state_dict(self):  # kept in checkpoints
+        ...         return {"steps": self.steps}
+        ...     def load_state_dict(self, state):
+        ...         self.steps = state["steps"]
+    """
+
+    order: int = 0
+    process_zero_only: bool = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a resumed run must get back, as JSON-serializable values.
+
+        None (the default) means the callback holds no such state.
+        """
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` returned, before ``fit_start``."""
+        raise NotImplementedError(f"{type(self).__name__} saves state but cannot load it")
+
+
+def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:
+    """Returns the callback's event handlers by event name.
+
+    Raises:
+        TypeError: if it is not a Callback, or an ``on_*`` handler is not callable.
+        ValueError: if it defines an ``on_*`` name that is not an event.
+    """
+    if not isinstance(callback, Callback):
+        raise TypeError(f"{callback!r} is not a flaxhooks.Callback")
+    handlers = {}
+    for attr in dir(callback):
+        if not attr.startswith("on_"):
+            continue
+        event = attr[3:]
+        if event not in EVENTS:
+            close = difflib.get_close_matches(event, EVENTS, n=1)
+            hint = f" Did you mean on_{close[0]}?" if close else ""
+            raise ValueError(
+                f"{type(callback).__name__}.{attr} does not name an event.{hint} "
+                f"Events: {', '.join(EVENTS)}."
+            )
+        handler = getattr(callback, attr)
+        if not callable(handler):
+            raise TypeError(f"{type(callback).__name__}.{attr} is not callable")
+        handlers[event] = handler
+    return handlers

@@ -1,0 +1,65 @@
+"""The loop's events: one enum, in the order the loop emits them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Event(str, enum.Enum):
+    """Every event the Trainer emits, in loop order. A callback subscribes to
+    an event by defining ``on_<event>(self, loop)``; ``loop.payload`` carries
+    the event's data.
+
+    ``fit_start`` / ``fit_end``: once per ``fit``.
+    ``epoch_start`` / ``epoch_end``: around each pass over the data.
+    ``step_start`` / ``step_end``: around each optimizer step.
+    ``eval_start`` / ``eval_end``: around each evaluation; the payload is an
+    :class:`~flaxhooks.eval.EvalStart`, then the :class:`~flaxhooks.EvalResult`.
+    ``exception``: training failed or was interrupted; the payload (and
+    ``loop.exception``) is the error. ``epoch_end`` and ``fit_end`` still follow.
+
+    Example:
+        >>> from flaxhooks import Event
+        >>> Event.EVAL_END.handler, Event.EVAL_END == "eval_end"
+        ('on_eval_end', True)
+    """
+
+    FIT_START = "fit_start"
+    EPOCH_START = "epoch_start"
+    STEP_START = "step_start"
+    STEP_END = "step_end"
+    EVAL_START = "eval_start"
+    EVAL_END = "eval_end"
+    EPOCH_END = "epoch_end"
+    FIT_END = "fit_end"
+    EXCEPTION = "exception"
+
+    @property
+    def handler(self) -> str:
+        """The name of the method that handles it."""
+        return f"on_{self.value}"
+
+
+class Phase(enum.Enum):
+    """A span of training, opened by its start event and always closed by its
+    end event (see ``HookBus.phase``). An evaluation is not one: it is an
+    event pair inside another phase, and its failure is that phase's."""
+
+    FIT = (Event.FIT_START, Event.FIT_END)
+    EPOCH = (Event.EPOCH_START, Event.EPOCH_END)
+
+    @property
+    def start(self) -> Event:
+        return self.value[0]
+
+    @property
+    def end(self) -> Event:
+        return self.value[1]
+
+
+#: Every event's name, in loop order (as ``on_<name>`` handlers use them).
+EVENTS: tuple[str, ...] = tuple(event.value for event in Event)
+
+#: Events whose handlers all run even when one of them raises, and even when
+#: training stops early or fails.
+ALWAYS_RUN: frozenset[Event] = frozenset({Event.EPOCH_END, Event.FIT_END})

@@ -1,0 +1,131 @@
+"""One ``fit``'s loop: epochs and steps, each phase bracketed by its events."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+from flaxhooks.core._bus import HookBus
+from flaxhooks.core._callback import CallbackError, StopTraining
+from flaxhooks.core._events import Event, Phase
+from flaxhooks.core._loop import Loop
+from flaxhooks.core._processes import LocalStops
+from flaxhooks.core._restore import SavedRun
+from flaxhooks.data import DataSource, DevicePrefetch, EmptyDataError, HostBatch
+from flaxhooks.step import StatePlan, StepRunner, TrainState
+from flaxhooks.writers import WriterCallback, Writers
+
+_log = logging.getLogger("flaxhooks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Drives one ``fit`` from ``fit_start`` to ``fit_end``.
+
+    Attributes:
+        loop: what every handler sees.
+        bus: the callbacks, and the bracket of every phase.
+        runner: runs each step (lean, or instrumented when a contributor is due).
+        pipeline: puts the host batches on the devices.
+        devices: the local devices.
+        stops: where stops take effect (agreed between processes on several).
+    """
+
+    loop: Loop
+    bus: HookBus
+    runner: StepRunner
+    pipeline: DevicePrefetch
+    devices: Sequence[jax.Device]
+    stops: LocalStops
+
+    def run(self, source: DataSource, first_epoch: Iterator[HostBatch] | None) -> None:
+        """Trains until the loop's limits or a stop; every end hook runs."""
+        loop, bus, stops = self.loop, self.bus, self.stops
+        # Writers open before fit_start and close after fit_end: every handler can write.
+        writer_callbacks = bus.of(WriterCallback)
+        try:
+            loop.writers = Writers.open(writer_callbacks, loop)
+        except Exception as error:
+            stops.defer(loop, error)
+        try:
+            with bus.phase(Phase.FIT, loop):
+                while not (stops.at_boundary(loop) or _reached(loop)):
+                    with bus.phase(Phase.EPOCH, loop):
+                        self._epoch(source, source.epoch(loop.epoch) if first_epoch is None else first_epoch)
+                    first_epoch = None
+                    if loop.epoch_done:
+                        loop.epoch, loop.epoch_step, loop.epoch_done = loop.epoch + 1, 0, False
+                stops.finish(loop)
+        except StopTraining:
+            pass  # a stop like any other: every end hook ran
+        finally:
+            loop.writers = Writers()
+            _closed(Writers.close(writer_callbacks, loop), loop)
+        if loop.stop_reason:
+            _log.info("training stopped at step %d: %s", loop.step, loop.stop_reason)
+
+    def _epoch(self, source: DataSource, host: Iterator[HostBatch]) -> None:
+        loop, bus, stops = self.loop, self.bus, self.stops
+        spec = loop.spec
+        assert spec is not None
+        remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
+        batches: Any = self.pipeline.device_batches(host, spec, self.devices, remaining)
+        zeros = functools.partial(self.pipeline.zeros, spec, self.devices)
+        steps_before, completed = loop.step, True
+        for batch in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
+            loop.batch = batch
+            if stops.at_boundary(loop, pulled=True):
+                completed = False
+                break
+            bus.emit(Event.STEP_START, loop)
+            if stops.at_boundary(loop) or not stops.may_dispatch(loop):
+                completed = False
+                break
+            self.runner.run(loop, batch, stops.wait_ready)
+            bus.emit(Event.STEP_END, loop)
+            if stops.at_boundary(loop) or (loop.max_steps is not None and loop.step >= loop.max_steps):
+                completed = False
+                break
+        loop.batch = None
+        # Stopped on an epoch's last batch: that epoch is done all the same.
+        loop.epoch_done = completed or loop.epoch_step == loop.steps_per_epoch
+        if loop.step == steps_before and not loop.should_stop:
+            if not source.one_shot:
+                stops.defer(loop, EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch"))
+            else:
+                loop.stop("the data iterator is exhausted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What ``fit`` found before anything compiles (see ``Trainer._prepare``)."""
+
+    record: dict[str, Any]  # what every process must agree on
+    first: HostBatch
+    batches: Iterator[HostBatch]  # the first epoch's, after ``first``
+    step: int
+    epoch: int
+    skip: int
+    state: TrainState | None  # given or restored; None: fresh (plan) or the last fit's
+    plan: StatePlan | None  # the plan of a fresh state
+    restored: SavedRun | None
+
+
+def _closed(failures: Sequence[tuple[Any, Exception]], loop: Loop) -> None:
+    """A writer that failed to close fails the fit (unless it is failing already),
+    as an error of its callback's ``fit_end``."""
+    for i, (callback, error) in enumerate(failures):
+        if loop.exception is None and i == 0:
+            raise CallbackError(callback, Event.FIT_END.value, loop.step, error) from error
+        _log.error("%r failed to close its writer: %s", callback, error)
+
+
+def _reached(loop: Loop) -> bool:
+    return (loop.max_steps is not None and loop.step >= loop.max_steps) or (
+        loop.max_epochs is not None and loop.epoch >= loop.max_epochs
+    )

@@ -1,0 +1,791 @@
+"""Agreement between the JAX processes of one run.
+
+Under ``jax.distributed`` every compiled step is a collective: a process that
+stops alone leaves the others waiting in it forever. So a stop anywhere is a
+stop everywhere, at one agreed step boundary, and a fault on one process is
+reported on all of them, naming that process.
+
+The processes talk through JAX's distributed key-value store (the
+coordination service ``jax.distributed.initialize`` starts), never through a
+collective, so a process that waits for another can time out, say whom it
+waits for, and tell a slow peer from a lost one.
+
+How a stop is agreed, in rounds that cost nothing while nothing happens:
+
+1. A process that wants to stop (a signal, ``loop.stop``, ``StopTraining``,
+   an error, data that ran out) posts a request carrying the last step it
+   dispatched, and raises the round's trigger.
+2. A watcher thread in every process waits on that trigger. It answers at
+   once with the last step its process dispatched, and from then on that
+   process dispatches no further step until the round is settled. Answering
+   from a thread matters: the main thread may be blocked in a collective that
+   waits for the requester.
+3. Each main thread, at its next step boundary, reads every answer; the
+   largest step is the round's target. Every process runs (all events
+   included, so their collectives match) until it reaches the target.
+4. At the target each process posts its final word (its error, signal or
+   stop if it has one by then, else "go on"); from all of them every
+   process derives the same outcome: stop, interrupted, failed (naming the
+   processes), or, when every process's data ran out at the same step, the
+   epoch simply ended.
+
+Per step this costs one lock and a few attribute reads on the main thread.
+
+Faults that no round can carry: the watcher also posts a heartbeat every
+second and reads everyone's. A process whose heartbeat stops for
+:data:`LOST_AFTER_SECONDS` is lost (:class:`PeerLost`); one that gives up
+(a timeout, a second Ctrl-C) says so in place of its heartbeat. Either way
+the others raise at their next check, and a process whose main thread is
+stuck in a collective with the missing one (XLA never fails it) ends
+itself after :data:`END_GRACE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+if TYPE_CHECKING:
+    from flaxhooks.core._loop import Loop
+
+_log = logging.getLogger("flaxhooks")
+
+#: Seconds between a watcher's heartbeats.
+HEARTBEAT_SECONDS = 1.0
+#: A peer whose heartbeat has not moved for this long is taken as lost.
+LOST_AFTER_SECONDS = 10.0
+#: How often a process that waits for another says so.
+WAIT_NOTE_SECONDS = 5.0
+#: After a peer is lost (or this process abandoned the others), how long
+#: ``fit`` may take to raise and run its end hooks before the process exits on
+#: its own: its main thread, or an end hook reading a device value, may be
+#: stuck in a collective with a process that will never take part, which
+#: XLA never fails.
+END_GRACE_SECONDS = 15.0
+
+_fits = itertools.count()
+
+
+class ProcessError(RuntimeError):
+    """Training failed on one of the processes, so it stopped on all of them.
+
+    Every process raises it, at the same step, naming the process(es) that
+    failed and their original error (on a failing process it is also the
+    ``__cause__``).
+
+    Attributes:
+        processes: the indices of the processes that failed.
+        step: the step at which every process stopped (None if before training).
+    """
+
+    def __init__(self, message: str, processes: Sequence[int] = (), step: int | None = None):
+        super().__init__(message)
+        self.processes = tuple(processes)
+        self.step = step
+
+
+class PeerLost(ProcessError):
+    """A process stopped answering (killed, crashed, or its host went down)."""
+
+
+class PeerTimeout(ProcessError, TimeoutError):
+    """A process waited longer than ``peer_timeout`` for another one."""
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "several JAX processes but no distributed client: call jax.distributed.initialize first"
+        )
+    return client
+
+
+def _timed_out(error: Exception) -> bool:
+    return "DEADLINE_EXCEEDED" in str(error)
+
+
+#: Set when a process leaves its peers inside a collective they can never
+#: finish (it was lost, or it abandoned them): JAX's shutdown barrier at exit
+#: would then wait for them until its own timeout.
+_abandoned: list[str] = []
+
+
+def _exit_without_shutdown_barrier() -> None:
+    if not _abandoned:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - nothing left to report to
+            pass
+    logging.shutdown()
+    # jax.distributed.shutdown() would wait for every process at a barrier;
+    # a lost or abandoned peer never arrives there.
+    os._exit(1)
+
+
+def _mark_abandoned(reason: str) -> None:
+    if not _abandoned:
+        # Registered after JAX's own shutdown hook, so it runs before it.
+        atexit.register(_exit_without_shutdown_barrier)
+    _abandoned.append(reason)
+
+
+class Peers:
+    """This run's processes, reached through JAX's distributed key-value store.
+
+    Values are JSON, posted under ``<key>/<process index>``; keys are
+    namespaced per ``fit``, which every process calls in the same order.
+
+    Args:
+        timeout: the longest a process waits for another, in seconds.
+    """
+
+    def __init__(self, timeout: float):
+        self.client = _client()
+        self.index = jax.process_index()
+        self.count = jax.process_count()
+        self.timeout = timeout
+        self.prefix = f"flaxhooks/fit-{next(_fits)}"
+        self._seen: dict[int, tuple[str, float]] = {}  # process -> (heartbeat, when it last moved)
+        self._lock = threading.Lock()
+
+    def key(self, name: str, process: int | None = None) -> str:
+        return f"{self.prefix}/{name}/{self.index if process is None else process}"
+
+    def post(self, name: str, value: Mapping[str, Any]) -> None:
+        """Posts this process's ``value`` under ``name``."""
+        self.client.key_value_set(self.key(name), json.dumps(value), allow_overwrite=True)
+
+    def gather(self, name: str, what: str) -> list[dict[str, Any]]:
+        """Every process's value under ``name``, in process order; waits for
+        each, up to ``timeout`` in all, saying whom it waits for.
+
+        Raises:
+            PeerTimeout: a process did not post in time.
+            PeerLost: a process stopped answering while this one waited.
+            ProcessError: a process left the run.
+        """
+        start = time.monotonic()
+        noted = start
+        values = []
+        for process in range(self.count):
+            while True:
+                waited = time.monotonic() - start
+                if waited >= self.timeout:
+                    raise PeerTimeout(
+                        f"process {self.index} waited {waited:.0f} s for process {process} to reach "
+                        f"{what}, and it has not (peer_timeout={self.timeout:g} s: raise it for slower "
+                        "processes)", [process],
+                    )
+                try:
+                    raw = self.client.blocking_key_value_get(
+                        self.key(name, process), int(1000 * min(1.0, self.timeout - waited)) or 1
+                    )
+                    values.append(json.loads(raw))
+                    break
+                except jax.errors.JaxRuntimeError as error:
+                    if not _timed_out(error):
+                        raise PeerLost(
+                            f"process {self.index} cannot reach JAX's coordination service (it runs in "
+                            f"process 0) while waiting for {what}: {error}", [0],
+                        ) from error
+                self.check(process, what)
+                now = time.monotonic()
+                if now - noted >= WAIT_NOTE_SECONDS:
+                    noted = now
+                    _log.warning(
+                        "process %d is waiting for process %d to reach %s (%.0f s so far, peer_timeout=%g s)",
+                        self.index, process, what, now - start, self.timeout,
+                    )
+        return values
+
+    def check(self, process: int, what: str) -> None:
+        """Raises if a process left the run or stopped answering."""
+        where = f"while process {self.index} waited for process {process} to reach {what}"
+        error = gone_error(*self.gone(), where)
+        if error is not None:
+            raise error
+
+    def beat(self, count: int) -> None:
+        self.client.key_value_set(self.key("alive"), str(count), allow_overwrite=True)
+
+    def leave(self, step: int, error: BaseException) -> None:
+        """Tells the others, in place of a heartbeat, that this process leaves the run."""
+        record = json.dumps({"left": step, "error": _describe(error)})
+        self.client.key_value_set(self.key("alive"), record, allow_overwrite=True)
+
+    def _heartbeats(self) -> dict[int, str]:
+        """Every process's latest heartbeat, in one read."""
+        try:
+            entries = self.client.key_value_dir_get(f"{self.prefix}/alive/")
+        except jax.errors.JaxRuntimeError:
+            return {}
+        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
+
+    def gone(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """The processes that left the run (with what they said), and those
+        whose heartbeat has not moved for :data:`LOST_AFTER_SECONDS` (as seen
+        over the calls so far; one that never beat yet is slow, not lost)."""
+        now = time.monotonic()
+        left, lost = {}, []
+        with self._lock:
+            for process, beat in self._heartbeats().items():
+                if process == self.index:
+                    continue
+                if beat.startswith("{"):
+                    left[process] = json.loads(beat)
+                    continue
+                seen = self._seen.get(process)
+                if seen is None or seen[0] != beat:
+                    self._seen[process] = (beat, now)
+                elif now - seen[1] >= LOST_AFTER_SECONDS:
+                    lost.append(process)
+        return left, lost
+
+    def lost_now(self, settle: float = 2.5) -> list[int]:
+        """The processes whose heartbeat does not move over ``settle`` seconds:
+        after a collective failed, which peer is gone."""
+        before = self._heartbeats()
+        time.sleep(settle)
+        after = self._heartbeats()
+        return [p for p, beat in before.items() if p != self.index and after.get(p) == beat]
+
+
+def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where: str,
+               step: int | None = None) -> ProcessError | None:
+    """The error that names the processes that left the run or were lost, or None."""
+    if left:
+        each = "; ".join(
+            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items()
+        )
+        return ProcessError(f"{each}, {where}", list(left), step)
+    if lost:
+        return PeerLost(
+            f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost {where}: no "
+            f"heartbeat for {LOST_AFTER_SECONDS:g} s (killed, crashed, or its host went down), so "
+            "training cannot go on", list(lost), step,
+        )
+    return None
+
+
+@dataclasses.dataclass
+class _Round:
+    """One round of agreement (see the module docstring)."""
+
+    number: int
+    answered: bool = False  # this process posted where it stands
+    target: int | None = None  # the step every process stops at
+    requested: dict[str, Any] | None = None  # what this process asked for, if it asked
+    data_ended: bool = False  # some process asked because its data ran out
+
+
+class LocalStops:
+    """One process: a stop takes effect where it is asked for, errors are raised at once."""
+
+    several = False
+
+    def start(self, record: Mapping[str, Any], failure: BaseException | None) -> None:
+        if failure is not None:
+            raise failure
+
+    def at_boundary(self, loop: Loop, pulled: bool = False) -> bool:
+        return loop.should_stop
+
+    def may_dispatch(self, loop: Loop) -> bool:
+        return True
+
+    def wait_ready(self, loop: Loop, value: jax.Array) -> None:
+        """Waits until ``value`` is computed."""
+        value.block_until_ready()
+
+    def data_ended(self, loop: Loop) -> bool:
+        return True
+
+    def defer(self, loop: Loop, error: Exception) -> None:
+        """An error in the loop: raised at once."""
+        raise error
+
+    def batches(self, loop: Loop, batches: Iterator[Any], zeros: Callable[[], Any]) -> Iterator[Any]:
+        """The epoch's device batches, as they are."""
+        return batches
+
+    def finish(self, loop: Loop) -> None:
+        pass
+
+    def failed(self, loop: Loop, error: BaseException) -> BaseException:
+        return error
+
+    def close(self, loop: Loop, error: BaseException | None) -> None:
+        pass
+
+    def interrupted(self, loop: Loop) -> int | None:
+        """The signal that stopped training, if one did."""
+        return loop.interrupted
+
+
+class AgreedStops(LocalStops):
+    """Several processes: stops and faults agreed through :class:`Peers`.
+
+    Attributes:
+        fault: this process's first error, carried to the agreed step and
+            raised there on every process as a :class:`ProcessError`.
+    """
+
+    several = True
+
+    def __init__(self, peers: Peers):
+        self.peers = peers
+        self.fault: BaseException | None = None
+        # Every process's data has the same known number of batches per
+        # epoch, so epochs end at the same step without a round.
+        self._known_lengths = True
+        self._round = _Round(0)
+        self._dispatched = 0  # the last step this process dispatched
+        self._lock = threading.Lock()
+        self._advanced = threading.Event()  # a round ended, or the fit did
+        self._closed = False
+        self._decided = False
+        self._signal: int | None = None  # the signal every process agreed on
+        self._watcher: threading.Thread | None = None
+        #: What the watcher found: processes that left the run, and lost ones.
+        self.gone: tuple[dict[int, dict[str, Any]], list[int]] | None = None
+        self._leaving: float | None = None  # when this process gave up on the others
+
+    # -- start and end -------------------------------------------------------
+
+    def start(self, record: Mapping[str, Any], failure: BaseException | None) -> None:
+        """Checks that every process starts the same fit; starts the watcher.
+
+        Raises:
+            BatchError: the processes feed different batch layouts or data lengths,
+                or one cannot train on its data.
+            ProcessError: a process failed before training, or they start
+                from different places.
+        """
+        from flaxhooks.data import BatchError
+
+        mine = dict(record)
+        if failure is not None:
+            mine.update(error=_describe(failure), batch_error=isinstance(failure, BatchError))
+        self.peers.post("start", mine)
+        try:
+            everyone = self.peers.gather("start", "the start of fit")
+            for process in range(self.peers.count):  # one that gave up waiting for this one
+                self.peers.check(process, "the start of fit")
+        except ProcessError as error:
+            self.failed_at(record["start"][0] if "start" in record else 0, error)
+            raise
+        failed = [(i, r) for i, r in enumerate(everyone) if r.get("error")]
+        if failed:
+            each = "; ".join(f"process {i}: {r['error']}" for i, r in failed)
+            if all(r["batch_error"] for _, r in failed):
+                raise BatchError(f"a process cannot train on its data ({each})") from failure
+            raise ProcessError(f"fit failed before training ({each})", [i for i, _ in failed]) from failure
+        for field, problem, hint in _AGREED_AT_START:
+            values = [r[field] for r in everyone]
+            if len(set(map(json.dumps, values))) > 1:
+                each = "; ".join(f"process {i}: {v}" for i, v in enumerate(values))
+                error_type = BatchError if field in ("layout", "length") else ProcessError
+                raise error_type(f"the processes {problem} ({each}): {hint}")
+        self._known_lengths = all(r["length"] is not None for r in everyone)
+        self._dispatched = record["start"][0]
+        self._watcher = threading.Thread(target=self._watch, name="flaxhooks-peers", daemon=True)
+        self._watcher.start()
+
+    def close(self, loop: Loop, error: BaseException | None) -> None:
+        """After the end hooks: a fit that fails on one process fails on all.
+
+        Raises:
+            ProcessError: this fit ended without error here but failed elsewhere.
+        """
+        try:
+            if _abandoned:
+                return  # some peer cannot answer
+            self.peers.post("end", {"step": loop.step, "error": None if error is None else _describe(error)})
+            everyone = self.peers.gather("end", "the end of fit")
+        finally:
+            self._stop_watching()
+        failed = [(i, r["error"]) for i, r in enumerate(everyone) if r["error"]]
+        if error is None and failed:
+            raise ProcessError(
+                "fit failed on " + "; ".join(f"process {i}: {e}" for i, e in failed),
+                [i for i, _ in failed], loop.step,
+            )
+
+    # -- the main thread's checks --------------------------------------------
+
+    def at_boundary(self, loop: Loop, pulled: bool = False) -> bool:
+        """Whether the loop stops here. Posts this process's new request, and
+        at the agreed step applies the outcome. ``pulled``: the next batch is
+        in hand (so this process's data has not run out).
+
+        Raises:
+            ProcessError: the agreed outcome is a failure.
+        """
+        if self.gone is not None:
+            raise self._gone_error(loop)
+        if self._decided:
+            return True
+        current = self._round
+        if current.requested is None and (self.fault is not None or loop.should_stop):
+            self._request(self._word(loop))
+        if not current.answered:
+            return False
+        self._settle(current)
+        if loop.step < current.target:  # type: ignore[operator]
+            return False
+        if current.data_ended and current.requested is None and not pulled:
+            return False  # first see whether this process's data ran out too
+        return self._conclude(loop, current)
+
+    def may_dispatch(self, loop: Loop) -> bool:
+        """Called right before each step is dispatched; False: stop instead."""
+        step = loop.step + 1
+        while True:
+            with self._lock:
+                current = self._round
+                if not current.answered or (current.target is not None and step <= current.target):
+                    self._dispatched = step
+                    return True
+            # The watcher has just answered for this process: settle first.
+            self._settle(current)
+            if step > current.target and self._conclude(loop, current):  # type: ignore[operator]
+                return False
+
+    def wait_ready(self, loop: Loop, value: jax.Array) -> None:
+        """Waits until ``value`` is computed, without blocking inside JAX: a
+        lost peer ends the wait with :class:`PeerLost`."""
+        pause = 1e-4
+        while not value.is_ready():
+            if self.gone is not None:
+                raise self._gone_error(loop)
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def _gone_error(self, loop: Loop) -> ProcessError:
+        assert self.gone is not None
+        error = gone_error(*self.gone, f"at step {loop.step}", loop.step)
+        assert error is not None
+        return error
+
+    def defer(self, loop: Loop, error: Exception) -> None:
+        """An error in the loop: kept, to be raised on every process (as a
+        :class:`ProcessError` naming this one) at the step they agree to stop at."""
+        if self.fault is None:
+            self.fault = error
+            _log.error("process %d failed at step %d (%s): every process stops at the step they agree on",
+                       self.peers.index, loop.step, error, exc_info=error)
+        else:
+            _log.error("process %d failed again at step %d: %s", self.peers.index, loop.step, error)
+
+    def batches(self, loop: Loop, batches: Iterator[Any], zeros: Callable[[], Any]) -> Iterator[Any]:
+        """The epoch's device batches. Data that fails, or runs out before the
+        others', is replaced by ``zeros()`` until the step every process stops
+        at, so no process waits in a collective alone."""
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                if self.data_ended(loop):
+                    return
+                break
+            except Exception as error:
+                self.defer(loop, error)
+                break
+            yield batch
+        yield from itertools.repeat(zeros())
+
+    def data_ended(self, loop: Loop) -> bool:
+        """This process's data ran out. True: the epoch ended at this step on
+        every process. False: another process went on, so this one goes on
+        (with zeros) to the agreed step, where training fails everywhere."""
+        current = self._round
+        if self._known_lengths and current.requested is None and not current.answered:
+            return True  # the same length everywhere: every process's epoch ends here
+        if current.requested is None:
+            self._request(self._word(loop, ran_out=True))
+        self._settle(current)
+        if loop.step < current.target:  # type: ignore[operator]
+            self.fault = self.fault or RuntimeError(
+                f"its data ran out at step {loop.step}, before the other processes'"
+            )
+            return False
+        return not self._conclude(loop, current, ran_out=True)
+
+    def finish(self, loop: Loop) -> None:
+        """The loop ended here, at its last epoch or step: agree with the others.
+
+        Raises:
+            ProcessError: the agreed outcome is a failure.
+        """
+        if self.at_boundary(loop):  # a request of this process's, or one under way
+            return
+        current = self._round
+        with self._lock:
+            if not current.answered:
+                current.answered = True
+                self._post_answer(current, {"kind": "end"})
+        self._settle(current)
+        self._conclude(loop, current)
+
+    def failed(self, loop: Loop, error: BaseException) -> BaseException:
+        """An error the loop cannot carry to an agreed step: names a lost
+        peer, or tells the others that this process abandons them."""
+        if isinstance(error, ProcessError) and not isinstance(error, (PeerLost, PeerTimeout)):
+            return error  # raised by every process at the agreed step
+        if _from_the_runtime(error) and not isinstance(error, ProcessError):
+            lost = (self.gone[1] if self.gone else None) or self.peers.lost_now()
+            if lost:
+                which = ", ".join(map(str, lost))
+                error = PeerLost(
+                    f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {loop.step} (killed, "
+                    f"crashed, or its host went down), so training cannot go on. The collective that "
+                    f"noticed failed with {_describe(error)}", lost, loop.step,
+                )
+        self.failed_at(loop.step, error)
+        return error
+
+    def failed_at(self, step: int, error: BaseException) -> None:
+        """This process leaves the run: tells the others (so they can name
+        it), and at exit skips JAX's shutdown barrier. The watcher stays to
+        end the process if ``fit`` cannot finish."""
+        self._leaving = time.monotonic()
+        _log.error("process %d leaves the run at step %d: %s", self.peers.index, step, _describe(error))
+        try:
+            self.peers.leave(step, error)
+        except Exception:  # noqa: BLE001 - the coordination service may be gone too
+            _log.debug("could not tell the other processes", exc_info=True)
+        _mark_abandoned(_describe(error))
+
+    # -- rounds --------------------------------------------------------------
+
+    def interrupted(self, loop: Loop) -> int | None:
+        """The signal every process agreed stopped training (a signal that
+        reached this process after they agreed is not among them)."""
+        return self._signal if self._decided else loop.interrupted
+
+    def _word(self, loop: Loop, ran_out: bool = False) -> dict[str, Any]:
+        """What this process has to say about stopping, as of now."""
+        if self.fault is not None:
+            return {"kind": "error", "error": _describe(self.fault)}
+        if loop.interrupted is not None:
+            return {"kind": "signal", "reason": loop.stop_reason, "signal": loop.interrupted}
+        if loop.should_stop:
+            return {"kind": "stop", "reason": loop.stop_reason}
+        return {"kind": "data_end" if ran_out else "go_on"}
+
+    def _request(self, request: dict[str, Any]) -> None:
+        current = self._round
+        current.requested = request
+        with self._lock:
+            if not current.answered:
+                current.answered = True
+                self._post_answer(current, request)
+        try:  # wakes every watcher; a concurrent request may have raised it first
+            self.peers.client.key_value_set(f"{self.peers.prefix}/round-{current.number}/trigger", "1")
+        except jax.errors.JaxRuntimeError:
+            pass
+
+    def _post_answer(self, current: _Round, record: Mapping[str, Any]) -> None:
+        """Where this process stands (called holding the lock): the last step
+        it dispatched; it dispatches none beyond until the round settles."""
+        self.peers.post(f"round-{current.number}/answer", {**record, "step": self._dispatched})
+
+    def _settle(self, current: _Round) -> None:
+        if current.target is None:
+            answers = self.peers.gather(f"round-{current.number}/answer", "an agreed stop")
+            current.target = max(a["step"] for a in answers)
+            current.data_ended = any(a["kind"] == "data_end" for a in answers)
+
+    def _conclude(self, loop: Loop, current: _Round, ran_out: bool = False) -> bool:
+        """At the target: posts this process's final word, reads everyone's,
+        and applies the outcome. Returns whether training stops.
+
+        Raises:
+            ProcessError: the outcome is a failure.
+        """
+        # What this process says now: an error or a signal may have come
+        # since it answered.
+        word = self._word(loop, ran_out=ran_out)
+        self.peers.post(f"round-{current.number}/final", {**word, "step": loop.step})
+        finals = self.peers.gather(
+            f"round-{current.number}/final", f"the agreed stop at step {current.target}"
+        )
+        if {f["kind"] for f in finals} == {"data_end"} and len({f["step"] for f in finals}) == 1:
+            with self._lock:
+                self._round = _Round(current.number + 1)
+            self._advanced.set()
+            return False  # every process's epoch ended at this step
+        self._decided = True
+        error = _agreed_failure(finals, loop.step, current.data_ended)
+        if error is not None:
+            if self.fault is not None:
+                raise error from self.fault
+            raise error
+        by_reason: dict[str, list[int]] = {}
+        for i, f in enumerate(finals):
+            if f["kind"] in ("stop", "signal"):
+                by_reason.setdefault(f["reason"], []).append(i)
+        reasons = [
+            f"{'every process' if len(who) == len(finals) else 'process ' + ', '.join(map(str, who))}: {why}"
+            for why, who in by_reason.items()
+        ]
+        signals = [f["signal"] for f in finals if f["kind"] == "signal"]
+        self._signal = signals[0] if signals else None
+        if self._signal is not None and loop.interrupted is None:
+            _log.warning(
+                "%s on another process: every process stops at step %d",
+                signal.Signals(self._signal).name, loop.step,
+            )
+        loop.interrupted = self._signal
+        if reasons:
+            loop.stop_reason = None  # the same words on every process
+            loop.stop("; ".join(reasons))
+        return True
+
+    # -- the watcher thread --------------------------------------------------
+
+    def _stop_watching(self) -> None:
+        """Ends the watcher before the fit returns: a thread still blocked in
+        the key-value store when the interpreter exits aborts the process."""
+        self._closed = True
+        self._advanced.set()
+        if self._watcher is None:
+            return
+        try:  # every process is past its loop: waking the watchers is harmless
+            self.peers.client.key_value_set(f"{self.peers.prefix}/round-{self._round.number}/trigger", "end")
+        except jax.errors.JaxRuntimeError:
+            pass
+        self._watcher.join(timeout=2 * HEARTBEAT_SECONDS)
+        self._watcher = None
+
+    def _watch(self) -> None:
+        beats = itertools.count()
+        while not self._closed:
+            current = self._round
+            try:
+                if self._leaving is not None:
+                    self._outlive([])
+                    return
+                self.peers.beat(next(beats))
+                left, lost = self.peers.gone()
+                if left or lost:
+                    self.gone = (left, lost)
+                    self._outlive(lost)
+                    return
+                if current.answered:
+                    self._advanced.wait(HEARTBEAT_SECONDS)
+                    self._advanced.clear()
+                    continue
+                self.peers.client.blocking_key_value_get(
+                    f"{self.peers.prefix}/round-{current.number}/trigger", int(1000 * HEARTBEAT_SECONDS)
+                )
+            except jax.errors.JaxRuntimeError as error:
+                if _timed_out(error):
+                    continue
+                _log.debug("the watcher lost the coordination service: %s", error)
+                return
+            if self._closed:
+                return
+            with self._lock:
+                if self._round is current and not current.answered:
+                    current.answered = True
+                    self._post_answer(current, {"kind": "go_on"})
+
+    def _outlive(self, lost: list[int]) -> None:
+        """A peer is gone (the main thread raises at its next check), or this
+        process left the others. If ``fit`` has not ended soon after, it is
+        stuck in a collective that can never finish: exit."""
+        deadline = (self._leaving or time.monotonic()) + END_GRACE_SECONDS
+        while not self._closed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._closed:
+            return
+        why = (
+            f"process {', '.join(map(str, lost))} was lost (no heartbeat for {LOST_AFTER_SECONDS:g} s: "
+            "killed, crashed, or its host went down)" if lost
+            else "another process left the run" if self.gone else "it left the other processes"
+        )
+        message = (
+            f"flaxhooks: {why}, and process {self.peers.index} is stuck in a collective with a process that "
+            f"will never take part, {END_GRACE_SECONDS:g} s later: exiting with status 1"
+        )
+        print(message, file=sys.stderr, flush=True)
+        _mark_abandoned(message)
+        _exit_without_shutdown_barrier()
+
+
+#: What every process must agree on at the start of a fit: (record field,
+#: what differs, what to do about it).
+_AGREED_AT_START = (
+    ("layout", "feed different batches",
+     "every process must feed batches of the same keys, shapes and dtypes"),
+    ("length", "have different numbers of batches per epoch",
+     "every process must take the same number of steps per epoch"),
+    ("start", "start at different steps or data positions",
+     "every process must continue from the same state"),
+    ("resumed", "resumed from different checkpoints",
+     "every process must read the same checkpoint directory (a shared file system)"),
+)
+
+
+def _agreed_failure(
+    finals: Sequence[Mapping[str, Any]], step: int, data_round: bool
+) -> ProcessError | None:
+    """The failure every process raises, from every process's final word, or None.
+
+    In a round some process started because its data ran out, every other
+    process tried its next batch before its final word, so a process that
+    goes on had more data than one whose data ran out.
+    """
+    errors = [(i, f["error"]) for i, f in enumerate(finals) if f["kind"] == "error"]
+    ran_out = [i for i, f in enumerate(finals) if f["kind"] == "data_end"]
+    if not errors and data_round and ran_out and any(f["kind"] == "go_on" for f in finals):
+        errors = [(i, "its data ran out before the other processes'") for i in ran_out]
+    if not errors and len({f["step"] for f in finals}) > 1:
+        errors = [(i, f"it ended at step {f['step']}") for i, f in enumerate(finals)]
+    if not errors:
+        return None
+    each = "; ".join(f"process {i}: {e}" for i, e in errors)
+    return ProcessError(
+        f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step
+    )
+
+
+def _from_the_runtime(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is a failure of the JAX runtime, as a
+    collective whose peer is gone fails."""
+    seen = 0
+    while error is not None and seen < 5:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return True
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
+
+
+def stops_for(timeout: float) -> LocalStops:
+    """The agreement a fit needs: local with one process, agreed with several."""
+    if jax.process_count() == 1:
+        return LocalStops()
+    return AgreedStops(Peers(timeout))

@@ -1,0 +1,61 @@
+"""The restore protocol: what ``fit(resume=True)`` asks of the callback that
+keeps checkpoints. The Trainer knows no checkpoint class."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from flaxhooks.step import TrainState
+
+_log = logging.getLogger("flaxhooks")
+
+
+class SavedRun(Protocol):
+    """A saved run, read back and verified.
+
+    Attributes:
+        step: the optimizer steps the saved state had taken.
+        position: ``(epoch, batches into it)`` where training goes on.
+        stop_reason: why the saved run had decided to stop, if it had.
+        path: where it was read from.
+    """
+
+    step: int
+    position: tuple[int, int]
+    stop_reason: str | None
+    path: str
+
+    def train_state(self, like: TrainState) -> TrainState:
+        """The saved arrays in the structure of ``like`` (abstract or concrete)."""
+
+    def load_callbacks(self, callbacks: Sequence[Any]) -> None:
+        """Gives each callback its saved state (``load_state_dict``)."""
+
+
+@runtime_checkable
+class Restorer(Protocol):
+    """A callback that can resume a run (``Checkpoint``): ``fit(resume=True)``
+    asks the one registered for the latest good save."""
+
+    def restore_latest(self) -> SavedRun | None:
+        """The newest save that reads back and verifies; None if there is none."""
+
+
+def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:
+    """The latest good save of the one restorer among ``callbacks`` (None: nothing yet).
+
+    Raises:
+        ValueError: there is no restorer, or more than one.
+    """
+    restorers = [cb for cb in callbacks if isinstance(cb, Restorer)]
+    if len(restorers) != 1:
+        raise ValueError(
+            f"resume=True needs exactly one Checkpoint callback (or other Restorer) to read from; this "
+            f"Trainer has {len(restorers)}"
+        )
+    restored = restorers[0].restore_latest()
+    if restored is None:
+        _log.info("nothing to resume from yet: starting afresh")
+    return restored

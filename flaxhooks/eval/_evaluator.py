@@ -1,0 +1,353 @@
+"""Exact full-dataset evaluation: pad_shard_unpad, masked clu metrics."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from clu import metrics as clu_metrics
+from flax import jax_utils
+from jax import lax
+
+from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout, first_replica
+from flaxhooks.step import AXIS, Batch, LossFn, Model, split_loss
+from flaxhooks.step._state import abstract
+
+if TYPE_CHECKING:
+    from flaxhooks.step import TrainState
+
+#: The batch key that marks real examples; pad_shard_unpad pads it with False.
+VALID = "__flaxhooks_valid__"
+#: Eval batches dispatched ahead of the devices before the loop waits.
+MAX_BATCHES_IN_FLIGHT = 2
+
+#: ``example_loss_fn(outputs, batch)``: one loss per example, or
+#: ``(losses, {name: per-example values})``.
+ExampleLossFn = Callable[[Any, Batch], Any]
+#: Running metrics on each device, and the real examples each has seen.
+Totals = tuple[clu_metrics.Collection, jax.Array]
+Metrics = type[clu_metrics.Collection] | type[clu_metrics.Metric] | Mapping[str, type[clu_metrics.Metric]]
+
+
+#: The default evaluation metrics: mean loss and accuracy over every example.
+#: (Built with ``Collection.create``: clu reads the class annotations, which
+#: this module's ``from __future__ import annotations`` would turn into strings.)
+LossAccuracy: type[clu_metrics.Collection] = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss"), accuracy=clu_metrics.Accuracy
+)
+
+
+#: Loss only, the default when there are no labels.
+LossOnly: type[clu_metrics.Collection] = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss")
+)
+
+#: Names the eval step gives metrics; batch keys of these names are only in ``batch``.
+RESERVED = frozenset({"outputs", "logits", "labels", "loss", "mask", "batch"})
+
+_created: dict[Any, type[clu_metrics.Collection]] = {}
+
+
+def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_metrics.Collection]:
+    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}``.
+
+    The same metrics always give the same class, so the compiled eval step is
+    reused. ``None`` means loss and accuracy, or loss alone without labels.
+    """
+    if metrics is None:
+        return LossAccuracy if has_labels else LossOnly
+    if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Collection):
+        return metrics
+    if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Metric):
+        metrics = {metrics.__name__.lower(): metrics}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"metrics must be a clu Collection or Metric class, or a dict of them; got {metrics!r}"
+        )
+    key = tuple(sorted(metrics.items(), key=lambda item: item[0]))
+    if key not in _created:
+        _created[key] = clu_metrics.Collection.create(**dict(key))
+    return _created[key]
+
+
+def per_example(loss_fn: LossFn) -> ExampleLossFn:
+    """Per-example losses (and metrics) from a batch-mean ``loss_fn``.
+
+    Calls ``loss_fn`` on each example as a batch of one, with ``vmap``, so a
+    mean-reduced training loss gives each example's own loss.
+    """
+
+    def one(outputs: Any, example: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        as_batch = jax.tree.map(lambda x: x[None], (outputs, dict(example)))
+        return split_loss(loss_fn(*as_batch))
+
+    def example_loss_fn(outputs: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return jax.vmap(one)(outputs, dict(batch))
+
+    return example_loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalStart:
+    """The payload of ``eval_start``: which evaluation, of which step.
+
+    Attributes:
+        name: the evaluation's name.
+        step: the train step the evaluated state has reached.
+    """
+
+    name: str
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """What an evaluation found; the payload of ``eval_end``.
+
+    Attributes:
+        name: the evaluation's name.
+        metrics: each metric's value over every example.
+        step: the train step the evaluated state had reached.
+        examples: how many examples were evaluated (each exactly once).
+    """
+
+    name: str
+    metrics: dict[str, float]
+    step: int
+    examples: int
+
+
+class Evaluator:
+    """Compiles and runs an exact evaluation for one Trainer and one metrics collection.
+
+    The pmapped eval step is wrapped in :func:`flax.jax_utils.pad_shard_unpad`:
+    every batch is padded to the same per-device size (``min_device_batch``),
+    so a ragged last batch reuses the compiled step, and padded examples are
+    masked out of every metric. Metrics accumulate on the devices; one
+    transfer at the end computes them.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        metrics: type[clu_metrics.Collection],
+        example_loss_fn: ExampleLossFn,
+        label_key: str | None,
+        devices: Sequence[jax.Device],
+    ):
+        if len(devices) != jax.local_device_count():
+            raise ValueError(
+                f"evaluation shards over every local device (pad_shard_unpad), but the Trainer "
+                f"uses {len(devices)} of {jax.local_device_count()}"
+            )
+        self.model = model
+        self.metrics = metrics
+        self.label_key = label_key
+        self.devices = list(devices)
+
+        def eval_step(variables: tuple[Any, Any], totals: Totals, batch: Batch) -> Totals:
+            batch = dict(batch)
+            valid = batch.pop(VALID)
+            params, model_state = variables
+            outputs, _ = model.apply(params, model_state, batch, train=False, rngs={})
+            losses, values = split_loss(example_loss_fn(outputs, batch))
+            named = {k: v for k, v in {**batch, **values}.items() if k not in RESERVED}
+            named.update(outputs=outputs, logits=outputs, loss=losses, batch=batch)
+            if label_key is not None and label_key in batch:
+                named["labels"] = batch[label_key]
+            # Each device accumulates its own examples; devices are combined
+            # once, at the end, not with a collective per batch.
+            collection, examples = totals
+            update = metrics.single_from_model_output(mask=valid, **named)
+            return collection.merge(update), examples + valid.sum(dtype=jnp.int32)
+
+        self.eval_step = eval_step
+        #: How many times the eval step was traced (each trace compiles).
+        self.traces = 0
+
+        def counted(*args: Any) -> Totals:
+            self.traces += 1
+            return eval_step(*args)
+
+        self._step = jax_utils.pad_shard_unpad(
+            jax.pmap(counted, axis_name=AXIS, devices=self.devices),
+            static_argnums=(0, 1), static_return=True,
+        )
+        # The step has no collective, so it runs on this process's devices
+        # alone (processes may have different numbers of batches); one
+        # all_gather over every device of every process merges the totals.
+        # It also tells every process whether any of them failed, so an error
+        # on one process cannot leave the others waiting in the collective.
+        self._combine = jax.pmap(
+            lambda totals, failed: (
+                lax.all_gather(totals[0], AXIS).reduce(), lax.psum(totals[1], AXIS), lax.psum(failed, AXIS)
+            ),
+            axis_name=AXIS,
+        )
+        self._checked: dict[Any, int | None] = {}
+
+    def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
+        """Traces the eval step on abstract values of ``state`` (replicated) and
+        a batch like ``arrays``: errors surface before anything compiles.
+
+        Returns:
+            The number of classes (the outputs' last axis), if the outputs are
+            per-example vectors; labels are checked against it.
+        """
+        devices = len(self.devices)
+        per_device = math.ceil(len(next(iter(arrays.values()))) / devices)
+        batch = {
+            key: jax.ShapeDtypeStruct((devices, per_device, *a.shape[1:]), a.dtype)
+            for key, a in {**arrays, VALID: np.ones(1, np.bool_)}.items()
+        }
+        variables = (state.params, state.model_state)  # only these reach the step: fewer arguments per call
+        state_per_device = abstract(variables, 1)
+        leaves, treedef = jax.tree.flatten((state_per_device, batch))
+        key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        if key not in self._checked:
+            try:
+                self._checked[key] = self._trace(variables, state_per_device, batch)
+            except Exception as error:
+                layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
+                raise BatchError(
+                    f"the model, loss or metrics cannot evaluate batches of {layout}: "
+                    f"{type(error).__name__}: {error} (the default metrics need array logits and "
+                    f"integer labels under label_key; pass metrics= for other outputs)"
+                ) from error
+        return self._checked[key]
+
+    def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any]) -> int | None:
+        devices = len(self.devices)
+        totals = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype),
+            (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32)),
+        )
+        replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables)
+        jax.eval_shape(jax.vmap(self.eval_step, axis_name=AXIS), replicated, totals, batch)
+        example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items() if k != VALID}
+        outputs = jax.eval_shape(
+            lambda v, b: self.model.apply(*v, b, train=False, rngs={})[0],
+            per_device, example,
+        )
+        is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
+        return outputs.shape[-1] if is_vector else None
+
+    def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str,
+            labels_checked: bool = False) -> EvalResult:
+        """Evaluates ``state`` (replicated) on every example of ``batches``.
+
+        The first batch is checked (and labels against the model's classes)
+        on abstract values before the step compiles; its size sets the
+        compiled per-device batch. This process may have no batch at all (its
+        share of a small dataset on several hosts).
+        """
+        empty = (self.metrics.empty(), np.zeros((), np.int32))
+        totals = jax_utils.replicate(empty, self.devices, axis_name=AXIS)
+        in_flight: collections.deque[Any] = collections.deque()
+        per_device = num_classes = None
+        failure: Exception | None = None
+        try:
+            for batch in batches:
+                arrays, size = check_layout(batch, self.model.input_keys)
+                if size == 0:
+                    continue
+                if per_device is None or size > per_device * len(self.devices):
+                    num_classes = self.check(state, arrays)
+                    per_device = math.ceil(size / len(self.devices))
+                if not labels_checked:
+                    self.check_labels(arrays, num_classes)
+                arrays[VALID] = np.ones(size, np.bool_)
+                totals = self._step((state.params, state.model_state), totals, arrays,
+                                    min_device_batch=per_device)
+                # Bound the batches queued on the devices (waits, reads nothing).
+                in_flight.append(totals)
+                if len(in_flight) > MAX_BATCHES_IN_FLIGHT:
+                    jax.block_until_ready(in_flight.popleft())
+        except Exception as error:
+            failure = error
+        failed = np.full(len(self.devices), failure is not None, np.int32)
+        collection, examples, failures = first_replica(self._combine(totals, failed))
+        if failure is not None:
+            raise failure
+        if failures:
+            raise RuntimeError(f"evaluation {name!r} failed on another process")
+        if not examples:
+            raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
+        computed = self.metrics.compute(collection)
+        return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
+
+    def check_labels(self, arrays: Mapping[str, np.ndarray], num_classes: int | None) -> None:
+        """Checks integer class labels against the outputs' classes (2 or more)."""
+        if num_classes is None or num_classes < 2 or self.label_key is None:
+            return
+        labels = arrays.get(self.label_key)
+        if labels is None or not np.issubdtype(labels.dtype, np.integer):
+            return
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise BatchError(
+                f"evaluation labels {self.label_key!r} range over [{labels.min()}, {labels.max()}] "
+                f"but the model has {num_classes} outputs (labels must lie in [0, {num_classes - 1}])"
+            )
+
+
+def eval_batches(data: Any, batch_size: int | None) -> Iterator[HostBatch]:
+    """Batches of ``data``: arrays in memory (a dict of arrays) or an iterable of batches."""
+    if batch_size is not None and batch_size < 1:
+        raise BatchError(f"the evaluation batch size must be positive, got {batch_size}")
+    if isinstance(data, Mapping):
+        if batch_size is None:
+            raise BatchError("evaluating arrays needs a batch_size")
+        lengths = {k: len(v) for k, v in data.items()}
+        if not lengths or not max(lengths.values()):
+            raise EmptyDataError("the evaluation arrays are empty")
+        return ArrayLoader(data, batch_size, shuffle=False, drop_remainder=False)(0)
+    return iter(data)
+
+
+class Evaluations:
+    """Exact evaluations of one model, one compiled :class:`Evaluator` per
+    metrics collection (each compiled once per batch size).
+
+    Args:
+        model: the model adapter.
+        example_loss_fn: ``(outputs, batch)`` to one loss per example.
+        label_key: the batch key holding class labels, or None.
+        devices: the local devices (every one of them: ``pad_shard_unpad``).
+    """
+
+    def __init__(self, model: Model, example_loss_fn: ExampleLossFn, label_key: str | None,
+                 devices: Sequence[jax.Device]):
+        self.model, self.example_loss_fn, self.label_key = model, example_loss_fn, label_key
+        self.devices = list(devices)
+        self._evaluators: dict[type, Evaluator] = {}
+
+    @property
+    def traces(self) -> int:
+        """How many times an eval step was traced (each trace compiles), over every metrics collection."""
+        return sum(evaluator.traces for evaluator in self._evaluators.values())
+
+    def run(self, state: TrainState, step: int, data: Any, batch_size: int | None,
+            metrics: Metrics | None, name: str) -> EvalResult:
+        """Evaluates ``state`` (replicated) on every example of ``data``.
+
+        Raises:
+            BatchError, EmptyDataError: bad data, before anything compiles.
+        """
+        collection = as_collection(metrics, has_labels=self.label_key is not None)
+        evaluator = self._evaluators.get(collection)
+        if evaluator is None:
+            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key, self.devices)
+            self._evaluators[collection] = evaluator
+        batches = eval_batches(data, batch_size)
+        in_memory = isinstance(data, Mapping)
+        if in_memory:  # check every label before compiling
+            arrays, _ = check_layout(data, self.model.input_keys)
+            first = {k: v[:batch_size] for k, v in arrays.items()}
+            evaluator.check_labels(arrays, evaluator.check(state, first))
+        return evaluator.run(state, batches, step, name, labels_checked=in_memory)

@@ -1,0 +1,41 @@
+"""The train step: the model adapter, the state, the one step builder and
+the runner that picks the lean or an instrumented variant per step, and what
+an instrumented step exposes (taps) and computes (statistics)."""
+
+from flaxhooks.step._build import InsideStep, LossFn, build_step, split_loss, step_rngs
+from flaxhooks.step._contributor import StepContributor
+from flaxhooks.step._linen import LinenModel
+from flaxhooks.step._model import AXIS, Batch, Model, TapRun
+from flaxhooks.step._runner import StepRunner
+from flaxhooks.step._state import LossError, StatePlan, TrainState
+from flaxhooks.step._stats import ACTIVATION_STATS, GRADIENT_STATS, bin_edges, tap_stats
+from flaxhooks.step._taps import ModuleFilter, ModuleSpec, Tap, Tapped, Taps, as_module_filter, select_modules
+
+__all__ = [
+    "ACTIVATION_STATS",
+    "AXIS",
+    "GRADIENT_STATS",
+    "Batch",
+    "InsideStep",
+    "LinenModel",
+    "LossError",
+    "LossFn",
+    "Model",
+    "ModuleFilter",
+    "ModuleSpec",
+    "StatePlan",
+    "StepContributor",
+    "StepRunner",
+    "Tap",
+    "TapRun",
+    "Tapped",
+    "Taps",
+    "TrainState",
+    "as_module_filter",
+    "bin_edges",
+    "build_step",
+    "select_modules",
+    "split_loss",
+    "step_rngs",
+    "tap_stats",
+]

@@ -1,0 +1,145 @@
+"""The one train step: a pure function of the state and a batch, lean or
+instrumented by what the due step contributors ask for."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from flaxhooks.step._model import AXIS, Batch, Model
+from flaxhooks.step._state import LossError, TrainState
+from flaxhooks.step._taps import Tapped, Taps
+
+#: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
+#: with a dict of scalar metrics.
+LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
+#: An in-step function a contributor declares: this device's view of the
+#: step to a pytree of arrays, pure and traced once per compiled variant.
+InsideStep = Callable[[Tapped], Any]
+#: The compiled step: ``(state, batch) -> (state, metrics, results)``.
+Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]]
+
+
+def step_rngs(base: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
+    """Keys for one step on one device: distinct per step, device and stream."""
+    key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(AXIS))
+    return dict(zip(names, jax.random.split(key, len(names)), strict=False))
+
+
+def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Normalizes a loss function's result to ``(loss, metrics)``."""
+    if isinstance(result, tuple):
+        loss, metrics = result
+        return loss, dict(metrics)
+    return result, {}
+
+
+def mean_over_devices(tree: Any) -> Any:
+    """Averages floating leaves over the device axis; leaves others as they are
+    (integer state such as counters is the same on every device)."""
+    return jax.tree.map(
+        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
+    )
+
+
+def metrics_over_devices(metrics: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Averages every metric over the device axis, integers and bools as float32."""
+
+    def as_float(value: jax.Array) -> jax.Array:
+        value = jnp.asarray(value)
+        return value if jnp.issubdtype(value.dtype, jnp.inexact) else value.astype(jnp.float32)
+
+    return {name: lax.pmean(as_float(value), AXIS) for name, value in metrics.items()}
+
+
+def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    loss, metrics = split_loss(loss_fn(outputs, batch))
+    if jnp.shape(loss) != ():
+        raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+    return loss, metrics
+
+
+def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
+               inside: Sequence[InsideStep] = ()) -> Step:
+    """Returns the pure, per-device train step, to be mapped over ``AXIS``.
+
+    The step averages gradients, carried model state (BatchNorm statistics)
+    and metrics over devices, so every replica stays identical. With
+    ``taps`` it also exposes intermediate values: it takes the gradients of
+    the loss with respect to perturbations (zeros built inside the step from
+    this batch's shapes, so any batch size works) in the same backward pass
+    as the parameters', so the update is the same as the lean step's. Each
+    function of ``inside`` gets a :class:`Tapped` view; their results come
+    back in the same order.
+    """
+    taps = taps or Taps()
+    instrumented = taps != Taps() or bool(inside)
+
+    def train_step(
+        state: TrainState, batch: Batch
+    ) -> tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]:
+        rngs = step_rngs(state.rng, state.step, model.rng_names)
+        if not instrumented:
+            def objective(params):
+                outputs, model_state = model.apply(params, state.model_state, batch, train=True, rngs=rngs)
+                loss, metrics = _scalar_loss(loss_fn, outputs, batch)
+                return loss, (metrics, model_state)
+
+            (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+            new_state, metrics, _ = _updated(state, grads, model_state, loss, metrics)
+            return new_state, metrics, ()
+
+        run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
+        found: dict[str, Any] = {}
+
+        def tapped_objective(params, perturbations):
+            outputs, model_state, activations = run(params, perturbations)
+            loss, metrics = _scalar_loss(loss_fn, outputs, batch)
+            # The taps' values leave the differentiated function as outputs.
+            found["activations"] = activations
+            return loss, (metrics, model_state, tuple(t.value for t in activations), outputs)
+
+        (loss, (metrics, model_state, values, outputs)), (grads, perturbation_grads) = jax.value_and_grad(
+            tapped_objective, argnums=(0, 1), has_aux=True
+        )(state.params, run.perturbations(state.params))
+        devices = lax.psum(1, AXIS)
+        activations = tuple(
+            dataclasses.replace(t, value=v) for t, v in zip(found["activations"], values, strict=True)
+        )
+        # Gradients of the mean loss over all devices, as for the parameters.
+        gradients = tuple(
+            dataclasses.replace(t, value=t.value / devices) for t in run.gradients(perturbation_grads)
+        )
+        run.finish(activations, gradients)
+        new_state, metrics, grads = _updated(state, grads, model_state, loss, metrics)
+        tapped = Tapped(
+            activations=activations, gradients=gradients, loss=loss, metrics=metrics,
+            params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
+        )
+        return new_state, metrics, tuple(fn(tapped) for fn in inside)
+
+    train_step.__name__ = "instrumented_step" if instrumented else "train_step"
+    return train_step
+
+
+def _updated(
+    state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
+    metrics: Mapping[str, jax.Array],
+) -> tuple[TrainState, dict[str, jax.Array], Any]:
+    """Applies this device's gradients, averaged over devices; returns the new
+    state, the metrics averaged over devices and the averaged gradients."""
+    grads = lax.pmean(grads, AXIS)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        model_state=mean_over_devices(dict(model_state)),
+        opt_state=opt_state,
+    )
+    return new_state, metrics_over_devices({"loss": loss, **metrics}), grads

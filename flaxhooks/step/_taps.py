@@ -1,0 +1,211 @@
+"""What an instrumented step exposes of the model (:class:`Taps`), and what
+each in-step function sees of it (:class:`Tapped`): sown values, captured
+module outputs, and gradients of the loss with respect to intermediate values.
+
+How a model adapter obtains them is its own business (the Linen adapter uses
+Flax's ``sow``, ``capture_intermediates``, ``perturb`` and
+``intercept_methods``); these are the values it hands over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import flax.linen as nn
+import jax
+
+#: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes.
+ModuleFilter = Callable[[nn.Module, str], bool]
+#: What selects modules: True (every submodule's ``__call__``), a module type
+#: or tuple of types, a name pattern or list of them, or a ``ModuleFilter``.
+ModuleSpec = Union[bool, type, tuple, str, Sequence[str], ModuleFilter, None]  # noqa: UP007
+
+PERTURBATIONS = "perturbations"
+INTERMEDIATES = "intermediates"
+
+
+def select_modules(
+    types: type | tuple[type, ...] = (),
+    names: str | Sequence[str] = (),
+    methods: str | Sequence[str] = ("__call__",),
+) -> ModuleFilter:
+    """A module filter by type, name and method, as in Flax's guide on
+    extracting intermediates.
+
+    Args:
+        types: module classes to select (any, if empty).
+        names: ``fnmatch`` patterns matched against the module's name and its
+            path (``"encoder/Dense_0"``); any, if empty.
+        methods: the methods whose outputs are selected.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> from flaxhooks import select_modules
+        >>> dense = select_modules(types=nn.Dense, names="head*")
+        >>> dense(nn.Dense(3, name="head_1", parent=None), "__call__")
+        True
+        >>> dense(nn.Conv(3, (3, 3), name="head_2", parent=None), "__call__")
+        False
+    """
+    types = tuple(types) if isinstance(types, (tuple, list)) else (types,) if types else ()
+    patterns = (names,) if isinstance(names, str) else tuple(names)
+    wanted_methods = (methods,) if isinstance(methods, str) else tuple(methods)
+
+    def select(module: nn.Module, method_name: str) -> bool:
+        if method_name not in wanted_methods:
+            return False
+        if types and not isinstance(module, types):
+            return False
+        if patterns:
+            path = "/".join(module_path(module))
+            candidates = [c for c in (module.name, path) if c]
+            return any(fnmatch.fnmatchcase(c, p) for c in candidates for p in patterns)
+        return True
+
+    return select
+
+
+def as_module_filter(spec: ModuleSpec) -> ModuleFilter | None:
+    """Normalizes a :data:`ModuleSpec` to a filter (None selects nothing)."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return select_modules()
+    is_types = isinstance(spec, tuple) and spec and all(isinstance(t, type) for t in spec)
+    if isinstance(spec, type) or is_types:
+        return select_modules(types=spec)  # type: ignore[arg-type]
+    if isinstance(spec, str) or (
+        isinstance(spec, (list, tuple)) and all(isinstance(n, str) for n in spec)
+    ):
+        return select_modules(names=spec)
+    if callable(spec):
+        return spec
+    raise TypeError(
+        f"cannot select modules with {spec!r}: give True, module types, name patterns or a filter"
+    )
+
+
+def _either(a: ModuleFilter | None, b: ModuleFilter | None) -> ModuleFilter | None:
+    if a is None or b is None:
+        return a or b
+    return lambda module, method: a(module, method) or b(module, method)
+
+
+@dataclasses.dataclass(frozen=True)
+class Taps:
+    """What the instrumented step must expose.
+
+    Attributes:
+        collections: ``sow`` collections whose values are returned.
+        capture: modules whose outputs ``capture_intermediates`` records.
+        perturb: modules whose outputs are perturbed (through
+            ``intercept_methods``) to take the loss's gradient with respect to them.
+        model_perturbations: also take gradients at the model's own
+            ``self.perturb(...)`` sites.
+    """
+
+    collections: tuple[str, ...] = ()
+    capture: ModuleFilter | None = None
+    perturb: ModuleFilter | None = None
+    model_perturbations: bool = False
+
+    @property
+    def activation_collections(self) -> tuple[str, ...]:
+        names = list(dict.fromkeys(self.collections))
+        if self.capture is not None and INTERMEDIATES not in names:
+            names.append(INTERMEDIATES)
+        return tuple(names)
+
+    @property
+    def wants_gradients(self) -> bool:
+        return self.perturb is not None or self.model_perturbations
+
+    def selects(self, tap: Tap) -> bool:
+        """Whether ``tap`` is one of the values these taps ask for."""
+        if tap.collection == PERTURBATIONS:
+            if tap.origin is not None:
+                return self.perturb is not None and self.perturb(*tap.origin)
+            return self.model_perturbations
+        if tap.origin is not None:
+            return self.capture is not None and self.capture(*tap.origin)
+        return tap.collection in self.collections
+
+    def merge(self, other: Taps) -> Taps:
+        """What both need."""
+        return Taps(
+            collections=tuple(dict.fromkeys(self.collections + other.collections)),
+            capture=_either(self.capture, other.capture),
+            perturb=_either(self.perturb, other.perturb),
+            model_perturbations=self.model_perturbations or other.model_perturbations,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """One intermediate value exposed by the step, as this device sees it.
+
+    Attributes:
+        name: a readable, unique name: the module path, the sown (or captured
+            method) name, then indices where there are several (a module
+            called twice, a tuple output, a layer of an ``nn.scan``).
+        module: the path of the module that produced it (empty for the model).
+        collection: the collection it came from (``perturbations`` for gradients).
+        value: this device's share of the value (a traced array).
+        variable: the variable's name in the collection.
+        origin: ``(module, method)`` when the value was captured or perturbed
+            by a filter, None when the model sowed or perturbed it itself.
+    """
+
+    name: str
+    module: tuple[str, ...]
+    collection: str
+    value: jax.Array
+    variable: str = ""
+    origin: tuple[nn.Module, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tapped:
+    """What an instrumented step hands to each callback's in-step function.
+
+    Values are this device's: reduce over the device axis
+    (``flaxhooks.AXIS``) with ``jax.lax`` collectives for global figures.
+
+    Attributes:
+        activations: sown and captured values, in execution order.
+        gradients: gradients of the mean training loss over the whole batch
+            (all devices) with respect to perturbed values, in execution order.
+        loss: this device's loss.
+        metrics: this device's extra metrics from ``loss_fn``.
+        params: the parameters before the update.
+        grads: the parameter gradients, averaged over devices.
+        outputs: the model's outputs on this device's share of the batch.
+        batch: this device's share of the batch.
+        devices: how many devices share the batch.
+    """
+
+    activations: tuple[Tap, ...]
+    gradients: tuple[Tap, ...]
+    loss: jax.Array
+    metrics: Mapping[str, jax.Array]
+    params: Any
+    grads: Any
+    outputs: Any
+    batch: Mapping[str, jax.Array]
+    devices: int
+
+    def only(self, taps: Taps) -> Tapped:
+        """This view with only the activations and gradients ``taps`` asks for."""
+        return dataclasses.replace(
+            self,
+            activations=tuple(t for t in self.activations if taps.selects(t)),
+            gradients=tuple(t for t in self.gradients if taps.selects(t)),
+        )
+
+
+def module_path(module: nn.Module) -> tuple[str, ...]:
+    """A bound module's path, e.g. ``("encoder", "Dense_0")`` (empty if unbound)."""
+    return tuple(module.path) if module.scope is not None else ()

@@ -1,0 +1,365 @@
+"""TensorBoard event files, written with tensorboardX by a thread of their own."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxhooks.writers._service import Histogram, Values
+
+_log = logging.getLogger("flaxhooks")
+
+class LogdirError(OSError):
+    """The TensorBoard log directory cannot be written."""
+
+
+def check_writable(
+    directory: str | os.PathLike[str],
+    what: str = "TensorBoard logs",
+    error_type: type[Exception] = LogdirError,
+) -> None:
+    """Creates ``directory`` and writes a probe file in it.
+
+    Raises:
+        error_type: naming what was to be written there, the directory and the reason.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".flaxhooks-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as file:
+            file.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise error_type(f"cannot write {what} to {os.fspath(directory)!r}: {error}") from error
+
+
+def _detach(value: Any) -> Any:
+    """A device copy of a device array (an async op, no transfer), so the
+    writer thread can read it after the next step donates the original."""
+    return jnp.copy(value) if isinstance(value, jax.Array) else value
+
+
+def _write_directly(writer: Any) -> None:
+    """Makes a tensorboardX ``SummaryWriter`` write each event to its file at
+    once, on the calling thread (ours already runs off the training thread).
+
+    tensorboardX hands every event to its own writer thread through a
+    ``multiprocessing.Queue``, which pickles it: about 0.2 ms an event, a cost
+    that shows when every step is logged. Writing directly also keeps one
+    file in the order events were made. Should tensorboardX's internals
+    change, its own path is kept.
+    """
+    event_writer = getattr(writer._get_file_writer(), "event_writer", None)
+    records = getattr(event_writer, "_ev_writer", None)
+    if records is not None and hasattr(records, "write_event"):
+        event_writer.add_event = records.write_event
+
+
+def _close_summary_writer(writer: Any) -> None:
+    """Closes a tensorboardX ``SummaryWriter`` and waits for every thread it
+    started: closing its ``multiprocessing.Queue`` leaves the queue's feeder
+    thread to finish on its own."""
+    event_writer = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    queue = getattr(event_writer, "_event_queue", None)
+    writer.close()
+    if queue is not None and hasattr(queue, "join_thread"):
+        queue.join_thread()
+
+
+def write_scalars(writer: Any, values: Mapping[str, float], step: int) -> None:
+    """Writes many scalars as one event: one protobuf and one queued record
+    instead of one per tag, which matters at hundreds of tags per step."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
+    writer._get_file_writer().add_summary(summary, step)
+
+
+def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """``(end offset, payload)`` of each whole TFRecord in an event file's bytes
+    (length, its CRC, payload, its CRC); a record cut short ends the file."""
+    offset = 0
+    while offset + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield end, data[offset + 12:offset + 12 + length]
+        offset = end
+
+
+def truncate_events(logdir: str, after_step: int) -> int:
+    """Drops every event logged at a step after ``after_step`` from the event
+    files under ``logdir``, and any record a killed writer left half-written.
+
+    A run resumed from a checkpoint at ``after_step`` logs those steps again;
+    without this TensorBoard would show each of them twice. Each file is
+    rewritten atomically (a new file renamed over it).
+
+    Returns:
+        How many events were dropped.
+    """
+    from tensorboardX.proto.event_pb2 import Event
+
+    dropped = 0
+    for root, _, names in os.walk(logdir):
+        for name in names:
+            if "tfevents" not in name:
+                continue
+            path = os.path.join(root, name)
+            with open(path, "rb") as file:
+                data = file.read()
+            kept, start, changed = [], 0, False
+            for end, payload in _records(data):
+                if Event.FromString(payload).step <= after_step:
+                    kept.append(data[start:end])
+                else:
+                    dropped, changed = dropped + 1, True
+                start = end
+            if changed or start != len(data):
+                temporary = f"{path}.truncating"
+                with open(temporary, "wb") as file:
+                    file.writelines(kept)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temporary, path)
+    return dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class _Synced:
+    """Queue marker: close the current event file, then set ``done``."""
+
+    done: threading.Event
+
+
+class SummaryWriterThread:
+    """A tensorboardX ``SummaryWriter`` fed through a queue by one worker thread.
+
+    Callers enqueue work and return at once; device values are pulled to the
+    host on the worker thread. A failure in the worker is raised on the next
+    call from the training thread.
+    """
+
+    #: Buffered step scalars go to the thread in batches of at most this many
+    #: steps, or once the oldest has waited this many seconds.
+    BATCH_STEPS = 64
+    BATCH_SECONDS = 1.0
+
+    def __init__(self, logdir: str, flush_secs: int = 30):
+        self.logdir = logdir
+        self._flush_secs = flush_secs
+        self._writer: Any = None  # opened by the worker on first use
+        self._queue: queue.Queue[Callable[[Any], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="flaxhooks-tensorboard", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._buffer: list[tuple[int, str, Mapping[str, Any]]] = []
+        self._buffer_since = 0.0
+        atexit.register(self._close_at_exit)  # writes queued after the last flush still land
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if isinstance(job, _Synced):
+                    try:
+                        self._close_file()
+                    finally:
+                        job.done.set()
+                elif self._error is None:
+                    job(self._open())
+            except BaseException as error:  # reported on the training thread
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            # tensorboardX names files by the second and opens them with "wb":
+            # a nanosecond suffix keeps a file reopened in the same second, and
+            # keeps the files' names in the order they were written.
+            self._writer = SummaryWriter(
+                self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{time.time_ns()}"
+            )
+            _write_directly(self._writer)
+        return self._writer
+
+    def _close_file(self) -> None:
+        # tensorboardX's flush() leaves events queued in its own writer
+        # thread; only close() drains them. The next write opens a new file
+        # in the same run directory, which TensorBoard reads in order.
+        if self._writer is not None:
+            _close_summary_writer(self._writer)
+            self._writer = None
+
+    def _raise_failure(self) -> None:
+        """Raises what failed on the worker since the last call, once."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing TensorBoard logs to {self.logdir!r} failed: {error}") from error
+
+    def _submit(self, job: Callable[[Any], None]) -> None:
+        if self._closed:
+            raise RuntimeError(f"the TensorBoard writer of {self.logdir!r} is closed")
+        self._raise_failure()
+        self._send_buffer()  # what was buffered before this job is written before it
+        self._queue.put(job)
+
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Buffers one step's scalars; cheap enough to call every step.
+
+        ``values`` are floats or replicated device arrays that the step
+        returned (never donated, so they are neither copied nor read here):
+        the writer thread reads device 0's copy of a whole batch of steps at
+        once. What is buffered goes out before any later call's work.
+        """
+        if self._error is not None:
+            self._raise_failure()
+        if not self._buffer:
+            self._buffer_since = time.monotonic()
+        self._buffer.append((step, prefix, values))
+        waited = time.monotonic() - self._buffer_since
+        if len(self._buffer) >= self.BATCH_STEPS or waited >= self.BATCH_SECONDS:
+            self._raise_failure()
+            self._send_buffer()
+
+    def _send_buffer(self) -> None:
+        if not self._buffer:
+            return
+        entries, self._buffer = self._buffer, []
+
+        def job(writer: Any) -> None:
+            # One transfer per value, of device 0's copy only, all started together.
+            host = jax.device_get([
+                [v.addressable_shards[0].data if isinstance(v, jax.Array) else v for v in values.values()]
+                for _, _, values in entries
+            ])
+            for (step, prefix, values), row in zip(entries, host, strict=True):
+                write_scalars(writer, {
+                    prefix + name: np.asarray(value).reshape(-1)[0]
+                    for name, value in zip(values, row, strict=True)
+                }, step)
+
+        self._queue.put(job)
+
+    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
+        """Writes scalars as ``prefix + name``: floats, device arrays (copied
+        on the device first, so the next step's donation cannot delete them),
+        or a function returning them, called on the writer thread."""
+        if not callable(values):
+            detached = {name: _detach(value) for name, value in values.items()}
+            values = lambda: detached  # noqa: E731
+
+        def job(writer: Any) -> None:
+            host = jax.device_get(dict(values()))
+            # NaN and inf are written too: TensorBoard shows a diverging run.
+            write_scalars(writer, {
+                prefix + name: np.asarray(value).reshape(-1)[0] for name, value in host.items()
+            }, step)
+
+        self._submit(job)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Writes text (shown in TensorBoard's Text tab; markdown)."""
+        self._submit(lambda writer: writer.add_text(tag, text, step))
+
+    def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
+                   step: int) -> None:
+        """Writes histograms already binned (or a function returning them, called on the thread)."""
+
+        def job(writer: Any) -> None:
+            for tag, histogram in (values() if callable(values) else values).items():
+                writer.add_histogram_raw(
+                    tag, min=histogram.low, max=histogram.high, num=float(sum(histogram.counts)),
+                    sum=histogram.total, sum_squares=histogram.squares,
+                    bucket_limits=list(histogram.limits), bucket_counts=list(histogram.counts),
+                    global_step=step,
+                )
+
+        self._submit(job)
+
+    def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
+        """Writes a histogram of the finite values (non-finite ones are dropped)."""
+        values = _detach(values)
+        self.histograms(lambda: {tag: h} if (h := Histogram.of(jax.device_get(values), bins)) else {}, step)
+
+    def call(self, job: Callable[[Any], None]) -> None:
+        """Runs ``job(summary_writer)`` on the writer thread."""
+        self._submit(job)
+
+    def sync_point(self) -> threading.Event:
+        """An event set once everything queued so far is on disk; returns at once.
+
+        A checkpoint waits for it before it commits, so the logs up to a
+        checkpoint's step survive even a kill -9 right after it.
+        """
+        done = threading.Event()
+        if self._closed:  # everything it was given is on disk
+            done.set()
+            return done
+        self._submit(_Synced(done))  # type: ignore[arg-type]
+        return done
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until everything queued is written and on disk.
+
+        Args:
+            timeout: the longest to wait, in seconds (None: as long as it takes).
+
+        Returns:
+            Whether everything was written (False only when ``timeout`` ran out).
+        """
+        done = self.sync_point().wait(timeout)
+        self._raise_failure()
+        return done
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except RuntimeError as error:  # the interpreter is exiting: report, do not raise
+            _log.error("%s", error)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flushes, stops the thread and closes the file (idempotent).
+
+        Args:
+            timeout: the longest to wait for what is queued (None: as long as
+                it takes). A failing run passes one: the values a job reads may
+                come from a step that can never finish.
+
+        Returns:
+            Whether everything queued was written.
+        """
+        if self._closed:
+            return True
+        atexit.unregister(self._close_at_exit)
+        done = False
+        try:
+            done = self.flush(timeout)
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            if done:
+                self._thread.join()
+        return done
+
+

@@ -1,0 +1,184 @@
+"""Writers as a service on the loop: whatever a callback writes (scalars,
+text, histograms) goes to every writer of the fit, and a checkpoint can ask
+for everything written so far to be on disk before it commits."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: Values to write: a mapping, or a function returning one. A function is
+#: called off the training thread (where device values are read), once.
+Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Histogram:
+    """A histogram already binned: ``counts[i]`` values fell in the bin ending
+    at ``limits[i]``; ``low`` and ``high`` are the extremes, ``total`` and
+    ``squares`` the sum and the sum of squares."""
+
+    low: float
+    high: float
+    total: float
+    squares: float
+    limits: Sequence[float]
+    counts: Sequence[float]
+
+    @classmethod
+    def of(cls, values: Any, bins: int = 30) -> Histogram | None:
+        """The histogram of the finite values (None if there are none)."""
+        array = np.asarray(values, np.float64).ravel()
+        finite = array[np.isfinite(array)]
+        if not finite.size:
+            return None
+        counts, edges = np.histogram(finite, bins=bins)
+        return cls(float(finite.min()), float(finite.max()), float(finite.sum()),
+                   float((finite * finite).sum()), edges[1:].tolist(), counts.tolist())
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """What a writer offers the other callbacks of a fit (through ``loop.writers``).
+
+    Writes return at once: the writer does the work, device values included,
+    off the training thread.
+    """
+
+    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
+        """Writes ``prefix + name`` for each value (floats or device arrays)."""
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Writes text (markdown)."""
+
+    def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
+                   step: int) -> None:
+        """Writes histograms that are already binned."""
+
+    def sync_point(self) -> threading.Event:
+        """An event set once everything written so far is on disk."""
+
+
+@runtime_checkable
+class WriterCallback(Protocol):
+    """A callback that writes logs for everyone (TensorBoard): the Trainer
+    opens its writer before ``fit_start`` and closes it after ``fit_end``."""
+
+    def open_writer(self, loop: Any) -> Writer:
+        """The fit's writer, opened before any handler of ``fit_start`` runs."""
+
+    def close_writer(self, loop: Any) -> None:
+        """Closes the fit's writer, after every handler of ``fit_end`` ran
+        (``loop.exception`` says whether the fit failed)."""
+
+
+class _Once:
+    """A function of no arguments called at most once, whichever thread asks first."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn, self._lock, self._value, self._done = fn, threading.Lock(), None, False
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if not self._done:
+                self._value, self._done = self._fn(), True
+            return self._value
+
+
+class _AllSet:
+    """Set once every event is."""
+
+    def __init__(self, events: Sequence[threading.Event]):
+        self._events = events
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return all(event.wait(timeout) for event in self._events)
+
+    def is_set(self) -> bool:
+        return all(event.is_set() for event in self._events)
+
+
+class Writers:
+    """The writers of a fit, as one (``loop.writers``): what a callback
+    writes goes to each of them. With none (no writer callback, or another
+    process than 0) every write is a no-op.
+
+    Example:
+        >>> from flaxhooks.writers import Writers
+        >>> writers = Writers()
+        >>> writers.scalars({"loss": 0.5}, step=1)  # nowhere to go
+        >>> bool(writers)
+        False
+    """
+
+    def __init__(self, writers: Sequence[Writer] = ()):
+        self.writers = tuple(writers)
+
+    def __bool__(self) -> bool:
+        return bool(self.writers)
+
+    @classmethod
+    def open(cls, callbacks: Sequence[WriterCallback], loop: Any) -> Writers:
+        """The fit's writers, opened by their callbacks (before ``fit_start``)."""
+        return cls([callback.open_writer(loop) for callback in callbacks])
+
+    @staticmethod
+    def close(callbacks: Sequence[WriterCallback], loop: Any) -> list[tuple[WriterCallback, Exception]]:
+        """Closes every writer (after ``fit_end``), each even if another fails.
+
+        Returns:
+            The callbacks whose writer failed to close, with their errors.
+        """
+        failed = []
+        for callback in callbacks:
+            try:
+                callback.close_writer(loop)
+            except Exception as error:
+                failed.append((callback, error))
+        return failed
+
+    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
+        """Writes ``prefix + name`` for each value: floats, device arrays
+        (copied on the device first, so a later step's donation cannot delete
+        them), or a function returning them, called off the training thread."""
+        if self.writers:
+            values = _Once(values) if callable(values) else values
+            for writer in self.writers:
+                writer.scalars(values, step, prefix)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Writes text (markdown)."""
+        for writer in self.writers:
+            writer.text(tag, text, step)
+
+    def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
+                   step: int) -> None:
+        """Writes histograms already binned (or a function returning them)."""
+        if self.writers:
+            values = _Once(values) if callable(values) else values
+            for writer in self.writers:
+                writer.histograms(values, step)
+
+    def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
+        """Writes the histogram of ``values``' finite entries (read off the training thread)."""
+        if self.writers:
+            values = _detached(values)
+            self.histograms(lambda: {tag: h} if (h := Histogram.of(values, bins)) else {}, step)
+
+    def sync_point(self) -> _AllSet:
+        """Set once everything written so far is on disk: a checkpoint waits
+        for it before it commits, so the logs up to its step survive a kill."""
+        return _AllSet([writer.sync_point() for writer in self.writers])
+
+
+def _detached(value: Any) -> Any:
+    """A device copy of a device array (no transfer): the next step's
+    donation cannot delete it before it is read."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.copy(value) if isinstance(value, jax.Array) else value

@@ -1,0 +1,385 @@
+"""Activation and activation-gradient statistics, checked against numpy and
+hand-written gradients, on 1 and 8 devices."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import flaxhooks
+from flaxhooks import AXIS
+from flaxhooks.step import ACTIVATION_STATS, GRADIENT_STATS, tap_stats
+
+
+def numpy_stats(x, l2=False) -> list[float]:
+    """The reference: float64 numpy over the whole array."""
+    x = np.asarray(x, np.float64).ravel()
+    row = [x.mean(), x.std(), np.sqrt(np.mean(x * x)), x.min(), x.max(), np.mean(x == 0), 0.0]
+    return [*row, np.sqrt(np.sum(x * x))] if l2 else row
+
+
+def assert_rows(got: dict[str, float], want: list[float], columns, name=""):
+    np.testing.assert_allclose(
+        [got[c] for c in columns], want, rtol=2e-4, atol=2e-6, err_msg=f"{name}: {columns}"
+    )
+
+
+class Tapped(nn.Module):
+    """Captured outputs, a sown value and a module called twice."""
+
+    @nn.compact
+    def __call__(self, x):
+        a = nn.relu(nn.Dense(8, name="hidden")(x))
+        self.sow("intermediates", "relu", a)
+        shared = nn.Dense(8, name="shared")
+        a = shared(a) + shared(2 * a)
+        return nn.Dense(3, name="head")(a)
+
+
+class ExplicitlyPerturbed(nn.Module):
+    """Tapped with the perturb calls written by hand, as in Flax's guide."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = self.perturb("hidden_out", nn.Dense(8, name="hidden")(x))
+        a = nn.relu(h)
+        shared = nn.Dense(8, name="shared")
+        a = self.perturb("shared_out0", shared(a)) + self.perturb("shared_out1", shared(2 * a))
+        return self.perturb("head_out", nn.Dense(3, name="head")(a))
+
+
+def _two_steps_then_one(model, callback, devices, batches):
+    """Trains 2 steps, then the third (due) step; returns the params before it."""
+    trainer = sgd_trainer(model, callbacks=[callback], devices=devices)
+    before = trainer.fit(batches, steps=2)
+    trainer.fit(batches, steps=3)
+    return before.params, trainer
+
+
+# -- the statistics themselves ------------------------------------------------
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_tap_stats_match_numpy_however_the_values_are_split(shards):
+    rng = np.random.default_rng(0)
+    values = [rng.normal(2.0, 3.0, (8, 6, 5)).astype(np.float32),
+              np.maximum(rng.normal(size=(8, 40)), 0).astype(np.float32)]
+    split = [v.reshape(shards, -1, *v.shape[1:]) for v in values]
+    table, counts = jax.vmap(lambda *xs: tap_stats(list(xs), l2=True, bins=7), axis_name=AXIS)(*split)
+    assert table.shape == (shards, 2, len(GRADIENT_STATS))
+    for row, value in zip(np.asarray(table[0]), values, strict=True):
+        np.testing.assert_allclose(row, numpy_stats(value, l2=True), rtol=1e-5, atol=1e-6)
+        assert (np.asarray(table) == row).all(axis=-1).any()  # the same on every device
+    for got, value in zip(np.asarray(counts[0]), values, strict=True):
+        want, _ = np.histogram(value.astype(np.float64), bins=7, range=(value.min(), value.max()))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_non_finite_values_are_flagged_or_counted_and_left_out():
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    x[1, 1], x[2, 0] = np.nan, np.inf
+    fast, _ = jax.vmap(lambda v: tap_stats([v]), axis_name=AXIS)(x.reshape(2, 2, 3))
+    assert np.isnan(fast[0, 0, ACTIVATION_STATS.index("nonfinite")])
+    exact, counts = jax.vmap(lambda v: tap_stats([v], count_nonfinite=True, bins=4), axis_name=AXIS)(
+        x.reshape(2, 2, 3)
+    )
+    finite = x[np.isfinite(x)]
+    want = numpy_stats(finite)
+    want[ACTIVATION_STATS.index("zero_fraction")] = 1 / 12  # of every entry
+    want[ACTIVATION_STATS.index("nonfinite")] = 2
+    np.testing.assert_allclose(exact[0, 0], want, rtol=1e-5)
+    assert counts[0, 0].sum() == 10  # non-finite entries are not binned
+
+
+# -- activations --------------------------------------------------------------
+
+
+def test_activation_stats_match_numpy_on_the_captured_arrays(devices):
+    batches = make_batches(4, batch_size=16)
+    stats = flaxhooks.ActivationStats(every=3)
+    params, trainer = _two_steps_then_one(Tapped(), stats, devices, batches)
+    _, captured = Tapped().apply(
+        {"params": params}, batches[2]["image"], capture_intermediates=True, mutable=["intermediates"]
+    )
+    captured = captured["intermediates"]
+    want = {
+        "hidden/__call__": captured["hidden"]["__call__"][0],
+        "relu": captured["relu"][0],
+        "shared/__call__/0": captured["shared"]["__call__"][0],
+        "shared/__call__/1": captured["shared"]["__call__"][1],
+        "head/__call__": captured["head"]["__call__"][0],
+        "__call__": captured["__call__"][0],
+    }
+    latest = stats.latest
+    assert latest is not None and latest.step == 3
+    # Execution order: the model's own output (and what it sows) come last.
+    assert list(latest.names) == ["hidden/__call__", "shared/__call__/0", "shared/__call__/1",
+                                  "head/__call__", "relu", "__call__"]
+    got = latest.to_dict()
+    for name, value in want.items():
+        assert_rows(got[name], numpy_stats(value), ACTIVATION_STATS, name)
+    assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
+
+
+def test_capture_filters_select_by_type_name_and_method():
+    batches = make_batches(2, batch_size=8)
+    by_type = flaxhooks.ActivationStats(every=1, collections=(), capture=nn.Dense)
+    by_name = flaxhooks.ActivationStats(every=1, collections=(), capture="sha*", prefix="named")
+    sown_only = flaxhooks.ActivationStats(every=1, capture=None, prefix="sown")
+    sgd_trainer(Tapped(), callbacks=[by_type, by_name, sown_only]).fit(batches, steps=1)
+    assert by_type.names == ("hidden/__call__", "shared/__call__/0", "shared/__call__/1", "head/__call__")
+    assert by_name.names == ("shared/__call__/0", "shared/__call__/1")
+    assert sown_only.names == ("relu",)
+
+
+# -- gradients of intermediates ----------------------------------------------
+
+
+def test_gradient_stats_match_jax_grad_with_explicit_perturbations(devices):
+    batches = make_batches(4, batch_size=16)
+    intercepted = flaxhooks.ActivationGradStats(every=3, perturb=nn.Dense, model_perturbations=False)
+    params, _ = _two_steps_then_one(Tapped(), intercepted, devices, batches)
+    written = flaxhooks.ActivationGradStats(every=3, perturb=None)
+    params_written, _ = _two_steps_then_one(ExplicitlyPerturbed(), written, devices, batches)
+
+    # By hand, as in Flax's guide: the gradient of the batch's mean loss with
+    # respect to zero perturbations added where the model calls perturb.
+    batch = batches[2]
+    perturbations = ExplicitlyPerturbed().init(jax.random.PRNGKey(0), batch["image"])["perturbations"]
+
+    def loss(perturbations, params):
+        variables = {"params": params, "perturbations": perturbations}
+        logits = ExplicitlyPerturbed().apply(variables, batch["image"])
+        return cross_entropy(logits, batch)
+
+    by_hand = jax.grad(loss)(perturbations, params)
+    np.testing.assert_allclose(  # both runs trained the same parameters
+        params["hidden"]["kernel"], params_written["hidden"]["kernel"], rtol=1e-5, atol=1e-6
+    )
+    names = {"hidden_out": "hidden/__call__", "shared_out0": "shared/__call__/0",
+             "shared_out1": "shared/__call__/1", "head_out": "head/__call__"}
+    assert list(intercepted.names) == list(names.values())
+    got = intercepted.latest.to_dict()
+    got_written = written.latest.to_dict()
+    for site, name in names.items():
+        want = numpy_stats(by_hand[site], l2=True)
+        assert_rows(got[name], want, GRADIENT_STATS, name)
+        assert_rows(got_written[site], want, GRADIENT_STATS, site)
+
+
+def test_perturbations_follow_the_batch_size():
+    """Perturbations are built in the step: other batch sizes just work."""
+    arrays = make_arrays(96)
+    grads = flaxhooks.ActivationGradStats(every=1)
+    trainer = sgd_trainer(ExplicitlyPerturbed(), callbacks=[grads])
+    trainer.fit(flaxhooks.ArrayLoader(arrays, batch_size=16), steps=2)
+    state = trainer.fit(flaxhooks.ArrayLoader(arrays, batch_size=8 * 3), steps=4)
+    assert int(state.step) == 4 and grads.latest.step == 4
+    assert all(np.isfinite(list(row.values())).all() for row in grads.latest.to_dict().values())
+
+
+# -- the two steps ------------------------------------------------------------
+
+
+class ProbeSteps(flaxhooks.InstrumentedCallback):
+    """Records the steps whose results it got, and the parameter-gradient norm."""
+
+    def __init__(self, every):
+        self.every = flaxhooks.Every(steps=every)
+        self.seen: list[tuple[int, float]] = []
+
+    def inside_step(self, tapped):
+        return optax.tree.norm(tapped.grads)
+
+    def take(self, loop, result):
+        self.seen.append((loop.step, float(flaxhooks.data.first_replica(result))))
+
+
+def test_instrumented_step_runs_only_when_due_and_updates_like_the_lean_one(compiles):
+    batches = make_batches(12, batch_size=16)
+    probe = ProbeSteps(every=4)
+    stats = flaxhooks.ActivationStats(every=6)
+    instrumented = sgd_trainer(Tapped(), callbacks=[probe, stats])
+    final = instrumented.fit(batches, epochs=2)
+    lean = sgd_trainer(Tapped())
+    reference = lean.fit(batches, epochs=2)
+    # Same updates: the perturbations are zeros and the gradients the same.
+    for a, b in zip(jax.tree.leaves(final.params), jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [step for step, _ in probe.seen] == [4, 8, 12, 16, 20, 24]
+    assert [stats.latest.step] == [24]
+    # One variant per set of due callbacks, each compiled once: {probe} at
+    # 4, 8, 16, 20; {stats} at 6, 18; {probe, stats} at 12 and 24.
+    assert instrumented.runner.traces == {"train_step": 1, "instrumented_step": 3}
+    compiles.clear()
+    instrumented.fit(batches, epochs=3)  # every step runs again: nothing compiles
+    assert compiles == [] and instrumented.runner.traces == {"train_step": 1, "instrumented_step": 3}
+    # The reported gradient norm is that of the parameters before the step.
+    params = sgd_trainer(Tapped()).fit(batches, steps=3).params
+    batch = batches[3]
+    grads = jax.grad(lambda p: cross_entropy(Tapped().apply({"params": p}, batch["image"]), batch))(params)
+    np.testing.assert_allclose(probe.seen[0][1], optax.tree.norm(grads), rtol=1e-5)
+
+
+def test_lean_steps_read_nothing_and_nothing_waits(monkeypatch):
+    reads = HostReads(monkeypatch)
+    stats = flaxhooks.ActivationStats(every=5)
+    sgd_trainer(Tapped(), callbacks=[reads, stats]).fit(make_batches(22, batch_size=16), epochs=1)
+    # Steps 5, 10, 15 and 20 are checked for non-finite values once the loop
+    # has waited for them anyway (two steps later): two reads each (the
+    # statistics and the loss), none of which waits.
+    assert reads.count == 2 * 4
+    assert reads.unready == 0
+
+
+def test_sown_values_do_not_accumulate_or_reach_the_state():
+    class Sower(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4)(x)
+            self.sow("intermediates", "x", x)
+            self.sow("custom", "x", x)
+            return nn.Dense(3)(self.perturb("p", x))
+
+    stats = flaxhooks.ActivationStats(every=1, collections=("intermediates", "custom"), capture=None)
+    trainer = sgd_trainer(Sower(), callbacks=[stats])
+    state = trainer.fit(make_batches(6, batch_size=8), epochs=2)
+    assert set(state.model_state) == set()  # no intermediates, custom or perturbations
+    assert set(state.params) == {"Dense_0", "Dense_1"}
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(
+        optax.sgd(0.1, 0.9).init(state.params)
+    )
+    assert stats.names == ("x[intermediates]", "x[custom]")
+    assert trainer.runner.traces == {"instrumented_step": 1}
+
+
+# -- nn.scan ------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        y = nn.relu(nn.Dense(5)(x))
+        self.sow("intermediates", "out", y)
+        return y, None
+
+
+def scanned(variable_axes):
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(5, name="embed")(x)
+            x, _ = nn.scan(Block, variable_axes=variable_axes, split_rngs={"params": True}, length=3)(
+                name="layers"
+            )(x, None)
+            return nn.Dense(3, name="head")(x)
+
+    return Scanned()
+
+
+def test_scanned_layers_are_logged_per_layer():
+    stats = flaxhooks.ActivationStats(every=2, capture=None)
+    grads = flaxhooks.ActivationGradStats(every=2, perturb=nn.Dense)
+    batches = make_batches(2, batch_size=8)
+    model = scanned({"params": 0, "intermediates": 0, "perturbations": 0})
+    trainer = sgd_trainer(model, callbacks=[stats, grads])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = trainer.fit(batches, steps=1)
+        trainer.fit(batches, steps=2)
+    assert stats.names == ("layers/0/out", "layers/1/out", "layers/2/out")
+    assert grads.names == ("embed/__call__", "layers/0/Dense_0/__call__", "layers/1/Dense_0/__call__",
+                           "layers/2/Dense_0/__call__", "head/__call__")
+    _, sown = model.apply({"params": before.params}, batches[1]["image"], mutable=["intermediates"])
+    stacked = sown["intermediates"]["layers"]["out"][0]
+    got = stats.latest.to_dict()
+    for layer in range(3):
+        assert_rows(got[f"layers/{layer}/out"], numpy_stats(stacked[layer]), ACTIVATION_STATS)
+
+
+def test_a_scan_that_drops_the_collection_warns_how_to_fix_it():
+    stats = flaxhooks.ActivationStats(every=1, capture=None)
+    trainer = sgd_trainer(scanned({"params": 0}), callbacks=[stats])
+    with pytest.warns(UserWarning, match=r"nn.scan module 'layers' drops .*'intermediates'.*"
+                                         r"variable_axes=\{'params': 0, 'intermediates': 0\}"):
+        trainer.fit(make_batches(1, batch_size=8), steps=1)
+    assert stats.names == ()
+
+
+# -- non-finite values --------------------------------------------------------
+
+
+class Diverging(nn.Module):
+    """Finite until ``sqrt`` meets a negative input."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="encoder")(x)
+        x = SquareRoot(name="root")(x)
+        return nn.Dense(3, name="head")(x)
+
+
+class SquareRoot(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.sqrt(x)
+
+
+@pytest.mark.parametrize("count_nonfinite", [False, True])
+def test_non_finite_values_stop_training_naming_the_step_and_first_module(tmp_path, caplog, count_nonfinite):
+    tensorboard = flaxhooks.TensorBoard(tmp_path, every=1)
+    stats = flaxhooks.ActivationStats(every=1, count_nonfinite=count_nonfinite)
+    grads = flaxhooks.ActivationGradStats(every=1, count_nonfinite=count_nonfinite)
+    trainer = sgd_trainer(Diverging(), callbacks=[tensorboard, stats, grads])
+    with caplog.at_level(logging.ERROR, logger="flaxhooks"):
+        state = trainer.fit(make_batches(10, batch_size=8), epochs=3)
+    assert int(state.step) < 30  # stopped early
+    assert len(caplog.records) == 1  # one report, then the stop
+    message = caplog.records[0].getMessage()
+    assert "step 1:" in message and "'root'" in message and "activations/root/__call__" in message
+    counted = "NaN or infinite values)" if not count_nonfinite else " NaN or infinite values)"
+    assert counted in message
+    if count_nonfinite:
+        assert int(message.split("has ")[1].split(" ")[0]) > 0
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert "activations/root/__call__/nonfinite" in events.Tags()["scalars"]  # flushed at the stop
+
+
+def test_raise_mode():
+    stats = flaxhooks.ActivationStats(every=1, if_nonfinite="raise")
+    with pytest.raises(flaxhooks.CallbackError) as error:
+        sgd_trainer(Diverging(), callbacks=[stats]).fit(make_batches(6, batch_size=8), epochs=1)
+    assert isinstance(error.value.__cause__, flaxhooks.NonFiniteError)
+
+
+# -- TensorBoard --------------------------------------------------------------
+
+
+def test_tags_group_by_kind_layer_and_statistic(tmp_path):
+    callbacks = [
+        flaxhooks.TensorBoard(tmp_path, every=100),
+        flaxhooks.ActivationStats(every=2, histograms=True, bins=10),
+        flaxhooks.ActivationGradStats(every=3, histograms=True),
+    ]
+    sgd_trainer(Tapped(), callbacks=callbacks).fit(make_batches(6, batch_size=8), epochs=1)
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    scalars, histograms = events.Tags()["scalars"], events.Tags()["histograms"]
+    for stat in ACTIVATION_STATS:
+        assert f"activations/hidden/__call__/{stat}" in scalars
+    assert "activation_grads/shared/__call__/1/l2" in scalars
+    assert [e.step for e in events.Scalars("activations/relu/zero_fraction")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("activation_grads/head/__call__/mean")] == [3, 6]
+    histogram = events.Histograms("activations/relu/histogram")[-1].histogram_value
+    assert histogram.num == 8 * 8 and len(histogram.bucket) == 10
+    assert "activation_grads/hidden/__call__/histogram" in histograms

@@ -1,0 +1,419 @@
+"""Checkpoints: exact resume with callback state, graceful interruption, and faults
+(kill -9 mid-save, corruption, unwritable directory, disk full), several in
+real processes."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import flaxhooks
+from flaxhooks import Callback, Checkpoint, CheckpointError, CheckpointWarning
+from tests.helpers import cross_entropy, make_arrays, resume_data, resume_trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+EPOCHS = 3  # six steps each
+
+
+def logged(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard reads from ``logdir``: (step, value) per tag,
+    duplicates and all."""
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags}
+
+
+def assert_same_logs(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for tag, points in expected.items():
+        steps = [step for step, _ in got[tag]]
+        if tag == "train/steps_per_s":  # a timing, logged once a later step has finished
+            assert steps == sorted(set(steps)), steps
+            continue
+        assert steps == [step for step, _ in points], tag  # none missing, none twice
+        np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in points], rtol=1e-5, err_msg=tag)
+
+
+def assert_same_params(got, expected) -> None:
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: final state, callback states, TensorBoard scalars."""
+    workdir = tmp_path_factory.mktemp("reference")
+    trainer = resume_trainer(workdir)
+    state = trainer.fit(resume_data(), epochs=EPOCHS)
+    return {
+        "state": state,
+        "callbacks": {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
+        "logs": logged(workdir / "tensorboard"),
+        "workdir": workdir,
+    }
+
+
+class FailAt(Callback):
+    """Raises ``error`` (or sends this process ``error``, a signal number) at
+    the end of ``step``."""
+
+    def __init__(self, step: int, error: BaseException | int):
+        self.step, self.error = step, error
+
+    def on_step_end(self, loop):
+        if loop.step == self.step:
+            if isinstance(self.error, int):
+                signal.raise_signal(self.error)
+            else:
+                raise self.error
+
+
+def callback_states(trainer) -> dict:
+    return {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()}
+
+
+@pytest.mark.parametrize(
+    ("error", "failed_at", "resumed_from"),
+    [
+        (signal.SIGINT, 7, 7),
+        (signal.SIGTERM, 6, 6),
+        (KeyboardInterrupt(), 8, 6),
+        (RuntimeError("crash"), 8, 6),
+    ],
+    ids=[
+        "ctrl-c-at-step-7-saves-it",
+        "sigterm-on-an-epochs-last-step-finishes-the-epoch",
+        "keyboard-interrupt-inside-step-8-events-keeps-step-6",
+        "crash-at-step-8-resumes-from-6",
+    ],
+)
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
+    tmp_path, reference, error, failed_at, resumed_from
+):
+    # Six steps an epoch. A signal stops at the step boundary and saves it;
+    # on an epoch's last step, the epoch's end (its evaluation) runs first.
+    # A KeyboardInterrupt raised inside a step's handlers, or a crash, saves
+    # nothing: the points logged after step 6 must not appear twice.
+    interrupted = resume_trainer(tmp_path, [FailAt(failed_at, error)])
+    with pytest.raises((KeyboardInterrupt, flaxhooks.CallbackError)) as raised:
+        interrupted.fit(resume_data(), epochs=EPOCHS)
+    if isinstance(error, int):
+        assert raised.type is flaxhooks.TrainingInterrupted and raised.value.step == failed_at
+    checkpoint = interrupted.bus.of(Checkpoint)[0]
+    assert checkpoint.saved_steps()[-1] == resumed_from
+    assert logged(tmp_path / "tensorboard")["train/loss"][-1][0] == failed_at
+
+    resumed = resume_trainer(tmp_path)
+    state = resumed.fit(resume_data(), epochs=EPOCHS, resume=True)
+
+    assert int(state.step) == 3 * 6
+    assert_same_params(state.params, reference["state"].params)
+    assert_same_params(state.model_state, reference["state"].model_state)  # BatchNorm statistics
+    assert_same_params(state.opt_state, reference["state"].opt_state)
+    states = callback_states(resumed)
+    assert states["EarlyStopping"]["best_step"] == reference["callbacks"]["EarlyStopping"]["best_step"]
+    assert states["EarlyStopping"]["waited"] == reference["callbacks"]["EarlyStopping"]["waited"]
+    assert states["Evaluate"]["result"]["metrics"] == pytest.approx(
+        reference["callbacks"]["Evaluate"]["result"]["metrics"], rel=1e-5)
+    assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+
+
+def test_resume_before_any_checkpoint_starts_afresh_without_doubling_the_logs(tmp_path, reference):
+    crashed = resume_trainer(tmp_path, [FailAt(4, RuntimeError("crash"))], every=100)
+    with pytest.raises(flaxhooks.CallbackError):
+        crashed.fit(resume_data(), epochs=EPOCHS)
+    assert Checkpoint(tmp_path / "checkpoints").saved_steps() == []
+    state = resume_trainer(tmp_path, every=100).fit(resume_data(), epochs=EPOCHS, resume=True)
+    assert_same_params(state.params, reference["state"].params)
+    assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+
+
+def test_a_run_that_stopped_early_stays_stopped_on_resume(tmp_path):
+    def trainer():
+        return flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.0), cross_entropy, callbacks=[
+            Checkpoint(tmp_path), flaxhooks.Evaluate(make_arrays(40, seed=9)),
+            flaxhooks.EarlyStopping(patience=1)])
+
+    stopped = trainer().fit(resume_data(), epochs=5)  # a zero learning rate never improves
+    assert int(stopped.step) == 12
+    again = trainer()
+    state = again.fit(resume_data(), epochs=5, resume=True)
+    assert int(state.step) == 12 and again.runner.traces["train_step"] == 0
+
+
+def test_resume_restores_callback_state_before_fit_start(tmp_path):
+    seen = {}
+
+    class Counter(Callback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_fit_start(self, loop):
+            seen["at_fit_start"] = (self.steps, loop.step)
+
+        def on_step_end(self, loop):
+            self.steps += 1
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    resume_trainer(tmp_path, [Counter()]).fit(resume_data(), steps=5)
+    counter = Counter()
+    resume_trainer(tmp_path, [counter]).fit(resume_data(), steps=9, resume=True)
+    assert seen["at_fit_start"] == (5, 5)
+    assert counter.steps == 9
+
+
+def test_resume_without_checkpoint_starts_afresh_and_needs_one_checkpoint_callback(tmp_path, reference):
+    state = resume_trainer(tmp_path).fit(resume_data(), epochs=EPOCHS, resume=True)
+    assert_same_params(state.params, reference["state"].params)
+    bare = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy)
+    with pytest.raises(ValueError, match="exactly one Checkpoint"):
+        bare.fit(resume_data(), epochs=1, resume=True)
+
+
+def test_keeps_the_last_k_and_saves_only_the_train_state(tmp_path):
+    class Sows(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4)(x)
+            self.sow("intermediates", "hidden", h)
+            h = self.perturb("hidden_grad", h)
+            return nn.Dense(3)(nn.relu(h))
+
+    checkpoint = Checkpoint(tmp_path, every=2, keep=2)
+    trainer = flaxhooks.Trainer(
+        Sows(), optax.adam(0.01), cross_entropy,
+        callbacks=[checkpoint, flaxhooks.ActivationGradStats(every=1)],
+    )
+    trainer.fit(resume_data(), steps=7)
+    assert checkpoint.saved_steps() == [6, 7]  # every 2 steps, and at the end
+    restored = checkpoint.restore_latest()
+    assert restored.step == 7 and restored.position == (1, 1)
+    # model_state is empty here: it holds no leaves.
+    assert {path.split("[")[0].split(".")[1] for path in restored.leaves} == {
+        "step", "params", "opt_state", "rng"}
+    assert not [p for p in restored.leaves if "perturbations" in p or "intermediates" in p or "hidden" in p]
+    kernel = restored.leaves[".params['Dense_0']['kernel']"]
+    assert_same_params(kernel, trainer.state.params["Dense_0"]["kernel"])
+
+
+def test_a_nonfinite_state_never_replaces_a_good_checkpoint(tmp_path):
+    arrays = make_arrays(96, seed=3)
+    arrays["image"][4 * 16] = np.nan  # the fifth batch poisons the parameters
+    checkpoint = Checkpoint(tmp_path, every=2, keep=3)
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint])
+    with pytest.warns(CheckpointWarning, match="not saving step 6: .*NaN or inf"):
+        trainer.fit(flaxhooks.ArrayLoader(arrays, 16, shuffle=False), steps=6)
+    assert checkpoint.saved_steps() == [2, 4]
+    assert checkpoint.skipped_steps == [6]
+    assert checkpoint.restore_latest().step == 4
+
+
+def _corrupt(directory: Path) -> None:
+    """Overwrites the middle of every array file orbax wrote for a checkpoint."""
+    files = [p for p in directory.rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2:] = b"\x5a" * (len(data) - len(data) // 2)
+        path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path, reference):
+    resume_trainer(tmp_path).fit(resume_data(), steps=10)
+    checkpoints = tmp_path / "checkpoints"
+    assert Checkpoint(checkpoints).saved_steps() == [6, 8, 10]
+    _corrupt(checkpoints / "10")
+    with pytest.warns(CheckpointWarning, match="step 10 .* cannot be restored"):
+        state = resume_trainer(tmp_path).fit(resume_data(), epochs=EPOCHS, resume=True)
+    assert_same_params(state.params, reference["state"].params)
+    assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+    # The unreadable one was set aside, not deleted, and replaced by a good one.
+    assert [p.name.split("-")[:2] for p in checkpoints.iterdir() if not p.name.isdigit()] == [
+        ["unreadable", "10"]]
+    assert Checkpoint(checkpoints).saved_steps() == [14, 16, 18]
+
+
+def test_a_fresh_run_refuses_another_runs_later_checkpoints(tmp_path):
+    resume_trainer(tmp_path).fit(resume_data(), steps=4)
+    trainer = resume_trainer(tmp_path)
+    with pytest.raises(flaxhooks.CallbackError, match=r"another run \(steps \[2, 4\]\).*resume=True"):
+        trainer.fit(resume_data(), steps=4)
+    assert trainer.runner.traces["train_step"] == 0
+
+
+def test_every_checkpoint_corrupted_is_an_error_not_a_fresh_start(tmp_path):
+    resume_trainer(tmp_path, keep=2).fit(resume_data(), steps=4)
+    for step in ("2", "4"):
+        (tmp_path / "checkpoints" / step / "meta" / "metadata").write_text("{not json")
+    with (pytest.warns(CheckpointWarning),
+          pytest.raises(CheckpointError, match="no checkpoint .* can be restored")):
+        resume_trainer(tmp_path).fit(resume_data(), epochs=1, resume=True)
+
+
+def test_a_checkpoint_of_another_model_is_refused_clearly(tmp_path):
+    checkpoint = Checkpoint(tmp_path)
+    flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint]).fit(
+        resume_data(), steps=2)
+    other = flaxhooks.Trainer(nn.Dense(3), optax.adam(0.1), cross_entropy, callbacks=[Checkpoint(tmp_path)])
+    with pytest.raises(CheckpointError, match="does not fit this model and optimizer"):
+        other.fit(resume_data(), steps=4, resume=True)
+
+
+def test_an_unwritable_directory_fails_before_training(tmp_path, compiles):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError, match="cannot write checkpoints to .*a-file"):
+        Checkpoint(blocker / "checkpoints")
+    # Writable when made, gone by the time training starts.
+    directory = tmp_path / "gone"
+    checkpoint = Checkpoint(directory)
+    directory.rmdir()
+    directory.write_text("")
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint])
+    with pytest.raises(flaxhooks.CallbackError, match="on_fit_start at step 0: CheckpointError: cannot"):
+        trainer.fit(resume_data(), steps=4)
+    assert trainer.runner.traces["train_step"] == 0 and not [c for c in compiles if "train_step" in str(c)]
+
+
+def test_state_dict_that_is_not_json_fails_clearly(tmp_path):
+    class Bad(Callback):
+        def state_dict(self):
+            return {"array": np.zeros(2)}
+
+        def load_state_dict(self, state):
+            pass
+
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy,
+                                callbacks=[Checkpoint(tmp_path), Bad()])
+    with pytest.raises(flaxhooks.CallbackError, match=r"Bad\(\).state_dict\(\) is not JSON-serializable"):
+        trainer.fit(resume_data(), steps=2)
+
+
+# -- real processes ------------------------------------------------------------
+
+
+def start_worker(workdir, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.callbacks.checkpoint_worker", str(workdir), *map(str, args)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def run_worker(workdir, *args, until: str | None = None, send: int = signal.SIGKILL) -> tuple[int, str]:
+    """Runs the worker; when a line starts with ``until``, sends it ``send``."""
+    worker = start_worker(workdir, *args)
+    lines = []
+    try:
+        for line in worker.stdout:
+            lines.append(line)
+            if until is not None and line.startswith(until):
+                worker.send_signal(send)
+                until = None
+        worker.wait(timeout=120)
+    finally:
+        worker.kill()
+    return worker.returncode, "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def process_reference(tmp_path_factory):
+    """An uninterrupted run in a worker process (2 devices)."""
+    workdir = tmp_path_factory.mktemp("process-reference")
+    code, output = run_worker(workdir)
+    assert code == 0 and "DONE 18" in output, output
+    with np.load(workdir / "params.npz") as params:
+        return [params[key] for key in sorted(params, key=lambda k: int(k.split("_")[1]))], logged(
+            workdir / "tensorboard")
+
+
+def assert_resumes_to_reference(workdir, process_reference):
+    code, output = run_worker(workdir)
+    assert code == 0 and "DONE 18" in output, output
+    with np.load(workdir / "params.npz") as params:
+        for j, expected in enumerate(process_reference[0]):
+            np.testing.assert_allclose(params[f"arr_{j}"], expected, rtol=1e-5, atol=1e-6)
+    assert_same_logs(logged(workdir / "tensorboard"), process_reference[1])
+
+
+def test_kill_9_during_a_save_leaves_the_last_good_checkpoint(tmp_path, process_reference):
+    code, output = run_worker(tmp_path, "--stall-save", 8, until="STALLED 8")
+    assert code == -signal.SIGKILL, output
+    checkpoints = tmp_path / "checkpoints"
+    leftovers = [p.name for p in checkpoints.iterdir() if "tmp" in p.name]
+    assert leftovers and leftovers[0].startswith("8.")  # the save that never completed
+    assert Checkpoint(checkpoints).saved_steps() == [2, 4, 6]  # none deleted for it
+    assert_resumes_to_reference(tmp_path, process_reference)
+    assert not [p for p in checkpoints.iterdir() if "tmp" in p.name]  # cleaned up by the next run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_at_a_step_boundary_with_a_final_checkpoint(tmp_path, process_reference, signum):
+    code, output = run_worker(tmp_path, "--seconds-per-step", 0.2, until="step 9", send=signum)
+    assert code == 128 + signum, output
+    stopped = int(output.split("INTERRUPTED ")[1].split()[0])
+    assert 9 <= stopped < 18
+    assert Checkpoint(tmp_path / "checkpoints").saved_steps()[-1] == stopped  # the final checkpoint
+    assert logged(tmp_path / "tensorboard")["train/loss"][-1][0] == stopped  # logs flushed
+    assert_resumes_to_reference(tmp_path, process_reference)
+
+
+def test_a_disk_that_fills_up_stops_training_and_keeps_earlier_checkpoints(tmp_path):
+    code, output = run_worker(tmp_path, "--limit-after", 5, "--limit-bytes", 64)
+    # Both writers hit the full disk; the first to notice stops training.
+    assert code == 1, output
+    assert "[Errno 27] File too large" in output and "DONE" not in output, output
+    assert "CheckpointError: saving a checkpoint to" in output, output
+    assert "failed: OSError: [Errno 27] File too large; the earlier checkpoints [2, 4] are intact" in output
+    last_step = max(int(line.split()[1]) for line in output.splitlines() if line.startswith("step "))
+    assert last_step <= 8  # stopped at once
+    checkpoint = Checkpoint(tmp_path / "checkpoints")
+    assert checkpoint.saved_steps() == [2, 4]
+    assert checkpoint.restore_latest().step == 4
+
+
+def test_truncating_event_files_drops_later_steps_and_a_half_written_record(tmp_path):
+    from flaxhooks.writers import SummaryWriterThread, truncate_events
+
+    writer = SummaryWriterThread(str(tmp_path))
+    for step in range(1, 7):
+        writer.scalars({"x": float(step)}, step)
+    writer.close()
+    (path,) = [p for p in tmp_path.iterdir() if "tfevents" in p.name]
+    path.write_bytes(path.read_bytes() + b"\x20\x00\x00\x00\x00\x00\x00\x00\x01")  # killed mid-record
+    assert truncate_events(str(tmp_path), 4) == 2
+    assert [step for step, _ in logged(tmp_path)["x"]] == [1, 2, 3, 4]
+    assert truncate_events(str(tmp_path), 4) == 0  # nothing left to drop; the file is not rewritten
+
+
+def test_array_loader_skips_to_a_batch_without_making_the_ones_before():
+    loader = flaxhooks.ArrayLoader(make_arrays(96, seed=3), 16, seed=3)
+    whole, tail = list(loader(2)), list(loader(2, start=4))
+    assert len(tail) == 2
+    for got, expected in zip(tail, whole[4:], strict=True):
+        np.testing.assert_array_equal(got["image"], expected["image"])
+
+
+def test_device_step_of_a_restored_state_matches(tmp_path):
+    checkpoint = Checkpoint(tmp_path)
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint])
+    trainer.fit(resume_data(), steps=3)
+    restored = checkpoint.restore_latest()
+    state = restored.train_state(trainer.state)
+    assert int(state.step) == 3 and state.tx is trainer.optimizer
+    assert jnp.array_equal(state.rng, trainer.state.rng)

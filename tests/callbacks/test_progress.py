@@ -1,0 +1,276 @@
+"""The Progress callback: a rich bar on terminals, plain lines elsewhere, and
+never a wait for unfinished metrics."""
+
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+import flaxhooks
+from flaxhooks import Callback, CallbackError, Loop, Progress
+from tests.helpers import HostReads, make_arrays, make_batches, sgd_trainer
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+SHOW_CURSOR, HIDE_CURSOR = "\x1b[?25h", "\x1b[?25l"
+
+
+class FakeClock:
+    """Time that moves only when a test (or a Tick callback) moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Tick(Callback):
+    """Moves a fake clock forward by ``seconds`` at every step."""
+
+    order = -10
+
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds = clock, seconds
+
+    def on_step_end(self, loop):
+        self.clock.now += self.seconds
+
+
+class _WatchedLoop(Loop):
+    """A Loop whose ``metrics`` attribute reports reads while ``watching``."""
+
+    watching = False
+    reads = 0
+
+    @property
+    def metrics(self):
+        if _WatchedLoop.watching:
+            _WatchedLoop.reads += 1
+        return self.__dict__["metrics"]
+
+    @metrics.setter
+    def metrics(self, value):
+        self.__dict__["metrics"] = value
+
+
+class Watch(Callback):
+    """Watches ``loop.metrics`` reads by the handlers that run between ``start``
+    and ``stop`` (the callback under test, at the default order 0)."""
+
+    def __init__(self, order, start):
+        self.order = order
+        self.start = start
+
+    def _set(self, loop):
+        if loop.__class__ is Loop:
+            loop.__class__ = _WatchedLoop
+        _WatchedLoop.watching = self.start
+
+
+for _event in flaxhooks.EVENTS:
+    setattr(Watch, f"on_{_event}", Watch._set)
+
+
+def terminal():
+    return Console(file=io.StringIO(), force_terminal=True, width=160)
+
+
+def plain():
+    return Console(file=io.StringIO(), force_terminal=False, width=80)
+
+
+def text_of(console):
+    return ANSI.sub("", console.file.getvalue())
+
+
+def test_a_terminal_gets_a_bar_with_steps_epoch_rate_eta_and_loss():
+    console, clock = terminal(), FakeClock()
+    bar = Progress(console=console, clock=clock)
+    sgd_trainer(callbacks=[Tick(clock, 0.3), bar]).fit(make_batches(4), epochs=3)
+    out = console.file.getvalue()
+    assert HIDE_CURSOR in out and out.rindex(SHOW_CURSOR) > out.rindex(HIDE_CURSOR)
+    text = text_of(console)
+    assert "epoch 3/3" in text
+    assert re.search(r"\b12/12\b", text)
+    assert re.search(r"\d+\.\d steps/s", text)
+    assert "ETA" in text
+    assert re.search(r"loss \d", text)
+    summary = text.rstrip().splitlines()[-1]
+    assert summary.startswith("done: step 12/12  epoch")
+    assert re.search(r"loss \S+ \(step 10\)", summary)  # two steps in flight at the end
+
+
+def test_the_bar_shows_evaluation_results():
+    console, clock = terminal(), FakeClock()
+    trainer = sgd_trainer(callbacks=[Tick(clock, 0.3), Progress(console=console, clock=clock)])
+    trainer.add(flaxhooks.Evaluate(make_arrays(32), every=flaxhooks.Every(steps=4), batch_size=16))
+    trainer.fit(make_batches(4), epochs=2)
+    text = text_of(console)
+    assert re.search(r"eval at step 4 \(32 examples\): loss \S+  accuracy", text)
+    assert "| eval loss" in text
+
+
+def test_plain_output_has_no_control_characters_and_periodic_lines():
+    console, clock = plain(), FakeClock()
+    every = flaxhooks.Every(seconds=1.0, clock=clock)
+    sgd_trainer(callbacks=[Tick(clock, 0.25), Progress(console=console, every=every, clock=clock)]).fit(
+        make_batches(4), epochs=3)
+    out = console.file.getvalue()
+    assert "\x1b" not in out and "\r" not in out
+    lines = out.splitlines()
+    periodic = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in periodic] == ["4/12", "8/12", "12/12"]
+    for line in periodic:
+        assert re.search(r"loss \S+ \(step \d+\)  4\.0 steps/s  ETA \d:\d\d:\d\d$", line), line
+    assert lines[-1].startswith("done: step 12/12  epoch")
+    assert len(lines) == 4
+
+
+def test_plain_lines_follow_a_step_schedule_and_are_never_wrapped():
+    console = Console(file=io.StringIO(), force_terminal=False, width=20)
+    bar = Progress(console=console, every=flaxhooks.Every(steps=3))
+    sgd_trainer(callbacks=[bar]).fit(make_batches(4), steps=6)
+    lines = console.file.getvalue().splitlines()
+    assert [line.split()[1] for line in lines[:2]] == ["3/6", "6/6"]
+    assert len(lines) == 3 and "loss" in lines[-1]
+
+
+@pytest.mark.parametrize("make_console", [terminal, plain])
+def test_quiet_prints_only_the_summary(make_console):
+    console, clock = make_console(), FakeClock()
+    trainer = sgd_trainer(callbacks=[Tick(clock, 1.0), Progress(quiet=True, console=console, clock=clock)])
+    trainer.add(flaxhooks.Evaluate(make_arrays(32), every=flaxhooks.Every(steps=2), batch_size=16))
+    trainer.fit(make_batches(4), epochs=2)
+    out = console.file.getvalue()
+    assert HIDE_CURSOR not in out
+    lines = text_of(console).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("done: step 8/8")
+    assert "loss" in lines[0] and "| eval loss" in lines[0]
+
+
+def test_a_clock_that_never_moves_means_no_reads_during_the_steps(monkeypatch):
+    reads, console = HostReads(monkeypatch), terminal()
+    bar = Progress(console=console, clock=lambda: 0.0)
+    sgd_trainer(callbacks=[reads, bar]).fit(make_batches(4), epochs=3)
+    assert reads.count == 0
+    # The first refresh happens at the first step, before anything settled.
+    assert "loss" not in text_of(console).splitlines()[0]
+    assert "loss" in text_of(console).splitlines()[-1]  # the summary, after fit_end
+
+
+@pytest.mark.parametrize("make_console", [terminal, plain])
+def test_reads_are_of_finished_steps_and_at_most_one_per_refresh(monkeypatch, make_console):
+    reads, clock = HostReads(monkeypatch), FakeClock()
+    every = flaxhooks.Every(seconds=0.25, clock=clock)
+    bar = Progress(console=make_console(), every=every, clock=clock)  # refresh every 0.25 s
+    sgd_trainer(callbacks=[reads, Tick(clock, 0.1), bar]).fit(make_batches(4), epochs=5)
+    # 20 steps of 0.1 s: at most 1 + 2.0 / 0.25 refreshes, one metric ("loss") each.
+    assert 1 <= reads.count <= 9
+    assert reads.unready == 0
+
+
+def test_the_bar_never_touches_loop_metrics():
+    _WatchedLoop.reads = 0
+    clock = FakeClock()
+    for console in (terminal(), plain()):
+        every = flaxhooks.Every(steps=1)
+        bar = Progress(console=console, every=every, clock=clock)
+        trainer = sgd_trainer(callbacks=[Tick(clock, 1.0), Watch(-1, True), bar, Watch(1, False)])
+        trainer.add(flaxhooks.Evaluate(make_arrays(32), every=flaxhooks.Every(steps=2), batch_size=16))
+        trainer.fit(make_batches(4), epochs=2)
+        assert "loss" in text_of(console) and "eval at step 2 (32 examples)" in text_of(console)
+    assert "\x1b" not in console.file.getvalue()  # the plain one
+    _WatchedLoop.watching = False
+    assert _WatchedLoop.reads == 0
+    # The watch itself works: ConsoleLog reads loop.metrics when due.
+    log = flaxhooks.ConsoleLog(flaxhooks.Every(steps=1), stream=io.StringIO())
+    sgd_trainer(callbacks=[Watch(-1, True), log, Watch(1, False)]).fit(make_batches(4), epochs=1)
+    _WatchedLoop.watching = False
+    assert _WatchedLoop.reads > 0
+
+
+class Boom(Callback):
+    def __init__(self, error):
+        self.error = error
+
+    def on_step_end(self, loop):
+        if loop.step == 5:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [ValueError("boom"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_the_bar_is_stopped_at_fit_end_after_an_error(error):
+    import sys
+
+    stdout = sys.stdout
+    console, clock = terminal(), FakeClock()
+    trainer = sgd_trainer(callbacks=[Tick(clock, 1.0), Boom(error), Progress(console=console, clock=clock)])
+    with pytest.raises(CallbackError if isinstance(error, Exception) else KeyboardInterrupt):
+        trainer.fit(make_batches(4), epochs=3)
+    assert sys.stdout is stdout  # the Live display's redirection is undone
+    assert console._live_stack == []
+    out = console.file.getvalue()
+    assert out.rindex(SHOW_CURSOR) > out.rindex(HIDE_CURSOR)
+    summary = text_of(console).rstrip().splitlines()[-1]
+    name = type(error).__name__ if isinstance(error, KeyboardInterrupt) else "CallbackError"
+    assert summary.startswith(f"stopped by {name} at step 5/12  epoch 2/3")
+    assert "loss" in summary
+
+
+def test_a_resumed_fit_starts_the_bar_at_the_state_step():
+    trainer = sgd_trainer()
+    trainer.fit(make_batches(4), steps=3)
+    console, clock = terminal(), FakeClock()
+
+    class Seen(Callback):
+        order = 1  # after the bar's refresh
+
+        def __init__(self):
+            self.tasks = []
+
+        def on_step_end(self, loop):
+            task = bar._bar.tasks[0]
+            self.tasks.append((task.completed, task.total))
+
+    bar = Progress(console=console, clock=clock)
+    seen = Seen()
+    trainer.add(Tick(clock, 1.0), bar, seen)
+    trainer.fit(make_batches(4), steps=6)
+    assert seen.tasks == [(4, 6), (5, 6), (6, 6)]
+    text = text_of(console)
+    first_frame = text.split("\r")[0]
+    assert re.search(r"\b3/6\b", first_frame)
+    assert "done: step 6/6" in text and "(3 steps in" in text
+
+
+@pytest.mark.parametrize(("fit", "total"), [
+    ({"epochs": 2}, "8"),            # epochs x steps per epoch
+    ({"steps": 6, "epochs": 5}, "6"),  # the smaller of the two
+])
+def test_the_total_comes_from_steps_or_epochs(fit, total):
+    console = terminal()
+    sgd_trainer(callbacks=[Progress(console=console, clock=lambda: 0.0)]).fit(make_batches(4), **fit)
+    assert re.search(rf"\b0/{total}\b", text_of(console))
+
+
+def test_data_without_a_length_gives_an_indeterminate_bar():
+    console, clock = terminal(), FakeClock()
+    batches = make_batches(4)
+    sgd_trainer(callbacks=[Tick(clock, 1.0), Progress(console=console, clock=clock)]).fit(
+        lambda epoch: iter(batches), epochs=2)
+    text = text_of(console)
+    assert re.search(r"\b8/\?", text)
+    assert "done: step 8  epoch 2/2" in text
+
+
+def test_refresh_per_second_must_be_positive():
+    with pytest.raises(ValueError, match="refresh_per_second"):
+        Progress(refresh_per_second=0)
+
+
+def test_the_last_frame_shows_the_final_count_even_without_a_refresh():
+    console, clock = terminal(), FakeClock()  # the clock never moves: no timed refresh
+    sgd_trainer(callbacks=[Progress(console=console, clock=clock)]).fit(make_batches(3), epochs=1)
+    frames = text_of(console).rstrip().splitlines()
+    assert re.search(r"\b3/3\b", frames[-2])  # the bar's last frame, above the summary line

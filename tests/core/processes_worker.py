@@ -1,0 +1,323 @@
+"""One JAX process of a multi-process test (gloo on 127.0.0.1, 2 CPU devices each).
+
+Usage: ``python -m tests.core.processes_worker SCENARIO INDEX COUNT PORT OUTDIR [ARGS...]``.
+Each scenario writes ``OUTDIR/p<INDEX>.json`` and prints progress lines
+(flushed) that ``tests/test_multiprocess.py`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+SCENARIOS: dict[str, Callable[..., Any]] = {}
+
+
+def scenario(fn: Callable[..., Any]) -> Callable[..., Any]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def say(text: str) -> None:
+    print(f"[{jax.process_index()}] {text}", flush=True)
+
+
+def leaves(tree: Any) -> list[list[float]]:
+    import numpy as np
+
+    return [np.asarray(x, np.float64).ravel().tolist() for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+class StatsHistory:
+    """Keeps every step's published activation and gradient statistics (a test reads them all)."""
+
+    def __new__(cls):
+        import flaxhooks
+
+        class _History(flaxhooks.Callback):
+            order = 50  # after the statistics callbacks publish
+
+            def __init__(self):
+                self.steps: dict[int, Any] = {}
+
+            def on_step_end(self, loop):
+                self.steps[loop.step] = {
+                    topic: loop.published[topic].to_dict()
+                    for topic in ("activations", "activation_grads") if topic in loop.published
+                }
+
+        return _History()
+
+
+@scenario
+def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
+    """Statistics every step change nothing, and evaluation is exact over processes."""
+    import flaxhooks
+    from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+
+    def loader():
+        return flaxhooks.ArrayLoader(make_arrays(64), batch_size=16 // count, seed=1)
+
+    history = StatsHistory()
+    instrumented = sgd_trainer(BatchNormNet(), callbacks=[
+        flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1), history,
+    ])
+    with_stats = instrumented.fit(loader(), epochs=2)
+    lean = sgd_trainer(BatchNormNet())
+    without = lean.fit(loader(), epochs=2)
+    # Each process evaluates its share (every 2nd example: 501 and 500); the
+    # result covers all 1001 exactly once.
+    result = lean.evaluate(make_arrays(1001, seed=5), batch_size=100)
+    # One example: process 1's share is empty, and it still takes part.
+    tiny = lean.evaluate(make_arrays(1, seed=9), batch_size=100)
+    # A bad label on process 1 only: both processes raise, neither waits forever.
+    batch = make_arrays(8, seed=index)
+    batch["label"][0] = 3 * index
+    try:
+        lean.evaluate([batch])
+        bad_label = None
+    except Exception as error:  # noqa: BLE001
+        bad_label = f"{type(error).__name__}: {error}"
+    say(f"{len(jax.local_devices())} local of {len(jax.devices())} devices, step {int(with_stats.step)}")
+    return {
+        "with_stats": leaves(with_stats.params), "without": leaves(without.params),
+        "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
+        "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],
+        "tiny": tiny.examples, "bad_label": bad_label,
+    }
+
+
+def _outcome(fit: Callable[[], Any]) -> dict[str, Any]:
+    """How one fit ended here: its step, its error type and message, its stop reason."""
+    import flaxhooks
+
+    start = time.monotonic()
+    outcome: dict[str, Any] = {"error": None, "message": None}
+    try:
+        fit()
+    except flaxhooks.TrainingInterrupted as error:
+        outcome.update(error="TrainingInterrupted", message=str(error))
+    except Exception as error:  # noqa: BLE001
+        outcome.update(error=type(error).__name__, message=str(error))
+        if isinstance(error, flaxhooks.ProcessError):
+            outcome.update(processes=list(error.processes), error_step=error.step)
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
+@scenario
+def agreement(index: int, count: int, out: str) -> dict[str, Any]:
+    """Stops and faults decided on one process, one fit after another in the
+    same processes (each must leave the run healthy for the next)."""
+    import numpy as np
+    import optax
+
+    import flaxhooks
+    from tests.helpers import MLP, cross_entropy, make_arrays, sgd_trainer
+
+    class Act(flaxhooks.Callback):
+        """Does ``act(loop)`` at ``event`` of ``step`` on process ``process`` only."""
+
+        order = -100
+        plan: tuple[int, int, str, Callable[[Any], None]] | None = None
+
+        def _maybe(self, loop, event):
+            if self.plan is not None:
+                process, step, when, act = self.plan
+                if jax.process_index() == process and loop.step == step and event == when:
+                    act(loop)
+
+        def on_step_end(self, loop):
+            self._maybe(loop, "step_end")
+
+        def on_epoch_end(self, loop):
+            self._maybe(loop, "epoch_end")
+
+    class Steps(flaxhooks.Callback):
+        """Every step_end this process saw, and the final loop state."""
+
+        order = 500
+
+        def on_fit_start(self, loop):
+            self.seen, self.final = [], {}
+
+        def on_step_end(self, loop):
+            self.seen.append(loop.step)
+
+        def on_fit_end(self, loop):
+            self.final = {"step": loop.step, "stop_reason": loop.stop_reason}
+
+    def loader(n=128, batch=16):
+        return flaxhooks.ArrayLoader(make_arrays(n), batch_size=batch // count, seed=1)
+
+    results: dict[str, Any] = {}
+    act, steps = Act(), Steps()
+    # One Trainer for most cases: each fit starts from the same state and
+    # reuses the compiled step.
+    trainer = sgd_trainer(callbacks=[act, steps])
+    initial = trainer.init(next(iter(loader()(0))))
+
+    def run(name, plan=None, data=None, epochs=2, other=None):
+        act.plan = plan
+        steps.seen, steps.final = [], {}
+        fit = other or trainer
+        outcome = _outcome(lambda: fit.fit(data or loader(), epochs=epochs, state=None if other else initial))
+        outcome.update(steps.final, seen=steps.seen)
+        results[name] = outcome
+        say(f"{name}: {outcome}")
+
+    def stop(loop):
+        loop.stop("process 1 had enough")
+
+    def raise_stop(loop):
+        raise flaxhooks.StopTraining("process 0 says stop")
+
+    def boom(loop):
+        raise ValueError("boom")
+
+    run("stop_on_1", (1, 3, "step_end", stop))
+    run("stoptraining_on_0", (0, 2, "step_end", raise_stop))
+    run("error_on_1", (1, 3, "step_end", boom))
+    run("error_at_epoch_end_on_0", (0, 8, "epoch_end", boom))
+
+    def failing_data(epoch):
+        for i, batch in enumerate(loader()(epoch)):
+            if index == 0 and i == 3:
+                raise OSError("disk read failed")
+            yield batch
+
+    # No length: every process agrees at the step its data runs out.
+    run("data_error_on_0", data=failing_data)
+    run("unequal_lengths", data=loader(128 if index == 0 else 96))
+
+    def unsized(epoch):  # the same number of batches everywhere, but no length
+        yield from loader()(epoch)
+
+    run("unsized_epochs", data=unsized)
+
+    def short_on_1(epoch):
+        for i, batch in enumerate(loader()(epoch)):
+            if index == 1 and i == 5:
+                return
+            yield batch
+
+    run("data_runs_out_on_1", data=short_on_1)
+
+    compiles = []
+
+    def listener(name, duration, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    run("layout", data=loader(batch=16 if index == 0 else 8))
+    jax.monitoring.unregister_event_duration_listener(listener)
+    results["layout"]["compiles"] = compiles
+
+    diverging = flaxhooks.Trainer(MLP(), optax.sgd(1e9), cross_entropy, callbacks=[
+        flaxhooks.ActivationStats(every=1), act, steps])
+    run("nonfinite", other=diverging)
+
+    results["eval_by_time"] = _outcome(lambda: sgd_trainer(callbacks=[
+        flaxhooks.Evaluate(make_arrays(20), every=flaxhooks.Every(seconds=5))]).fit(loader(), epochs=1))
+    run("healthy_after_all")
+    results["healthy_params"] = float(np.asarray(jax.tree.leaves(
+        trainer.fit(loader(), epochs=1, state=initial).params)[0]).sum())
+    return results
+
+
+@scenario
+def interrupted(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+    """Slow steps, printed; the test signals one process; a checkpoint at the end."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    class Slow(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            say(f"step {loop.step}")
+            time.sleep(0.2)
+
+    checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=1000, at_epoch_end=False)
+    trainer = sgd_trainer(callbacks=[Slow(), checkpoint])
+    loader = flaxhooks.ArrayLoader(make_arrays(4096), batch_size=16 // count, seed=1)
+    try:
+        trainer.fit(loader, epochs=1)
+    except flaxhooks.TrainingInterrupted as interrupted:
+        say(f"INTERRUPTED {interrupted.step} {signal.Signals(interrupted.signal).name}")
+        checkpoint.wait()
+        return {"step": interrupted.step, "saved": checkpoint.saved_steps(), "exit": 128 + interrupted.signal}
+    return {"step": None}
+
+
+@scenario
+def lost(index: int, count: int, out: str) -> dict[str, Any]:
+    """Process 1 is killed (SIGKILL) at step 4; the others must not hang."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    class Die(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            if jax.process_index() == 1 and loop.step == 4:
+                say("killing myself")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = sgd_trainer(callbacks=[Die(), flaxhooks.TensorBoard(os.path.join(out, f"tb{index}"), every=1)])
+    loader = flaxhooks.ArrayLoader(make_arrays(1024), batch_size=16 // count, seed=1)
+    started = time.monotonic()
+    outcome = _outcome(lambda: trainer.fit(loader, epochs=1))
+    say(f"LOST after {time.monotonic() - started:.1f} s: {outcome['error']}: {outcome['message']}")
+    with open(os.path.join(out, f"p{index}.json"), "w") as file:
+        json.dump(outcome, file)
+    return outcome
+
+
+@scenario
+def resume(index: int, count: int, out: str, workdir: str, late: str, timeout: str) -> dict[str, Any]:
+    """Trains one epoch with checkpoints, then (in new processes) resumes with
+    one process starting ``late`` seconds after the others."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=2)
+    trainer = sgd_trainer(callbacks=[checkpoint], peer_timeout=float(timeout))
+    loader = flaxhooks.ArrayLoader(make_arrays(96), batch_size=16 // count, seed=1)
+    if float(late) < 0:  # the first run
+        state = trainer.fit(loader, epochs=1)
+        return {"step": int(state.step)}
+    if index == 1:
+        time.sleep(float(late))
+    outcome = _outcome(lambda: trainer.fit(loader, epochs=2, resume=True))
+    outcome["saved"] = checkpoint.saved_steps()
+    outcome["entries"] = sorted(os.listdir(checkpoint.directory))
+    return outcome
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # where a stuck worker is: kill -USR1
+    name, index, count, port, out, *args = sys.argv[1:]
+    index, count = int(index), int(count)
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=index)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format=f"[{index}] %(levelname)s %(message)s")
+    result = SCENARIOS[name](index, count, out, *args)
+    with open(os.path.join(out, f"p{index}.json"), "w") as file:
+        json.dump(result, file)
+    say("DONE")
+    if isinstance(result, dict) and result.get("exit"):
+        sys.exit(result["exit"])
+
+
+if __name__ == "__main__":
+    main()

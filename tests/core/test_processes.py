@@ -1,0 +1,235 @@
+"""Several JAX processes (gloo on 127.0.0.1, 2 CPU devices each) train as one
+process with all their devices would, and agree on every stop and fault.
+
+Every process runs under ``timeout -s KILL``, so a hang fails the test
+instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import flaxhooks
+from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """``count`` processes of one scenario of ``tests/multiprocess_worker.py``,
+    each killed after ``limit`` seconds; their output is read as it comes."""
+
+    def __init__(self, scenario: str, out: Path, *args: str, count: int = 2, limit: float = 120):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        port = str(_free_port())
+        self.procs = [
+            subprocess.Popen(
+                ["timeout", "-s", "KILL", str(limit), sys.executable, "-m", "tests.core.processes_worker",
+                 scenario, str(i), str(count), port, str(out), *args],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for i in range(count)
+        ]
+        self.lines: list[list[str]] = [[] for _ in self.procs]
+        self.exited: list[float | None] = [None] * count
+        self._readers = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(count)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, i: int) -> None:
+        for line in self.procs[i].stdout:  # type: ignore[union-attr]
+            self.lines[i].append(line)
+        self.procs[i].wait()
+        self.exited[i] = time.monotonic()
+
+    def wait_for(self, i: int, text: str, limit: float = 90) -> None:
+        deadline = time.monotonic() + limit
+        while not any(text in line for line in self.lines[i]):
+            assert time.monotonic() < deadline and self.procs[i].poll() is None, self.output()
+            time.sleep(0.02)
+
+    def finish(self) -> list[int]:
+        for reader in self._readers:
+            reader.join()
+        return [p.returncode for p in self.procs]
+
+    def output(self, i: int | None = None) -> str:
+        return "".join(self.lines[i]) if i is not None else "\n\n".join("".join(ls) for ls in self.lines)
+
+    def result(self, i: int) -> dict:
+        with open(self.out / f"p{i}.json") as file:
+            return json.load(file)
+
+
+def test_every_compiled_step_spans_every_process(tmp_path):
+    """Statistics due every step (the instrumented step) change nothing, on 2
+    processes as on 1 process with their 4 devices; evaluation is exact."""
+    if len(jax.local_devices()) < 4:
+        pytest.skip("needs 4 local devices for the reference")
+    workers = Workers("equivalence", tmp_path)
+    assert workers.finish() == [0, 0], workers.output()
+    assert "2 local of 4 devices, step 8" in workers.output(0)
+
+    history = {}
+
+    class Keep(flaxhooks.Callback):
+        order = 50
+
+        def on_step_end(self, loop):
+            history[loop.step] = {t: loop.published[t].to_dict() for t in ("activations", "activation_grads")}
+
+    loader = flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1)
+    reference = sgd_trainer(BatchNormNet(), devices=jax.local_devices()[:4], callbacks=[
+        flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1), Keep(),
+    ]).fit(loader, epochs=2)
+    expected = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(jax.device_get(reference.params))]
+    evaluated = sgd_trainer(BatchNormNet()).evaluate(
+        make_arrays(1001, seed=5), batch_size=100, state=reference)
+    for i in range(2):
+        got = workers.result(i)
+        for with_stats, without, ref in zip(got["with_stats"], got["without"], expected, strict=True):
+            np.testing.assert_allclose(with_stats, without, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(with_stats, ref, rtol=1e-4, atol=1e-5)
+        stats = {int(step): tables for step, tables in got["stats"].items()}
+        assert sorted(stats) == sorted(history) == list(range(1, 9))
+        for step, tables in history.items():
+            for topic, table in tables.items():
+                assert stats[step][topic].keys() == table.keys()
+                for name, row in table.items():
+                    for column, value in row.items():
+                        assert stats[step][topic][name][column] == pytest.approx(value, rel=1e-3, abs=1e-5), (
+                            step, topic, name, column)
+        examples, loss, accuracy = got["eval"]
+        assert examples == 1001 and got["tiny"] == 1
+        assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
+        assert accuracy == pytest.approx(evaluated.metrics["accuracy"], abs=1e-6)
+        assert "BatchError" in got["bad_label"] or "another process" in got["bad_label"]
+
+
+def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):
+    """One fit after another in the same two processes: each ends at the same
+    step on both, the same way, and leaves the run healthy for the next."""
+    workers = Workers("agreement", tmp_path, limit=240)
+    assert workers.finish() == [0, 0], workers.output()
+    zero, one = workers.result(0), workers.result(1)
+    for name in zero:
+        if isinstance(zero[name], dict):
+            for field in ("error", "step", "stop_reason", "processes", "error_step"):
+                assert zero[name].get(field) == one[name].get(field), (name, field, zero[name], one[name])
+
+    for name in zero:
+        if isinstance(zero[name], dict):
+            print(f"{name}: step {zero[name].get('step')}, {zero[name]['error'] or 'returned'} on both, "
+                  f"fit took {zero[name]['seconds']:.1f} s")
+    stopped = zero["stop_on_1"]
+    assert stopped["error"] is None and 3 <= stopped["step"] <= 5
+    assert stopped["stop_reason"] == "process 1: process 1 had enough"
+    assert zero["stoptraining_on_0"]["error"] is None and 2 <= zero["stoptraining_on_0"]["step"] <= 4
+    assert zero["stoptraining_on_0"]["stop_reason"] == "process 0: process 0 says stop"
+
+    for name, process, words in (
+        ("error_on_1", 1, "ValueError: boom"),
+        ("error_at_epoch_end_on_0", 0, "ValueError: boom"),
+        ("data_error_on_0", 0, "OSError: disk read failed"),
+        ("data_runs_out_on_1", 1, "data ran out"),
+    ):
+        failed = zero[name]
+        assert failed["error"] == "ProcessError" and failed["processes"] == [process], failed
+        assert f"process {process}:" in failed["message"] and words in failed["message"]
+        assert failed["error_step"] == failed["step"] and failed["seconds"] < 30
+    assert zero["error_on_1"]["step"] - 3 <= 2  # within the steps in flight
+    assert zero["error_at_epoch_end_on_0"]["step"] in (8, 9, 10)
+
+    assert zero["unsized_epochs"]["error"] is None and zero["unsized_epochs"]["step"] == 16
+    assert zero["unequal_lengths"]["error"] == "BatchError"
+    assert "process 0: 8; process 1: 6" in zero["unequal_lengths"]["message"]
+    layout = zero["layout"]
+    assert layout["error"] == "BatchError" and layout["compiles"] == [], layout
+    assert "process 0: image float32[8, 5]" in layout["message"]
+    assert "process 1: image float32[4, 5]" in layout["message"]
+
+    nonfinite = zero["nonfinite"]
+    assert nonfinite["error"] is None and nonfinite["stop_reason"].startswith("every process: non-finite")
+    assert "Dense_1" in nonfinite["stop_reason"]
+    by_time = zero["eval_by_time"]
+    assert by_time["error"] == "ProcessError" and "Every(steps=N)" in by_time["message"]
+    assert zero["healthy_after_all"]["error"] is None and zero["healthy_after_all"]["step"] == 16
+    assert zero["healthy_params"] == one["healthy_params"]
+
+
+@pytest.mark.parametrize(
+    "signum, target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)], ids=["SIGTERM-to-1", "SIGINT-to-0"])
+def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path, signum, target):
+    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"))
+    workers.wait_for(target, "step 3")
+    sent = time.monotonic()
+    # Not through `timeout`, which would pass the signal on to every child.
+    worker_pid = int(subprocess.check_output(["pgrep", "-P", str(workers.procs[target].pid)]).split()[0])
+    os.kill(worker_pid, signum)
+    codes = workers.finish()
+    assert codes == [128 + signum] * 2, workers.output()
+    print(f"{signal.Signals(signum).name} to process {target}: every process exited "
+          f"{max(workers.exited) - sent:.1f} s after the signal")  # type: ignore[operator]
+    assert max(workers.exited) - sent < 10, workers.output()  # type: ignore[operator]
+    steps = {workers.result(i)["step"] for i in range(2)}
+    assert len(steps) == 1, workers.output()
+    (step,) = steps
+    assert f"INTERRUPTED {step} {signal.Signals(signum).name}" in workers.output(1 - target)
+    assert workers.result(0)["saved"] == [step]  # the one final checkpoint, written by process 0
+
+
+def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
+    workers = Workers("lost", tmp_path, limit=90)
+    codes = workers.finish()
+    assert codes[1] == -signal.SIGKILL or codes[1] == 128 + signal.SIGKILL, workers.output()
+    assert codes[0] == 1, workers.output()
+    survivor = workers.result(0)
+    print(f"kill -9: process 0 raised {survivor['error']} after {survivor['seconds']:.1f} s, exited "
+          f"{workers.exited[0] - workers.exited[1]:.1f} s after process 1 died")  # type: ignore[operator]
+    assert survivor["error"] == "PeerLost" and "process 1 was lost at step" in survivor["message"]
+    assert survivor["seconds"] < 30
+    assert "TensorBoard" not in survivor["message"]
+
+
+def test_a_late_process_delays_a_resume_without_harm_and_a_timeout_names_it(tmp_path):
+    run = str(tmp_path / "run")
+    first = Workers("resume", tmp_path / "first", run, "-1", "600")
+    assert first.finish() == [0, 0], first.output()
+    saved = sorted(os.listdir(os.path.join(run, "checkpoints")))
+
+    late = Workers("resume", tmp_path / "late", run, "6", "600")
+    assert late.finish() == [0, 0], late.output()
+    assert "process 0 is waiting for process 1 to reach the start of fit" in late.output(0)
+    for i in range(2):
+        resumed = late.result(i)
+        assert resumed["error"] is None, resumed
+        assert not any(entry.startswith("unreadable") for entry in resumed["entries"]), resumed
+    assert saved == ["2", "4", "6"]
+
+    timeout = Workers("resume", tmp_path / "timeout", run, "3", "1")
+    codes = timeout.finish()
+    waited = timeout.result(0)
+    assert waited["error"] == "PeerTimeout", timeout.output()
+    assert "waited 1 s for process 1 to reach the start of fit" in waited["message"]
+    assert codes[0] == 1 and codes[1] != 0, timeout.output()
+    assert not any(entry.startswith("unreadable") for entry in os.listdir(os.path.join(run, "checkpoints")))

@@ -1,0 +1,102 @@
+"""The package's shape: layers that import only downwards, no import circle
+(``TYPE_CHECKING`` imports included), a small Trainer, a public namespace of
+what users write, and tests that use only public names."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import flaxhooks
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "flaxhooks"
+#: What each subpackage may import, besides itself.
+LAYERS = {
+    "data": set(),
+    "writers": set(),
+    "step": {"data"},
+    "eval": {"step", "data"},
+    "core": {"step", "data", "eval", "writers"},
+    "callbacks": {"core", "step", "data", "eval", "writers"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every ``flaxhooks`` module a file imports, anywhere in it (functions and
+    ``if TYPE_CHECKING:`` blocks included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flaxhooks"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("flaxhooks"))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(path): imports(path) for path in PACKAGE.rglob("*.py")}
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    for module, imported in graph().items():
+        parts = module.split(".")
+        if len(parts) < 2:
+            continue  # flaxhooks/__init__.py gathers the public names
+        layer = parts[1]
+        for target in imported:
+            target_layer = target.split(".")[1] if target.count(".") else None
+            assert target_layer == layer or target_layer in LAYERS[layer], (
+                f"{module} imports {target}: {layer} may import only {sorted(LAYERS[layer])}"
+            )
+
+
+def test_there_is_no_import_circle_between_modules():
+    modules = graph()
+
+    def resolve(target: str) -> set[str]:
+        # Importing a package imports its __init__, which imports its modules.
+        return {target} if target in modules else set()
+
+    edges = {m: set().union(*(resolve(t) for t in targets)) - {m} for m, targets in modules.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == "open":
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_trainer_is_small_and_imports_no_callback():
+    trainer = PACKAGE / "core" / "_trainer.py"
+    assert len(trainer.read_text().splitlines()) < 300
+    assert not any(target.startswith("flaxhooks.callbacks") for target in imports(trainer))
+
+
+def test_the_public_namespace_is_what_users_write():
+    internals = {"HookBus", "StepRunner", "SummaryWriterThread", "build_step", "StatePlan", "Fit"}
+    assert not internals & set(flaxhooks.__all__)
+    assert all(hasattr(flaxhooks, name) for name in flaxhooks.__all__)
+
+
+def test_tests_and_benchmarks_use_only_public_names():
+    private = re.compile(r"flaxhooks(?:\.\w+)*\._(?!_)\w+")
+    for path in [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+                 *(ROOT / "recipes").glob("*.py")]:
+        for line in path.read_text().splitlines():
+            assert not private.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"
