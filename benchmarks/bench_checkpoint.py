@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"round {round_index + 1}/{args.rounds} ({order[0]} first): lean {rates['lean'][-1]:6.2f}/s  "
               f"checkpoint {rates['checkpoint'][-1]:6.2f}/s  ratio {ratios[-1]:.4f}")
     for trainer in trainers.values():
-        trainer.bus.find(flaxhooks.TensorBoard)[0].close()  # type: ignore[attr-defined]
+        trainer.bus.of(flaxhooks.TensorBoard)[0].close()
     shutil.rmtree(directory)
 
     result: dict[str, Any] = {

@@ -99,4 +99,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

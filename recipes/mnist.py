@@ -23,6 +23,7 @@ from typing import Any
 class Config:
     """The recipe's settings; every field is a command-line option."""
 
+    api: str = "linen"
     epochs: int = 10
     batch_size: int = 128
     eval_batch_size: int = 1000
@@ -45,6 +46,7 @@ class Config:
 
 
 _HELP = {
+    "api": "the Flax API the CNN is written with: linen or nnx (the same network)",
     "epochs": "passes over the training set",
     "batch_size": "global batch size (split over the devices)",
     "eval_batch_size": "evaluation batch size (the last, smaller batch is padded, not dropped)",
@@ -108,11 +110,15 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     """
     import jax
     import optax
+    from flax import nnx
 
     import flaxhooks
     from recipes import mnist_data
-    from recipes.models import CNN, cross_entropy_loss
+    from recipes.models import CNN, NNXCNN, cross_entropy_loss
 
+    models = {"linen": CNN, "nnx": lambda: NNXCNN(nnx.Rngs(config.seed))}
+    if config.api not in models:
+        raise ValueError(f"--api must be one of {sorted(models)}, got {config.api!r}")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     logdir = str(Path(workdir) / "tensorboard")
     # Says in one logged line why it fell back to the bundled sample, if it did.
@@ -144,7 +150,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
             flaxhooks.ActivationGradStats(every=config.stats_every, histograms=config.histograms),
         ]
     trainer = flaxhooks.Trainer(
-        CNN(),
+        models[config.api](),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
@@ -155,7 +161,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     say(
         f"training on {len(data.train_labels)} {data.source} MNIST digits, "
         f"{jax.device_count()} {trainer.devices[0].platform} device(s){where}, "
-        f"{config.epochs} epochs of {len(train)} steps",
+        f"{config.epochs} epochs of {len(train)} steps, the CNN in Flax {config.api}",
         flush=True,
     )
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)

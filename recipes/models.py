@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 
 class CNN(nn.Module):
@@ -34,6 +35,34 @@ class CNN(nn.Module):
     def _relu(self, x: jax.Array, name: str) -> jax.Array:
         x = nn.relu(x)
         self.sow("intermediates", name, x)
+        return x
+
+
+class NNXCNN(nnx.Module):
+    """The same CNN written with Flax NNX (same layers, same sown activations).
+
+    ``flaxhooks.Trainer`` takes it as it takes the Linen one; when ``fit``
+    ends the object holds the trained parameters.
+    """
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv_0 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+        self.conv_1 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+        self.dense_0 = nnx.Linear(7 * 7 * 64, 256, rngs=rngs)
+        self.dense_1 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self._relu(self.conv_0(x), "conv_0_relu")
+        x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = self._relu(self.conv_1(x), "conv_1_relu")
+        x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = self._relu(self.dense_0(x), "dense_0_relu")
+        return self.dense_1(x)
+
+    def _relu(self, x: jax.Array, name: str) -> jax.Array:
+        x = nnx.relu(x)
+        self.sow(nnx.Intermediate, name, x)  # read only under nnx.capture (the Trainer's)
         return x
 
 

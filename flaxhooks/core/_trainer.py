@@ -23,7 +23,7 @@ from flaxhooks.core._restore import restore_latest
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
 from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, unreplicate
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
-from flaxhooks.step import AXIS, LinenModel, LossFn, Model, StatePlan, StepRunner, TrainState
+from flaxhooks.step import AXIS, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
 
 _log = logging.getLogger("flaxhooks")
 
@@ -36,7 +36,8 @@ class Trainer:
     contributes a variant: :class:`flaxhooks.step.StepContributor`).
 
     Args:
-        model: a ``flax.linen`` Module, or a model adapter (:class:`flaxhooks.step.Model`).
+        model: a ``flax.linen`` Module, an ``nnx.Module`` (it takes the trained
+            values when ``fit`` ends), or a model adapter (:class:`flaxhooks.step.Model`).
         optimizer: any optax ``GradientTransformation``.
         loss_fn: ``loss_fn(outputs, batch)`` returning a scalar loss or
             ``(loss, {name: scalar})``; the extra scalars become step metrics.
@@ -44,9 +45,10 @@ class Trainer:
         input_keys: batch keys passed positionally to the model.
         train_arg: the keyword telling the model it trains (``train=True`` in
             the step, ``False`` at init and evaluation); ignored when the
-            model's ``__call__`` has no such parameter.
-        rng_names: RNG streams the model uses, each given a different key per
-            step and per device.
+            model's ``__call__`` has no such parameter. NNX modules also get
+            NNX's own switch (``train()`` / ``eval()`` on a copy).
+        rng_names: RNG streams a Linen model uses, each given a different key
+            per step and per device (an NNX module has its own ``nnx.Rngs``).
         seed: seeds initialization and the per-step keys.
         devices: local devices to train on (default: all of them). On
             several processes every device of every process takes part, so
@@ -96,8 +98,7 @@ class Trainer:
             )
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
-        if not isinstance(model, Model):
-            model = LinenModel.create(model, input_keys, train_arg, rng_names, state_collections)
+        model = as_model(model, input_keys, train_arg, rng_names, state_collections)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.seed, self.peer_timeout = seed, peer_timeout
         self.devices: list[jax.Device] = list(devices) if devices else jax.local_devices()
@@ -255,6 +256,8 @@ class Trainer:
         finally:
             self._loop, self._replicated = None, loop.state
             self._last = (loop.step, (loop.epoch, loop.epoch_step))
+            final = unreplicate(loop.state)
+            self.model.update(final.params, final.model_state)
             stops.close(loop, error)
         signum = stops.interrupted(loop)
         if signum is not None:

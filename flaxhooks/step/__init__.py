@@ -2,10 +2,12 @@
 the runner that picks the lean or an instrumented variant per step, and what
 an instrumented step exposes (taps) and computes (statistics)."""
 
+from flaxhooks.step._adapt import as_model
 from flaxhooks.step._build import InsideStep, LossFn, build_step, split_loss, step_rngs
 from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._linen import LinenModel
 from flaxhooks.step._model import AXIS, Batch, Model, TapRun
+from flaxhooks.step._nnx import NNXModel
 from flaxhooks.step._runner import StepRunner
 from flaxhooks.step._state import LossError, StatePlan, TrainState
 from flaxhooks.step._stats import ACTIVATION_STATS, GRADIENT_STATS, bin_edges, tap_stats
@@ -23,6 +25,7 @@ __all__ = [
     "Model",
     "ModuleFilter",
     "ModuleSpec",
+    "NNXModel",
     "StatePlan",
     "StepContributor",
     "StepRunner",
@@ -31,6 +34,7 @@ __all__ = [
     "Tapped",
     "Taps",
     "TrainState",
+    "as_model",
     "as_module_filter",
     "bin_edges",
     "build_step",

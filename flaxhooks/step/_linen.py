@@ -99,6 +99,13 @@ class LinenModel:
         args = [batch[key] for key in self.input_keys]
         return dict(self.module.init(rngs, *args, **kwargs))
 
+    def own_variables(self) -> None:
+        """None: a Linen module holds no values; :meth:`init` makes them."""
+        return None
+
+    def update(self, params: Any, model_state: Mapping[str, Any]) -> None:
+        """Nothing to do: a Linen module holds no values."""
+
     def apply(
         self, params: Any, model_state: Mapping[str, Any], batch: Batch, *, train: bool,
         rngs: Mapping[str, jax.Array],
@@ -311,15 +318,15 @@ class CallRecorder:
         return self._completed.get(path, len(self._completed))
 
 
-def _values(value: Any, name: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
+def sown_values(value: Any, name: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
     """The floating arrays in a sown value (a tuple of calls, each any pytree)."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            yield from _values(item, (*name, str(key)))
+            yield from sown_values(item, (*name, str(key)))
     elif isinstance(value, (tuple, list)):
         many = sum(item is not None for item in value) > 1
         for i, item in enumerate(value):
-            yield from _values(item, (*name, str(i)) if many else name)
+            yield from sown_values(item, (*name, str(i)) if many else name)
     elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
         yield name, value
 
@@ -391,7 +398,7 @@ def collect_taps(
                 siblings = {k for m, k, _ in sites if m == module}
                 entries: Iterator[Any] = iter([(_perturbation_name(key, siblings), value)])
             else:
-                entries = _values(value, (key,))
+                entries = sown_values(value, (key,))
             for name, array in entries:
                 for display, layer_value in _split_scanned(module, name, array, collection, recorder.scans):
                     origin = origins.get((module, key))

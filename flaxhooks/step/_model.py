@@ -6,7 +6,8 @@ carries from step to step, the instrumented call that exposes intermediate
 values, and the summary table. The Trainer, the step builder, evaluation and
 the summary talk to this interface only, so another kind of model (Flax NNX)
 plugs in with an adapter of its own. :class:`~flaxhooks.step.LinenModel` is
-the one for ``flax.linen`` modules.
+the one for ``flax.linen`` modules, :class:`~flaxhooks.step.NNXModel` the one
+for ``flax.nnx`` modules.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class Model(Protocol):
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """Every collection the model makes (``params`` and the rest), in eval mode."""
+
+    def own_variables(self) -> dict[str, Any] | None:
+        """The values the model comes with, by collection (an NNX module's),
+        or None when :meth:`init` makes them (Linen)."""
+
+    def update(self, params: Any, model_state: Mapping[str, Any]) -> None:
+        """Called with the trained values when ``fit`` ends (an NNX module
+        takes them in; a Linen module holds no values)."""
 
     def carried(self, variables: Mapping[str, Any], batch: Batch) -> tuple[str, ...]:
         """Which collections besides ``params`` are carried from step to step

@@ -92,14 +92,17 @@ class StatePlan:
         spec: the batch layout.
         carried: the collections carried from step to step besides ``params``.
         abstract: the state one device holds, as abstract values.
-        create: ``create(key, batch)``, the state from a PRNG key and one
-            device's share of a batch (traced: compile it to use it).
+        create: ``create(key, batch, given)``, the state from a PRNG key, one
+            device's share of a batch and the values the model comes with
+            (None: made by its ``init``); traced: compile it to use it.
+        given: the values the model comes with (an NNX module's), else None.
     """
 
     spec: BatchSpec
     carried: tuple[str, ...]
     abstract: TrainState
-    create: Callable[[jax.Array, Any], TrainState]
+    create: Callable[[jax.Array, Any, Any], TrainState]
+    given: Callable[[], Any]
 
     @classmethod
     def of(
@@ -123,9 +126,10 @@ class StatePlan:
             with explained(spec):
                 raise error
 
-        def create(key: jax.Array, batch: Any) -> TrainState:
+        def create(key: jax.Array, batch: Any, given: Any) -> TrainState:
             init_key, step_key = jax.random.split(key)
-            variables = model.init(init_key, batch)
+            # Values a model comes with are arguments, never constants baked into the program.
+            variables = given if given is not None else model.init(init_key, batch)
             params = variables["params"]
             return TrainState(
                 step=jnp.zeros((), jnp.int32), params=params, model_state={c: variables[c] for c in carried},
@@ -133,13 +137,13 @@ class StatePlan:
             )
 
         with explained(spec):
-            abstract = jax.eval_shape(create, key, batch)
+            abstract = jax.eval_shape(create, key, batch, model.own_variables())
         dropped = sorted(set(variables) - {"params", *carried})
         if dropped:
             _log.info("not training collections %s: they are per-step values", dropped)
-        return cls(spec, carried, abstract, create)
+        return cls(spec, carried, abstract, create, model.own_variables)
 
     def build(self, seed: int, batch: Mapping[str, Any]) -> TrainState:
         """The initial state from ``seed`` and a host batch of the planned layout."""
         share = {k: np.asarray(v)[: self.spec.batch_size // self.spec.num_devices] for k, v in batch.items()}
-        return jax.jit(self.create)(jax.random.PRNGKey(seed), share)
+        return jax.jit(self.create)(jax.random.PRNGKey(seed), share, self.given())

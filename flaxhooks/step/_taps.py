@@ -9,9 +9,12 @@ Flax's ``sow``, ``capture_intermediates``, ``perturb`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import flax.linen as nn
@@ -60,8 +63,9 @@ def select_modules(
         if types and not isinstance(module, types):
             return False
         if patterns:
-            path = "/".join(module_path(module))
-            candidates = [c for c in (module.name, path) if c]
+            path = module_path(module)
+            name = module.name if isinstance(module, nn.Module) else (path[-1] if path else None)
+            candidates = [c for c in (name, "/".join(path)) if c]
             return any(fnmatch.fnmatchcase(c, p) for c in candidates for p in patterns)
         return True
 
@@ -206,6 +210,37 @@ class Tapped:
         )
 
 
-def module_path(module: nn.Module) -> tuple[str, ...]:
-    """A bound module's path, e.g. ``("encoder", "Dense_0")`` (empty if unbound)."""
-    return tuple(module.path) if module.scope is not None else ()
+#: Paths of NNX modules met by instrumented calls (NNX modules do not know their path).
+_nnx_paths: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_naming = threading.local()
+
+
+@contextlib.contextmanager
+def named_modules(modules: Sequence[tuple[Any, tuple[str, ...]]]) -> Iterator[None]:
+    """Lets :func:`module_path` name the modules of one NNX call, given as
+    ``(module, path)`` pairs: during the call, and afterwards for as long as
+    the modules live (filters run again on the taps once the call is done)."""
+    previous = getattr(_naming, "paths", None)
+    _naming.paths = {id(module): path for module, path in modules}
+    for module, path in modules:
+        with contextlib.suppress(TypeError):  # not weakly referable: named during the call only
+            _nnx_paths[module] = path
+    try:
+        yield
+    finally:
+        _naming.paths = previous
+
+
+def module_path(module: Any) -> tuple[str, ...]:
+    """A module's path, e.g. ``("encoder", "Dense_0")``: a bound Linen
+    module's, or an NNX module's within the model an instrumented call runs
+    (empty if unbound or unknown)."""
+    if isinstance(module, nn.Module):
+        return tuple(module.path) if module.scope is not None else ()
+    paths = getattr(_naming, "paths", None)
+    if paths is not None and id(module) in paths:
+        return paths[id(module)]
+    try:
+        return _nnx_paths.get(module, ())
+    except TypeError:  # not weakly referable
+        return ()

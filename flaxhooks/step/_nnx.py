@@ -1,0 +1,510 @@
+"""The model adapter for Flax NNX modules, and how an instrumented call sees
+inside one without changing its code.
+
+The step stays a pure function over arrays: the user's module is split once
+into a graph definition and pure arrays grouped by variable type
+(``params`` for ``nnx.Param``, ``batch_stats`` for ``nnx.BatchStat``,
+``rngs`` for the RNG keys and counts, ...); every call merges them back
+inside the compiled step. Train and eval mode are two graph definitions of
+a clone, made with NNX's own ``train()`` / ``eval()``, so the user's object
+is never changed until :meth:`NNXModel.update` writes the trained state back.
+
+NNX has no ``intercept_methods``: module outputs are recorded by a wrapper
+around each module class's ``__call__``, active only on the thread that
+runs an instrumented call and only for the modules of that call's graph.
+The model's own ``sow`` and ``perturb`` sites are read with ``nnx.capture``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx import variablelib
+
+from flaxhooks.step._linen import sown_values
+from flaxhooks.step._model import AXIS, Batch
+from flaxhooks.step._taps import INTERMEDIATES, PERTURBATIONS, ModuleFilter, Tap, Taps, named_modules
+
+Path = tuple[str, ...]
+
+
+def collection_of(variable_type: type) -> str:
+    """The collection name of an NNX variable type: ``params``,
+    ``batch_stats``, ``rngs`` (keys and counts), else the type's name in snake case."""
+    if issubclass(variable_type, nnx.Param):
+        return "params"
+    if issubclass(variable_type, nnx.BatchStat):
+        return "batch_stats"
+    if issubclass(variable_type, nnx.RngState):
+        return "rngs"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", variable_type.__name__).lower()
+
+
+def _get(tree: Mapping[str, Any], path: Path) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree: dict[Any, Any], path: Sequence[Any], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _names_parameter(module: nnx.Module, name: str) -> bool:
+    # Named only: NNX containers (nnx.Sequential) pass **kwargs on to every layer.
+    return name in inspect.signature(type(module).__call__).parameters
+
+
+class _Leaf:
+    """Where one variable of the module lives, and how its value is stored."""
+
+    def __init__(self, path: tuple[Any, ...], variable: nnx.Variable):
+        self.path = path  # as NNX names it (list indices stay ints)
+        self.key: Path = tuple(str(p) for p in path)
+        self.collection = collection_of(type(variable))
+        # NNX never writes an RngKey (its count advances): the step keeps it
+        # and folds the device index into it. Other keys are the model's own.
+        self.rng_key = isinstance(variable, nnx.RngKey)
+        value = variable.get_value()
+        # Typed PRNG keys are kept as their raw data: checkpoints and host
+        # copies (np.asarray) cannot take typed keys.
+        self.impl = jax.random.key_impl(value) if _is_typed_key(value) else None
+
+    def stored(self, value: Any) -> Any:
+        return jax.random.key_data(value) if self.impl is not None else value
+
+    def live(self, value: Any) -> Any:
+        return jax.random.wrap_key_data(value, impl=self.impl) if self.impl is not None else value
+
+
+def _is_typed_key(value: Any) -> bool:
+    return hasattr(value, "dtype") and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+class NNXModel:
+    """A Flax NNX module as the Trainer calls it.
+
+    Args:
+        module: the user's ``nnx.Module``, with its parameters (it is not
+            changed until :meth:`update`).
+        input_keys: batch keys passed to the model, positionally, in order.
+        train_arg: a parameter of ``__call__`` telling the model it trains,
+            if it names one; NNX's own switch (``deterministic`` /
+            ``use_running_average``, as ``train()`` / ``eval()`` set them) is
+            always used.
+
+    Every ``nnx.BatchNorm`` of the train-mode copy reduces its statistics
+    over the step's device axis (``flaxhooks.AXIS``), so they cover the
+    global batch as under a sharded ``jax.jit``; the user's module keeps its
+    own ``axis_name``. With several devices, dropout keys differ per device.
+
+    Example:
+        >>> from flax import nnx
+        >>> from flaxhooks.step import NNXModel
+        >>> model = NNXModel(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "x")
+        >>> sorted(model.layout())
+        ['params']
+    """
+
+    rng_names: tuple[str, ...] = ()  # the model carries its own nnx.Rngs
+
+    def __init__(self, module: nnx.Module, input_keys: str | Sequence[str] = ("image",),
+                 train_arg: str | None = None):
+        self.module = module
+        self.input_keys = (input_keys,) if isinstance(input_keys, str) else tuple(input_keys)
+        self.train_arg = train_arg if train_arg and _names_parameter(module, train_arg) else None
+        template = nnx.clone(module)
+        # Values sown or perturbed outside nnx.capture are attributes: per-step values, never state.
+        nnx.pop(template, nnx.Intermediate)
+        template.set_attributes(nnx.BatchNorm, axis_name=AXIS, raise_if_not_found=False)
+        template.train()
+        self._train_def, state = nnx.split(template)
+        template.eval()
+        self._eval_def, _ = nnx.split(template)
+        self._leaves = [_Leaf(path, variable) for path, variable in nnx.to_flat_state(state)]
+
+    def __repr__(self) -> str:
+        return f"NNXModel({type(self.module).__name__}, input_keys={self.input_keys})"
+
+    def layout(self) -> dict[str, list[Path]]:
+        """The variable paths of each collection."""
+        found: dict[str, list[Path]] = {}
+        for leaf in self._leaves:
+            found.setdefault(leaf.collection, []).append(leaf.key)
+        return found
+
+    def _collections(self, module: nnx.Module) -> dict[str, Any]:
+        flat = dict(nnx.to_flat_state(nnx.state(module)))
+        grouped: dict[str, Any] = {}
+        for leaf in self._leaves:
+            _put(grouped.setdefault(leaf.collection, {}), leaf.key, leaf.stored(flat[leaf.path].get_value()))
+        return grouped
+
+    def own_variables(self) -> dict[str, Any]:
+        """The module's current values by collection (concrete arrays)."""
+        return self._collections(self.module)
+
+    def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
+        """The module's own values: an NNX module comes initialized."""
+        del key, batch
+        return self.own_variables()
+
+    def carried(self, variables: Mapping[str, Any], batch: Batch) -> tuple[str, ...]:
+        """Every collection but ``params``: BatchNorm statistics, RNG keys and counts."""
+        del batch
+        return tuple(c for c in variables if c != "params")
+
+    def merged(self, params: Any, model_state: Mapping[str, Any], *, train: bool) -> nnx.Module:
+        """A module of the train- or eval-mode graph holding these values.
+
+        In train mode on several devices, each device's RNG keys are folded
+        with its index, so dropout masks differ between devices.
+        """
+        devices = jax.lax.psum(1, AXIS) if train and any(leaf.rng_key for leaf in self._leaves) else 1
+        nested = self._leaf_values({"params": params, **model_state}, per_device=devices > 1)
+        return nnx.merge(self._train_def if train else self._eval_def, nested)
+
+    def _new_state(self, module: nnx.Module, model_state: Mapping[str, Any]) -> dict[str, Any]:
+        """The carried state after a train-mode call; RNG keys as they were
+        (the counts advanced), so the next step draws new numbers."""
+        after = self._collections(module)
+        for leaf in self._leaves:
+            if leaf.rng_key:
+                _put(after[leaf.collection], leaf.key, _get(model_state[leaf.collection], leaf.key))
+        return {c: after[c] for c in model_state}
+
+    def _call(self, module: nnx.Module, batch: Batch, train: bool) -> Any:
+        kwargs = {self.train_arg: train} if self.train_arg else {}
+        return module(*[batch[key] for key in self.input_keys], **kwargs)
+
+    def apply(
+        self, params: Any, model_state: Mapping[str, Any], batch: Batch, *, train: bool,
+        rngs: Mapping[str, jax.Array],
+    ) -> tuple[Any, dict[str, Any]]:
+        del rngs  # the model draws from its own nnx.Rngs
+        module = self.merged(params, model_state, train=train)
+        # Under nnx.capture with no variable types, the model's own sow and
+        # perturb calls do nothing (outside it they would add attributes).
+        outputs = nnx.capture(lambda m: self._call(m, batch, train))(module)
+        return outputs, (self._new_state(module, model_state) if train else dict(model_state))
+
+    def tap(
+        self, model_state: Mapping[str, Any], batch: Batch, *, rngs: Mapping[str, jax.Array], taps: Taps,
+    ) -> _NNXTapRun:
+        del rngs
+        return _NNXTapRun(self, model_state, batch, taps)
+
+    def update(self, params: Any, model_state: Mapping[str, Any]) -> None:
+        """Writes trained values into the user's module (``nnx.update``)."""
+        nnx.update(self.module, self._leaf_values({"params": params, **model_state}))
+
+    def tabulate(self, batch: Batch, carried: Sequence[str], **options: Any) -> str:
+        """``nnx.tabulate`` of the eval-mode model on zeros like ``batch``.
+
+        Traced under ``jax.eval_shape`` (nothing runs), with the model's own
+        ``sow``/``perturb`` calls left out of the rows, and the total
+        counting ``nnx.Param`` only: the other variables keep their own columns.
+        """
+        del carried
+        options.pop("show_repeated", None)
+        console = {"force_terminal": False, **options.pop("console_kwargs", {})}
+        inputs = [np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys]
+        kwargs = {self.train_arg: False} if self.train_arg else {}
+        table: list[str] = []
+
+        def rows(info: Any) -> bool:
+            own_sites = bool(info.path) and info.path[-1] in ("sow", "perturb")
+            return nnx.summary.filter_rng_streams(info) and not own_sites
+
+        def render(module: nnx.Module) -> None:
+            table.append(nnx.tabulate(module, *inputs, row_filter=rows, console_kwargs=console, **options,
+                                      **kwargs))
+
+        own = self.own_variables()
+        jax.eval_shape(lambda values: nnx.capture(render)(nnx.merge(self._eval_def, values)),
+                       self._leaf_values(own))
+        leaves = jax.tree.leaves(own["params"])
+        params = sum(int(np.prod(np.shape(x))) for x in leaves)
+        size = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves)
+        return re.sub(r"Total Parameters: [\d,]+ \([^)]*\)",
+                      f"Total Parameters: {params:,} ({_bytes(size)}, nnx.Param only)", table[0])
+
+    def _leaf_values(self, collections: Mapping[str, Any], per_device: bool = False) -> dict[Any, Any]:
+        """The values as NNX nests them, typed keys rewrapped (and, with
+        ``per_device``, folded with the device index)."""
+        nested: dict[Any, Any] = {}
+        for leaf in self._leaves:
+            value = leaf.live(_get(collections[leaf.collection], leaf.key))
+            if leaf.rng_key and per_device:
+                value = jax.random.fold_in(value, jax.lax.axis_index(AXIS))
+            _put(nested, leaf.path, value)
+        return nested
+
+
+def _bytes(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1000
+    raise AssertionError
+
+
+# --- recording module outputs -------------------------------------------------------------------
+
+_active = threading.local()
+_patch_lock = threading.Lock()
+#: class -> (its own __call__, users, the wrapper put in its place)
+_patched: dict[type, tuple[Callable[..., Any], int, Any]] = {}
+
+
+def _owner_of_call(cls: type) -> type | None:
+    return next((klass for klass in cls.__mro__ if "__call__" in klass.__dict__), None)
+
+
+def _recording_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = getattr(_active, "recorder", None)
+        if recorder is None:
+            return original(self, *args, **kwargs)
+        return recorder.call(original, self, args, kwargs)
+
+    # Name and docstring only: markers other patchers keep in __dict__ stay theirs.
+    return functools.update_wrapper(__call__, original, updated=())
+
+
+@contextlib.contextmanager
+def _recording(recorder: _Recorder, classes: set[type]) -> Iterator[None]:
+    """Wraps the ``__call__`` of ``classes`` while ``recorder`` records on this thread.
+
+    Other threads, and modules outside the recorder's graph, run unchanged.
+    """
+    owners = {owner for cls in classes if (owner := _owner_of_call(cls)) is not None}
+    with _patch_lock:
+        for owner in owners:
+            original, users, wrapper = _patched.get(owner, (owner.__dict__["__call__"], 0, None))
+            if users == 0:
+                wrapper = _recording_call(original)
+                owner.__call__ = wrapper  # type: ignore[method-assign]
+            _patched[owner] = (original, users + 1, wrapper)
+    previous = getattr(_active, "recorder", None)
+    _active.recorder = recorder
+    try:
+        yield
+    finally:
+        _active.recorder = previous
+        with _patch_lock:
+            for owner in owners:
+                original, users, wrapper = _patched[owner]
+                if users > 1:
+                    _patched[owner] = (original, users - 1, wrapper)
+                    continue
+                del _patched[owner]
+                if owner.__dict__.get("__call__") is wrapper:  # not patched again since, by someone else
+                    owner.__call__ = original  # type: ignore[method-assign]
+
+
+class _Recorder:
+    """Records the outputs of the modules of one graph, in the order their
+    calls complete, and adds perturbations to the selected ones."""
+
+    def __init__(self, root: nnx.Module, capture: ModuleFilter | None, perturb: ModuleFilter | None,
+                 perturbations: Mapping[str, jax.Array] | None):
+        self.modules = {id(m): (tuple(str(p) for p in path), m) for path, m in nnx.iter_modules(root)}
+        self.capture, self.perturb, self.perturbations = capture, perturb, perturbations
+        self.completed: dict[Path, int] = {}
+        self.calls: dict[Path, int] = {}
+        self.outputs: list[tuple[Path, int, int, int, jax.Array, nnx.Module]] = []  # path, call, leaf, leaves
+        self.perturbed: list[tuple[Path, int, int, int, str, nnx.Module]] = []
+        self.shapes: dict[str, jax.ShapeDtypeStruct] = {}
+        self.unseen: dict[str, str] = {}  # type of a module run inside a transform -> its caller
+        self._stack: list[Any] = []
+        self._trace = nnx.tracers.TraceState()  # the trace of the instrumented call
+
+    def call(self, original: Callable[..., Any], module: Any, args: Any, kwargs: Any) -> Any:
+        known = self.modules.get(id(module))
+        if known is not None and not self._trace.is_valid():
+            known = None  # inside a JAX transform (jax.vmap, lax.scan, ...): its values cannot leave it
+        if known is None or (self._stack and self._stack[-1] is module):  # unknown, or a super() call
+            if known is None:
+                caller = self.modules[id(self._stack[-1])][0] if self._stack else ()
+                self.unseen.setdefault(type(module).__name__, "/".join(caller) or "the model itself")
+            return original(module, *args, **kwargs)
+        path, _ = known
+        self._stack.append(module)
+        try:
+            output = original(module, *args, **kwargs)
+        finally:
+            self._stack.pop()
+        call = self.calls.get(path, 0)
+        self.calls[path] = call + 1
+        leaves, treedef = jax.tree.flatten(output)
+        floating = [i for i, x in enumerate(leaves)
+                    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+        if self.capture is not None and self.capture(module, "__call__"):
+            for n, i in enumerate(floating):
+                self.outputs.append((path, call, n, len(floating), leaves[i], module))
+        if self.perturb is not None and self.perturb(module, "__call__"):
+            for n, i in enumerate(floating):
+                key = "/".join((*path, "__call__", str(call), str(n)))
+                self.perturbed.append((path, call, n, len(floating), key, module))
+                if self.perturbations is None:
+                    self.shapes[key] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+                else:
+                    leaves[i] = leaves[i] + self.perturbations[key]
+            output = jax.tree.unflatten(treedef, leaves)
+        self.completed.setdefault(path, len(self.completed))
+        return output
+
+    def rank(self, path: Path) -> int:
+        return self.completed.get(path, len(self.completed))
+
+    def name(self, path: Path, call: int, leaf: int, leaves: int) -> str:
+        parts = [*path, "__call__"]
+        if self.calls.get(path, 1) > 1:
+            parts.append(str(call))
+        if leaves > 1:
+            parts.append(str(leaf))
+        return "/".join(parts)
+
+
+def _sown_types(collections: Sequence[str]) -> dict[type, str]:
+    """The NNX variable types of the ``sow`` collections asked for by name
+    (``intermediates``: ``nnx.Intermediate``), each with that name; subclasses
+    before their bases, so each value is read under its own type."""
+    found: dict[type, str] = {}
+    for name in collections:
+        try:
+            found.setdefault(variablelib.variable_type_from_name(name, allow_register=False), name)
+        except ValueError:
+            continue  # no such variable type: nothing can be sown into it
+    ordered = sorted(found, key=lambda t: -len(t.__mro__))
+    return {t: found[t] for t in ordered}
+
+
+class _NNXTapRun:
+    """One instrumented call of an NNX model (see :class:`~flaxhooks.step.TapRun`)."""
+
+    def __init__(self, model: NNXModel, model_state: Mapping[str, Any], batch: Batch, taps: Taps):
+        self.model, self.model_state, self.batch, self.taps = model, model_state, batch, taps
+        self.sown = {t: n for t, n in _sown_types(taps.collections).items() if t is not nnx.Perturbation}
+        # nnx.Perturbation first: it subclasses nnx.Intermediate.
+        self.types = [*([nnx.Perturbation] if taps.model_perturbations else []), *self.sown]
+        self.recorder: _Recorder | None = None
+
+    def _run(
+        self, params: Any, perturbations: Mapping[str, Any] | None,
+    ) -> tuple[Any, nnx.Module, dict[type, Any]]:
+        module = self.model.merged(params, self.model_state, train=True)
+        outputs = None if perturbations is None else perturbations.get("outputs", {})
+        recorder = self.recorder = _Recorder(module, self.taps.capture, self.taps.perturb, outputs)
+        init = None
+        if perturbations is not None and perturbations.get("model"):
+            init = _as_variables(perturbations["model"], nnx.Perturbation)
+        classes = {type(m) for _, m in recorder.modules.values()}
+        with _recording(recorder, classes), named_modules([(m, p) for p, m in recorder.modules.values()]):
+            def call(module: nnx.Module) -> Any:
+                return self.model._call(module, self.batch, True)
+
+            result = nnx.capture(call, *self.types, init=init)(module)
+        if not self.types:
+            return result, module, {}
+        output, *states = result
+        return output, module, dict(zip(self.types, states, strict=True))
+
+    def perturbations(self, params: Any) -> Any:
+        if not self.taps.wants_gradients:
+            return {}
+
+        def shapes(params: Any) -> Any:
+            _, _, captured = self._run(params, None)
+            assert self.recorder is not None
+            model = nnx.to_pure_dict(captured[nnx.Perturbation]) if nnx.Perturbation in captured else {}
+            return {"outputs": dict(self.recorder.shapes), "model": model}
+
+        found = jax.eval_shape(shapes, params)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), found)
+
+    def __call__(self, params: Any, perturbations: Any) -> tuple[Any, dict[str, Any], tuple[Tap, ...]]:
+        outputs, module, captured = self._run(params, perturbations or {})
+        recorder = self.recorder
+        assert recorder is not None
+        found: list[tuple[int, int, Tap]] = []
+        for path, call, leaf, leaves, value, source in recorder.outputs:
+            tap = Tap(recorder.name(path, call, leaf, leaves), path, INTERMEDIATES, value, "__call__",
+                      (source, "__call__"))
+            found.append((recorder.rank(path), len(found), tap))
+        for var_type, state in captured.items():
+            if var_type is nnx.Perturbation:
+                continue
+            collection = self.sown[var_type]
+            for module_path, key, value in _sites(nnx.to_pure_dict(state)):
+                for name, array in sown_values(value, (key,)):
+                    tap = Tap("/".join((*module_path, *name)), module_path, collection, array, key)
+                    found.append((recorder.rank(module_path), len(found), tap))
+        taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
+        return outputs, self.model._new_state(module, self.model_state), tuple(_unique(taps))
+
+    def gradients(self, perturbation_grads: Any) -> tuple[Tap, ...]:
+        recorder = self.recorder
+        assert recorder is not None
+        if not perturbation_grads:
+            return ()
+        found: list[tuple[int, int, Tap]] = []
+        for path, call, leaf, leaves, key, source in recorder.perturbed:
+            tap = Tap(recorder.name(path, call, leaf, leaves), path, PERTURBATIONS,
+                      perturbation_grads["outputs"][key], "__call__", (source, "__call__"))
+            found.append((recorder.rank(path), len(found), tap))
+        for module_path, key, value in _sites(perturbation_grads.get("model", {})):
+            for name, array in sown_values(value, (key,)):
+                tap = Tap("/".join((*module_path, *name)), module_path, PERTURBATIONS, array, key)
+                found.append((recorder.rank(module_path), len(found), tap))
+        return tuple(_unique([tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]))
+
+    def finish(self, activations: Sequence[Tap], gradients: Sequence[Tap]) -> None:
+        recorder = self.recorder
+        assert recorder is not None
+        wanted = self.taps.capture is not None or self.taps.perturb is not None
+        if wanted and recorder.unseen:
+            callers = sorted(set(recorder.unseen.values()))
+            warnings.warn(
+                f"modules of type {sorted(recorder.unseen)} ran inside a JAX or NNX transform "
+                f"(nnx.scan, nnx.vmap, jax.vmap, lax.scan, ...) called by {', '.join(map(repr, callers))}: "
+                "their outputs are not logged one by one, only the outputs of the modules that call the "
+                "transform",
+                stacklevel=2,
+            )
+
+
+def _as_variables(tree: Mapping[Any, Any], variable_type: type) -> dict[Any, Any]:
+    """Module dicts as they are, each variable's value (any pytree) wrapped whole."""
+    return {key: _as_variables(value, variable_type) if isinstance(value, Mapping) else variable_type(value)
+            for key, value in tree.items()}
+
+
+def _sites(tree: Mapping[Any, Any], path: Path = ()) -> Iterator[tuple[Path, str, Any]]:
+    """(module path, variable name, value) for each captured variable."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _sites(value, (*path, str(key)))
+        else:
+            yield path, str(key), value
+
+
+def _unique(taps: Sequence[Tap]) -> list[Tap]:
+    names = [t.name for t in taps]
+    return [t if names.count(t.name) == 1 else dataclasses.replace(t, name=f"{t.name}[{t.collection}]")
+            for t in taps]
