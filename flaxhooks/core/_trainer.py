@@ -262,7 +262,7 @@ class Trainer:
         signum = stops.interrupted(loop)
         if signum is not None:
             raise TrainingInterrupted(signum, loop.step)
-        return unreplicate(loop.state)
+        return final
 
     def _prepare(self, source: DataSource, state: TrainState | None, resume: bool) -> Start:
         """Everything ``fit`` checks before compiling: the save to resume, the
