@@ -99,4 +99,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxhooks.core import Callback, Every, Loop, as_every
+from flaxhooks.core import Callback, Every, Loop, NonFiniteError, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
@@ -55,8 +55,8 @@ class InstrumentedCallback(Callback):
         >>> class LossSpread(flaxhooks.InstrumentedCallback):
         ...     every = flaxhooks.Every(steps=10)
         ...     def inside_step(self, tapped):  # pure: traced into the step
-        ...         high = jax.lax.pmax(tapped.loss, flaxhooks.AXIS)
-        ...         return high - jax.lax.pmin(tapped.loss, flaxhooks.AXIS)
+        ...         high = jax.lax.pmax(tapped.loss, tapped.axis_name)
+        ...         return high - jax.lax.pmin(tapped.loss, tapped.axis_name)
         ...     def take(self, loop, result):  # on the host, right after the step
         ...         self.latest = result  # device arrays: read them only when needed
     """
@@ -82,10 +82,6 @@ class InstrumentedCallback(Callback):
                 f"{self!r} is due by time, which differs between processes; every process must run "
                 "the instrumented step at the same steps: use Every(steps=N)"
             )
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or an intermediate value became NaN or infinite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +143,9 @@ class _TapStatistics(InstrumentedCallback):
         self._warned = False
         #: The latest statistics (a :class:`TapStats`), also published under ``prefix``.
         self.latest: TapStats | None = None
-        self._pending: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        #: Steps dispatched but not yet checked: (step, its loss, its statistics or None).
+        self._unchecked: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._stats: dict[int, Any] = {}  # statistics taken at a step, until its step_end
 
     def inside_step(self, tapped: Tapped) -> Any:
         taps: Sequence[Tap] = getattr(tapped, self.kind)
@@ -159,17 +157,29 @@ class _TapStatistics(InstrumentedCallback):
             _log.warning("%r found no values to log: %s", self, self._nothing_found())
         values = [t.value for t in taps]
         stats, histograms = tap_stats(
-            values, l2=self.columns == GRADIENT_STATS, bins=self.bins, count_nonfinite=self.count_nonfinite
+            values, l2=self.columns == GRADIENT_STATS, bins=self.bins, count_nonfinite=self.count_nonfinite,
+            axis=tapped.axis_name,
         )
         return {"stats": stats, "histograms": histograms}
 
     def _nothing_found(self) -> str:
         return "no tapped values"
 
+    def on_fit_start(self, loop: Loop) -> None:
+        super().on_fit_start(loop)
+        self._unchecked.clear()
+        self._stats.clear()
+
     def on_step_end(self, loop: Loop) -> None:
-        settled = loop.settled_step
-        while self._pending and settled is not None and self._pending[0][0] <= settled:
-            self._check(loop, *self._pending.popleft())
+        # Every step's loss is watched: kept as a device array, read once the
+        # loop has waited for its step anyway (no host sync of its own), and
+        # every one at the epoch's last step, before epoch-end handlers
+        # (evaluation, checkpoints) see the state.
+        self._unchecked.append((loop.step, loop.metrics["loss"], self._stats.pop(loop.step, None)))
+        last = loop.epoch_step == loop.steps_per_epoch or loop.step == loop.max_steps
+        settled = loop.step if last else loop.settled_step
+        while self._unchecked and settled is not None and self._unchecked[0][0] <= settled:
+            self._check(loop, *self._unchecked.popleft())
 
     def take(self, loop: Loop, result: Mapping[str, Any]) -> None:
         step = loop.step
@@ -178,25 +188,35 @@ class _TapStatistics(InstrumentedCallback):
         latest = TapStats(step, self.names, self.modules, self.columns, stats, histograms)
         self.latest = latest
         loop.publish(self.prefix, latest)
-        self._pending.append((step, stats, device0_copy(loop.metrics["loss"])))
+        self._stats[step] = stats
         # Read on the writer's thread: step outputs are never donated.
         loop.writers.scalars(lambda: _scalars(latest, self.prefix), step)
         if self.bins:
             loop.writers.histograms(lambda: _histograms(latest, self.prefix, self.bins), step)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        while self._pending:
-            self._check(loop, *self._pending.popleft())
+        if loop.exception is not None:
+            return  # the steps may never finish: reading them could wait forever
+        while self._unchecked:
+            self._check(loop, *self._unchecked.popleft())
 
     on_fit_end = on_epoch_end
 
-    def _check(self, loop: Loop, step: int, stats: Any, loss: Any) -> None:
+    def _check(self, loop: Loop, step: int, loss: Any, stats: Any) -> None:
         """Stops (or raises) if the loss or any statistic at ``step`` is not finite."""
         if loop.should_stop and self.if_nonfinite != "warn":
             return  # stopping already (maybe for this): report the first cause only
-        table, loss_value = jax.device_get((stats, loss))
-        table = np.asarray(table).reshape(len(self.names), len(self.columns))
-        loss_value = float(np.asarray(loss_value).reshape(-1)[0])
+        loss_value = float(np.asarray(jax.device_get(loss.addressable_shards[0].data)).reshape(-1)[0])
+        if stats is None:
+            if np.isfinite(loss_value):
+                return
+            message = (
+                f"the loss is {loss_value} at step {step}, a step without statistics ({self!r}): to find "
+                f"the layer, run that step instrumented, e.g. resume from a checkpoint before step {step} "
+                f"with {type(self).__name__}(every=1)"
+            )
+            return self._act(loop, step, message)
+        table = np.asarray(jax.device_get(stats)).reshape(len(self.names), len(self.columns))
         nonfinite = table[:, self.columns.index("nonfinite")]
         bad = np.flatnonzero(~np.isfinite(table).all(axis=1) | (nonfinite > 0))
         if not bad.size and np.isfinite(loss_value):
@@ -219,10 +239,15 @@ class _TapStatistics(InstrumentedCallback):
                 f"the loss is {loss_value} at step {step}, yet every tapped {what} is finite: "
                 f"it went non-finite in loss_fn or after the last tapped module"
             )
+        self._act(loop, step, message)
+
+    def _act(self, loop: Loop, step: int, message: str) -> None:
         if self.if_nonfinite == "raise":
-            raise NonFiniteError(message)
+            raise NonFiniteError(message, step)
         _log.error("%s", message)
         if self.if_nonfinite == "stop":
+            if loop.diverged is None:
+                loop.diverged = step
             loop.stop(message)
 
     def __repr__(self) -> str:
@@ -264,9 +289,14 @@ class ActivationStats(_TapStatistics):
     Values come from the model's own ``self.sow(collection, name, value)``
     calls (a module called twice gives two entries, each logged) and from the
     outputs of modules chosen by ``capture``, recorded with Flax's
-    ``capture_intermediates`` (no change to the model). Values stacked by
-    ``nn.scan`` (with the collection in its ``variable_axes``) are logged per
-    layer.
+    ``capture_intermediates`` (no change to the model). Values stacked by a
+    scan over layers (``nn.scan`` with its parameters in ``variable_axes``)
+    are logged per layer; those of a recurrence (``nn.RNN``, a scan sharing
+    its parameters) once over every time step, unless ``split_steps``. A
+    scan whose ``variable_axes`` lacks the collection drops the values:
+    one warning then names it and the change that hands them out. Tags name
+    a module's output by its path (``encoder/Dense_0``); the method is named
+    when it is not ``__call__``, and calls are numbered when there are several.
 
     For each value: ``mean``, ``std``, ``rms``, ``min``, ``max``,
     ``zero_fraction`` (dead ReLU units), ``nonfinite``, and optionally a
@@ -295,6 +325,9 @@ class ActivationStats(_TapStatistics):
         if_nonfinite: ``"stop"`` (stop training cleanly, end hooks run),
             ``"raise"`` (:class:`NonFiniteError`) or ``"warn"``.
         prefix: the tag prefix, and the topic the latest figures are published under.
+        split_steps: log each time step of a recurrence (``nn.RNN``, a scan
+            whose iterations share parameters) apart, instead of one value
+            over all of them; scans over layers are always logged per layer.
 
     Example:
         >>> import flax.linen as nn
@@ -316,8 +349,10 @@ class ActivationStats(_TapStatistics):
         count_nonfinite: bool = False,
         if_nonfinite: str = "stop",
         prefix: str = "activations",
+        split_steps: bool = False,
     ):
-        taps = Taps(collections=tuple(collections), capture=as_module_filter(capture))
+        taps = Taps(collections=tuple(collections), capture=as_module_filter(capture),
+                    split_steps=split_steps)
         super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix)
 
     def _nothing_found(self) -> str:
@@ -351,6 +386,7 @@ class ActivationGradStats(_TapStatistics):
         model_perturbations: also log the model's own ``perturb`` sites.
         histograms, bins, count_nonfinite, if_nonfinite: as for :class:`ActivationStats`.
         prefix: the tag prefix and published topic.
+        split_steps: as for :class:`ActivationStats`.
 
     Example:
         >>> import flax.linen as nn
@@ -372,8 +408,10 @@ class ActivationGradStats(_TapStatistics):
         count_nonfinite: bool = False,
         if_nonfinite: str = "stop",
         prefix: str = "activation_grads",
+        split_steps: bool = False,
     ):
-        taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations)
+        taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations,
+                    split_steps=split_steps)
         super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix)
 
     def _nothing_found(self) -> str:

@@ -66,6 +66,9 @@ class Evaluate(Callback):
                 "evaluate at the same steps: use Every(steps=N)"
             )
         self._evaluated_step = None  # a new fit: evaluate even at a step seen before
+        # Before the train step compiles: an eval set that cannot be evaluated fails now, not after an epoch.
+        assert loop.evaluate is not None, "set by Trainer.fit"
+        loop.evaluate(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name, check=True)
 
     def on_step_end(self, loop: Loop) -> None:
         if self.every is not None and self.every(loop.step):
@@ -85,8 +88,8 @@ class Evaluate(Callback):
             self._evaluate(loop)
 
     def _evaluate(self, loop: Loop) -> None:
-        if self._evaluated_step == loop.step:
-            return  # due twice at one step (every N and epoch end)
+        if self._evaluated_step == loop.step or loop.diverged is not None:
+            return  # due twice at one step (every N and epoch end), or the state holds NaN
         self._evaluated_step = loop.step
         assert loop.evaluate is not None, "set by Trainer.fit"
         self.result = loop.evaluate(

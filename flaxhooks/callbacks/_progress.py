@@ -40,7 +40,7 @@ class Progress(Callback):
     clock with the next refresh time. When a refresh is due it shows the
     metrics of ``loop.settled_step``, a step the loop has already waited for
     to bound the steps in flight, so the transfer never waits for the
-    devices. It never reads ``loop.metrics``. The metrics shown therefore lag
+    devices. It reads ``loop.metrics`` only at ``fit_end``. The metrics shown therefore lag
     the step count by up to ``max_steps_in_flight`` steps (they appear once
     that many steps have run), and the bar is redrawn only on refreshes, not
     by a background thread.
@@ -52,8 +52,9 @@ class Progress(Callback):
 
     At ``fit_end``, which runs also after an error or a KeyboardInterrupt, the
     bar is stopped first (the terminal gets its cursor back), then one summary
-    line is printed: where training ended, how fast, and the last settled
-    metrics. With ``quiet=True`` that summary line is the only output.
+    line is printed: where training ended (and why it stopped early), how
+    fast, and the last step's metrics (the last settled step's after an
+    error). With ``quiet=True`` that summary line is the only output.
 
     The bar's total is ``max_steps``, else ``max_epochs * steps_per_epoch``
     when the data has a length (the smaller one when both are known), else the
@@ -164,6 +165,9 @@ class Progress(Callback):
 
     def on_fit_end(self, loop: Loop) -> None:
         try:
+            # The last step's own metrics (training is over: waiting for it costs nothing), so a
+            # run stopped for a NaN shows it; after an error, only a settled step's.
+            self._pull(loop, last=loop.exception is None)
             if self._bar is not None:
                 self._refresh_bar(loop)  # leave the final count on screen, not the last refresh's
         finally:
@@ -172,19 +176,18 @@ class Progress(Callback):
                 if bar is not None:
                     bar.stop()
             finally:
-                try:
-                    self._pull(loop)  # a finished step's values: no wait
-                finally:
-                    self._print(self._summary(loop))
+                self._print(self._summary(loop))
 
     # -- helpers -------------------------------------------------------------
 
-    def _pull(self, loop: Loop) -> None:
-        """Brings the settled step's metrics to the host, once per settled step."""
-        if loop.settled_step is None or loop.settled_step == self._metrics_step:
+    def _pull(self, loop: Loop, last: bool = False) -> None:
+        """Brings the settled step's metrics to the host, once per settled step
+        (or, with ``last``, the latest step's, waiting for it)."""
+        step, metrics = (loop.step, loop.metrics) if last else (loop.settled_step, loop.settled_metrics)
+        if step is None or metrics is None or step == self._metrics_step:
             return
-        self._metrics = host_scalars(loop.settled_metrics)
-        self._metrics_step = loop.settled_step
+        self._metrics = host_scalars(metrics)
+        self._metrics_step = step
 
     def _refresh_bar(self, loop: Loop) -> None:
         assert self._bar is not None

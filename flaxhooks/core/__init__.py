@@ -2,7 +2,7 @@
 context, schedules, signals, agreement between processes, and the Trainer."""
 
 from flaxhooks.core._bus import HookBus
-from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
+from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
 from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._loop import Loop
@@ -29,6 +29,7 @@ __all__ = [
     "Rate",
     "SavedRun",
     "Restorer",
+    "NonFiniteError",
     "StopTraining",
     "Trainer",
     "TrainingInterrupted",

@@ -12,6 +12,21 @@ if TYPE_CHECKING:
     from flaxhooks.core._loop import Loop
 
 
+class NonFiniteError(FloatingPointError):
+    """The loss or an intermediate value became NaN or infinite.
+
+    Raised by ``fit`` once every end hook has run, after a guard stopped
+    training at the step it names (``ActivationStats(if_nonfinite="stop")``).
+
+    Attributes:
+        step: the first step whose loss or watched values were not finite.
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
 class StopTraining(Exception):
     """Raised by a callback to end training cleanly.
 

@@ -45,6 +45,9 @@ class Loop:
         payload: that event's data: an ``EvalStart`` or ``EvalResult`` for
             evaluations, the error for ``exception``, else None.
         stop_reason: why training was asked to stop, or None.
+        diverged: the first step whose loss (or a watched value) went NaN or
+            infinite, once a guard stopped training for it; the state after
+            it is not evaluated or saved, and ``fit`` raises ``NonFiniteError``.
         interrupted: the signal (SIGINT, SIGTERM) that asked training to stop
             at the next step boundary, or None.
         exception: the error that is ending training, if any.
@@ -81,6 +84,7 @@ class Loop:
     event: str = ""
     payload: Any = None
     stop_reason: str | None = None
+    diverged: int | None = None
     interrupted: int | None = None
     exception: BaseException | None = None
     published: dict[str, Any] = dataclasses.field(default_factory=dict)

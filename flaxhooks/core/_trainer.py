@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -14,7 +14,7 @@ import optax
 from flax import jax_utils
 
 from flaxhooks.core._bus import HookBus
-from flaxhooks.core._callback import Callback
+from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
 from flaxhooks.core._fit import Fit, Start
 from flaxhooks.core._loop import Loop
@@ -23,7 +23,7 @@ from flaxhooks.core._restore import restore_latest
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
 from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, unreplicate
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
-from flaxhooks.step import AXIS, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
+from flaxhooks.step import AXIS, InputKeys, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
 
 _log = logging.getLogger("flaxhooks")
 
@@ -31,9 +31,8 @@ _log = logging.getLogger("flaxhooks")
 class Trainer:
     """Trains a Flax model data-parallel over every device, emitting events.
 
-    The train step is one pure function, ``pmap``-ed and compiled once;
-    callbacks never change it (one that needs values from inside the step
-    contributes a variant: :class:`flaxhooks.step.StepContributor`).
+    The train step is one pure function, ``pmap``-ed and compiled once; a callback
+    needing values from inside it contributes a variant (:class:`flaxhooks.step.StepContributor`).
 
     Args:
         model: a ``flax.linen`` Module, an ``nnx.Module`` (it takes the trained
@@ -42,31 +41,32 @@ class Trainer:
         loss_fn: ``loss_fn(outputs, batch)`` returning a scalar loss or
             ``(loss, {name: scalar})``; the extra scalars become step metrics.
         callbacks: callbacks to register (more can be added with :meth:`add`).
-        input_keys: batch keys passed positionally to the model.
-        train_arg: the keyword telling the model it trains (``train=True`` in
-            the step, ``False`` at init and evaluation); ignored when the
-            model's ``__call__`` has no such parameter. NNX modules also get
-            NNX's own switch (``train()`` / ``eval()`` on a copy).
+        input_keys: batch keys passed positionally to the model, or
+            ``{argument: batch key}`` passed by keyword.
+        train_arg: the call argument telling the model it trains (``True``
+            in the step, ``False`` at init and evaluation; ``deterministic``,
+            its inverse, is recognized), or a constructor field of that name
+            (set on a copy per mode); ignored if the model has neither. NNX
+            modules also get NNX's own switch (``train()`` / ``eval()``).
+        eval_model: a Linen model's eval-mode twin (same parameters), for a
+            mode set in a config (see the README, "Your model").
         rng_names: RNG streams a Linen model uses, each given a different key
-            per step and per device (an NNX module has its own ``nnx.Rngs``).
+            per step and per device, and per batch in evaluation (an NNX
+            module has its own ``nnx.Rngs``).
         seed: seeds initialization and the per-step keys.
-        devices: local devices to train on (default: all of them). On
-            several processes every device of every process takes part, so
-            leave it out there.
-        state_collections: the collections carried from step to step besides
-            ``params`` (e.g. ``("batch_stats",)``). Default: every one a
-            train-mode call gives back with the same structure and shapes.
-        example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per
-            example (or ``(losses, {name: per-example values})``). Default:
-            ``loss_fn`` applied to each example as a batch of one.
-        label_key: the batch key holding class labels, given to metrics as
-            ``labels`` and checked against the model's number of outputs.
-        max_steps_in_flight: dispatched steps queued ahead of the devices
-            before the loop waits (reading nothing) for the oldest: bounds
-            the memory of queued batches and XLA:CPU's all-reduce rendezvous.
+        devices: local devices to train on (default: all; leave it out on several processes).
+        state_collections: the collections carried from step to step besides ``params``
+            (default: every one a train-mode call gives back with the same shapes).
+        example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example
+            (default: ``loss_fn`` on each example as a batch of one).
+        label_key: the batch key of class labels, given to metrics as ``labels``.
+        max_steps_in_flight: dispatched steps queued ahead of the devices before
+            the loop waits (reading nothing) for the oldest.
         peer_timeout: on several processes, the longest (seconds) one process
             waits for another, saying meanwhile which one it waits for.
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
+        axis_name: the device axis every step maps over, as the model's
+            ``BatchNorm(axis_name=...)`` names it.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -85,11 +85,13 @@ class Trainer:
 
     def __init__(
         self, model: nn.Module | Model, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
-        callbacks: Sequence[Callback] = (), input_keys: str | Sequence[str] = ("image",),
-        train_arg: str | None = "train", rng_names: Sequence[str] = ("dropout",), seed: int = 0,
+        callbacks: Sequence[Callback] = (), input_keys: InputKeys = ("image",),
+        train_arg: str | None = "train", eval_model: nn.Module | None = None,
+        rng_names: Sequence[str] = ("dropout",), seed: int = 0,
         devices: Sequence[jax.Device] | None = None, state_collections: Sequence[str] | None = None,
         example_loss_fn: ExampleLossFn | None = None, label_key: str | None = "label",
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
+        axis_name: str = AXIS,
     ):
         if devices and jax.process_count() > 1:
             raise ValueError(
@@ -98,7 +100,8 @@ class Trainer:
             )
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
-        model = as_model(model, input_keys, train_arg, rng_names, state_collections)
+        model = as_model(model, input_keys, train_arg, rng_names, state_collections, eval_model=eval_model,
+                         axis_name=axis_name)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.seed, self.peer_timeout = seed, peer_timeout
         self.devices: list[jax.Device] = list(devices) if devices else jax.local_devices()
@@ -106,8 +109,8 @@ class Trainer:
         # devices=None: pmap over every device of every process (its local ones here).
         self.runner = StepRunner(model, loss_fn, self.devices, list(devices) if devices else None,
                                  max_steps_in_flight)
-        example_loss_fn = example_loss_fn or per_example(loss_fn)
-        self.evaluations = Evaluations(model, example_loss_fn, label_key, self.devices)
+        self.evaluations = Evaluations(model, example_loss_fn or per_example(loss_fn), label_key,
+                                       self.devices)
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
         self._replicated: TrainState | None = None
@@ -138,10 +141,8 @@ class Trainer:
         return plan
 
     def init(self, batch: HostBatch) -> TrainState:
-        """Checks ``batch`` and builds the initial train state from its layout.
-
-        Everything is checked on abstract values first, so a batch the model
-        or the loss cannot take fails before anything compiles.
+        """Checks ``batch`` on abstract values (before anything compiles) and
+        builds the initial train state from its layout.
 
         Raises:
             BatchError: the batch does not fit the devices, the model or the loss.
@@ -150,12 +151,11 @@ class Trainer:
 
     def evaluate(
         self, data: Any, *, batch_size: int | None = None, metrics: Metrics | None = None,
-        name: str = "eval", state: TrainState | None = None,
-    ) -> EvalResult:
+        name: str = "eval", state: TrainState | None = None, check: bool = False,
+    ) -> EvalResult | None:
         """Evaluates every example of ``data`` exactly once, in inference mode.
 
-        Emits ``eval_start`` (payload: an ``EvalStart``) and ``eval_end``
-        (payload: the :class:`EvalResult`, which it returns).
+        Emits ``eval_start`` (an ``EvalStart``) and ``eval_end`` (the :class:`EvalResult` it returns).
 
         Args:
             data: a dict of equal-length arrays, or an iterable of host batches of any sizes.
@@ -163,13 +163,15 @@ class Trainer:
             metrics: a clu Collection or Metric class, or ``{name: Metric}`` (default: loss, accuracy).
             name: the result's name.
             state: the state to evaluate (default: the current one).
+            check: only check, on abstract values, that ``data`` can be evaluated.
 
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
         """
         loop = self._loop
         if state is not None:
-            replicated, step = jax_utils.replicate(state, self.devices, axis_name=AXIS), int(state.step)
+            replicated = jax_utils.replicate(state, self.devices, axis_name=self.runner.axis)
+            step = int(state.step)
         elif loop is not None:
             replicated, step = loop.state, loop.step
         elif self._replicated is not None and self._last is not None:
@@ -178,6 +180,8 @@ class Trainer:
             raise ValueError("nothing to evaluate yet: call fit first, or pass state=")
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
+        if check:
+            return self.evaluations.check(replicated, data, batch_size, metrics, name)
         loop = loop or Loop(state=replicated, step=step, callbacks=self.callbacks, model=self.model)
         self.bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
         result = self.evaluations.run(replicated, step, data, batch_size, metrics, name)
@@ -190,21 +194,17 @@ class Trainer:
     ) -> TrainState:
         """Trains until ``epochs`` epochs or ``steps`` total steps, whichever is first.
 
-        Ctrl-C and SIGTERM stop at the next step boundary: end hooks run, then
-        :class:`TrainingInterrupted` is raised. A second signal stops at once.
-
-        On several JAX processes every process calls ``fit`` alike, and every
-        stop takes effect at the same step on each (see the README, "Several hosts").
+        Ctrl-C and SIGTERM stop at the next step boundary (a second one at once).
+        On several processes every process calls ``fit`` alike, and every stop
+        takes effect at the same step on each (README, "Several hosts").
 
         Args:
             data: host batches (dicts of numpy arrays): a callable of the epoch
                 index (as ``ArrayLoader``), an iterable (iterated afresh each
                 epoch) or a one-shot iterator (training ends when it runs out).
             epochs: total epochs to reach.
-            steps: total optimizer steps to reach (a given ``state`` that has
-                taken some already continues from there).
-            state: the state to start from; default: the state of the last
-                ``fit``, else a fresh one built from the first batch.
+            steps: total optimizer steps to reach (counting a given ``state``'s).
+            state: the state to start from (default: the last ``fit``'s, else a fresh one).
             resume: go on from the latest good save of the registered restorer
                 (a ``Checkpoint``): state, callbacks' state and data position.
 
@@ -213,8 +213,8 @@ class Trainer:
 
         Raises:
             TrainingInterrupted: a signal stopped training (after the end hooks).
-            ProcessError: on several processes, training failed on one of them
-                (raised on every process, naming it).
+            NonFiniteError: a guard stopped training at a NaN (after the end hooks).
+            ProcessError: on several processes, training failed on one (raised on each, naming it).
         """
         if epochs is None and steps is None:
             raise ValueError("fit needs epochs, steps or both")
@@ -232,7 +232,7 @@ class Trainer:
         assert start is not None
         state = start.plan.build(self.seed, start.first) if start.plan else start.state
         if state is not None:
-            self._replicated = jax_utils.replicate(state, self.devices, axis_name=AXIS)
+            self._replicated = jax_utils.replicate(state, self.devices, axis_name=self.runner.axis)
         assert self._replicated is not None
         loop = self._loop = Loop(
             state=self._replicated, step=start.step, epoch=start.epoch, epoch_step=start.skip,
@@ -262,6 +262,8 @@ class Trainer:
         signum = stops.interrupted(loop)
         if signum is not None:
             raise TrainingInterrupted(signum, loop.step)
+        if loop.diverged is not None:
+            raise NonFiniteError(str(loop.stop_reason), loop.diverged)
         return final
 
     def _prepare(self, source: DataSource, state: TrainState | None, resume: bool) -> Start:
@@ -290,10 +292,8 @@ class Trainer:
             self.runner.use(self.callbacks)
             self.runner.check(self._replicated if state is None else state, self.batch_spec,
                               replicated=state is None)
-        spec = self.batch_spec
-        assert spec is not None
-        record = {
-            "layout": f"{spec.describe()} over {spec.num_devices} devices", "length": source.length,
-            "start": [step, epoch, skip], "resumed": (restored.step if restored else 0) if resume else None,
-        }
+        spec = cast(BatchSpec, self.batch_spec)  # set by _plan or above
+        resumed = (restored.step if restored else 0) if resume else None
+        record = {"layout": f"{spec.describe()} over {spec.num_devices} devices", "length": source.length,
+                  "start": [step, epoch, skip], "resumed": resumed}
         return Start(record, first, batches, step, epoch, skip, state, plan, restored)

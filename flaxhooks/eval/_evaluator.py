@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
+from flax import errors as flax_errors
 from flax import jax_utils
 from jax import lax
 
 from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout, first_replica
-from flaxhooks.step import AXIS, Batch, LossFn, Model, split_loss
+from flaxhooks.step import Batch, LossFn, Model, axis_name, split_loss
 from flaxhooks.step._state import abstract
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 VALID = "__flaxhooks_valid__"
 #: Eval batches dispatched ahead of the devices before the loop waits.
 MAX_BATCHES_IN_FLIGHT = 2
+#: Seeds the RNG keys evaluation gives a model that draws from its streams in eval mode.
+EVAL_SEED = 0
 
 #: ``example_loss_fn(outputs, batch)``: one loss per example, or
 #: ``(losses, {name: per-example values})``.
@@ -74,6 +77,24 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
     if key not in _created:
         _created[key] = clu_metrics.Collection.create(**dict(key))
     return _created[key]
+
+
+def eval_rngs(examples_before: jax.Array, names: Sequence[str], axis: str) -> dict[str, jax.Array]:
+    """Keys for one eval batch on one device, from :data:`EVAL_SEED`, the
+    examples this device evaluated before it and the device's index: the same
+    state and data evaluate the same every time, and every batch draws anew."""
+    key = jax.random.fold_in(jax.random.PRNGKey(EVAL_SEED), examples_before)
+    key = jax.random.fold_in(key, lax.axis_index(axis))
+    return dict(zip(names, jax.random.split(key, len(names)), strict=False))
+
+
+def _cause(error: Exception, rng_names: Sequence[str]) -> str:
+    """What a person should know of an error of the eval-mode model call."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, flax_errors.InvalidRngError) or "needs PRNG for" in str(error):
+        return (f"{text} (evaluation gives the model keys for the RNG streams in rng_names, "
+                f"{list(rng_names)}: add the stream it draws from in eval mode to Trainer(rng_names=...))")
+    return text
 
 
 def per_example(loss_fn: LossFn) -> ExampleLossFn:
@@ -150,12 +171,14 @@ class Evaluator:
         self.metrics = metrics
         self.label_key = label_key
         self.devices = list(devices)
+        axis = self.axis = axis_name(model)
 
         def eval_step(variables: tuple[Any, Any], totals: Totals, batch: Batch) -> Totals:
             batch = dict(batch)
             valid = batch.pop(VALID)
             params, model_state = variables
-            outputs, _ = model.apply(params, model_state, batch, train=False, rngs={})
+            rngs = eval_rngs(totals[1], model.rng_names, axis)
+            outputs, _ = model.apply(params, model_state, batch, train=False, rngs=rngs)
             losses, values = split_loss(example_loss_fn(outputs, batch))
             named = {k: v for k, v in {**batch, **values}.items() if k not in RESERVED}
             named.update(outputs=outputs, logits=outputs, loss=losses, batch=batch)
@@ -176,7 +199,7 @@ class Evaluator:
             return eval_step(*args)
 
         self._step = jax_utils.pad_shard_unpad(
-            jax.pmap(counted, axis_name=AXIS, devices=self.devices),
+            jax.pmap(counted, axis_name=axis, devices=self.devices),
             static_argnums=(0, 1), static_return=True,
         )
         # The step has no collective, so it runs on this process's devices
@@ -186,9 +209,9 @@ class Evaluator:
         # on one process cannot leave the others waiting in the collective.
         self._combine = jax.pmap(
             lambda totals, failed: (
-                lax.all_gather(totals[0], AXIS).reduce(), lax.psum(totals[1], AXIS), lax.psum(failed, AXIS)
+                lax.all_gather(totals[0], axis).reduce(), lax.psum(totals[1], axis), lax.psum(failed, axis)
             ),
-            axis_name=AXIS,
+            axis_name=axis,
         )
         self._checked: dict[Any, int | None] = {}
 
@@ -211,30 +234,43 @@ class Evaluator:
         leaves, treedef = jax.tree.flatten((state_per_device, batch))
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         if key not in self._checked:
-            try:
-                self._checked[key] = self._trace(variables, state_per_device, batch)
-            except Exception as error:
-                layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
-                raise BatchError(
-                    f"the model, loss or metrics cannot evaluate batches of {layout}: "
-                    f"{type(error).__name__}: {error} (the default metrics need array logits and "
-                    f"integer labels under label_key; pass metrics= for other outputs)"
-                ) from error
+            self._checked[key] = self._trace(variables, state_per_device, batch, arrays)
         return self._checked[key]
 
-    def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any]) -> int | None:
+    def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any],
+               arrays: Mapping[str, np.ndarray]) -> int | None:
+        """The model's eval-mode call, then the whole eval step (loss and
+        metrics), each on abstract values; each failure says which it was."""
+        layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
+        example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items() if k != VALID}
+
+        def call(variables: Any, batch: Batch) -> Any:
+            rngs = eval_rngs(jnp.zeros((), jnp.int32), self.model.rng_names, self.axis)
+            return self.model.apply(*variables, batch, train=False, rngs=rngs)[0]
+
+        try:
+            outputs = jax.eval_shape(jax.vmap(call, in_axes=(None, 0), axis_name=self.axis),
+                                     per_device, jax.tree.map(lambda x: _leading(x, 1), example))
+        except Exception as error:
+            raise BatchError(
+                f"the model cannot be called in eval mode on batches of {layout}: "
+                f"{_cause(error, self.model.rng_names)}"
+            ) from error
         devices = len(self.devices)
         totals = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype),
+            lambda x: _leading(x, devices),
             (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32)),
         )
         replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables)
-        jax.eval_shape(jax.vmap(self.eval_step, axis_name=AXIS), replicated, totals, batch)
-        example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items() if k != VALID}
-        outputs = jax.eval_shape(
-            lambda v, b: self.model.apply(*v, b, train=False, rngs={})[0],
-            per_device, example,
-        )
+        try:
+            jax.eval_shape(jax.vmap(self.eval_step, axis_name=self.axis), replicated, totals, batch)
+        except Exception as error:
+            raise BatchError(
+                f"the loss or metrics cannot evaluate the model's outputs on batches of {layout}: "
+                f"{type(error).__name__}: {error} (the default metrics need array logits and "
+                f"integer labels under label_key; pass metrics= for other outputs)"
+            ) from error
+        outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
 
@@ -248,7 +284,7 @@ class Evaluator:
         share of a small dataset on several hosts).
         """
         empty = (self.metrics.empty(), np.zeros((), np.int32))
-        totals = jax_utils.replicate(empty, self.devices, axis_name=AXIS)
+        totals = jax_utils.replicate(empty, self.devices, axis_name=self.axis)
         in_flight: collections.deque[Any] = collections.deque()
         per_device = num_classes = None
         failure: Exception | None = None
@@ -332,6 +368,38 @@ class Evaluations:
         """How many times an eval step was traced (each trace compiles), over every metrics collection."""
         return sum(evaluator.traces for evaluator in self._evaluators.values())
 
+    def _evaluator(self, metrics: Metrics | None) -> Evaluator:
+        collection = as_collection(metrics, has_labels=self.label_key is not None)
+        evaluator = self._evaluators.get(collection)
+        if evaluator is None:
+            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key, self.devices)
+            self._evaluators[collection] = evaluator
+        return evaluator
+
+    def check(self, state: TrainState, data: Any, batch_size: int | None, metrics: Metrics | None,
+              name: str) -> None:
+        """Checks, on abstract values (nothing compiles), that ``data`` has a
+        first batch and that the model, the loss and the metrics can evaluate
+        it; the labels of arrays in memory too. A one-shot iterator is not
+        read (its first batch would be lost): it is checked when evaluated.
+
+        Raises:
+            BatchError, EmptyDataError: naming the evaluation and the cause.
+        """
+        if not isinstance(data, Mapping) and iter(data) is data:
+            return
+        try:
+            first = next(eval_batches(data, batch_size), None)
+            if first is None:
+                raise EmptyDataError("it yielded no batch")
+            arrays, _ = check_layout(first, self.model.input_keys)
+            evaluator = self._evaluator(metrics)
+            num_classes = evaluator.check(state, arrays)
+            if isinstance(data, Mapping):
+                evaluator.check_labels(check_layout(data, self.model.input_keys)[0], num_classes)
+        except (BatchError, EmptyDataError) as error:
+            raise type(error)(f"evaluation {name!r}: {error}") from error
+
     def run(self, state: TrainState, step: int, data: Any, batch_size: int | None,
             metrics: Metrics | None, name: str) -> EvalResult:
         """Evaluates ``state`` (replicated) on every example of ``data``.
@@ -339,11 +407,7 @@ class Evaluations:
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
         """
-        collection = as_collection(metrics, has_labels=self.label_key is not None)
-        evaluator = self._evaluators.get(collection)
-        if evaluator is None:
-            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key, self.devices)
-            self._evaluators[collection] = evaluator
+        evaluator = self._evaluator(metrics)
         batches = eval_batches(data, batch_size)
         in_memory = isinstance(data, Mapping)
         if in_memory:  # check every label before compiling
@@ -351,3 +415,7 @@ class Evaluations:
             first = {k: v[:batch_size] for k, v in arrays.items()}
             evaluator.check_labels(arrays, evaluator.check(state, first))
         return evaluator.run(state, batches, step, name, labels_checked=in_memory)
+
+
+def _leading(x: Any, size: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((size, *x.shape), x.dtype)

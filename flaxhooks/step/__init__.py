@@ -4,9 +4,10 @@ an instrumented step exposes (taps) and computes (statistics)."""
 
 from flaxhooks.step._adapt import as_model
 from flaxhooks.step._build import InsideStep, LossFn, build_step, split_loss, step_rngs
+from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._linen import LinenModel
-from flaxhooks.step._model import AXIS, Batch, Model, TapRun
+from flaxhooks.step._model import AXIS, Batch, Model, TapRun, axis_name
 from flaxhooks.step._nnx import NNXModel
 from flaxhooks.step._runner import StepRunner
 from flaxhooks.step._state import LossError, StatePlan, TrainState
@@ -19,9 +20,11 @@ __all__ = [
     "GRADIENT_STATS",
     "Batch",
     "InsideStep",
+    "InputKeys",
     "LinenModel",
     "LossError",
     "LossFn",
+    "ModelCall",
     "Model",
     "ModuleFilter",
     "ModuleSpec",
@@ -35,6 +38,7 @@ __all__ = [
     "Taps",
     "TrainState",
     "as_model",
+    "axis_name",
     "as_module_filter",
     "bin_edges",
     "build_step",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from flaxhooks.step._model import AXIS, Batch, Model
+from flaxhooks.step._model import AXIS, Batch, Model, axis_name
 from flaxhooks.step._state import LossError, TrainState
 from flaxhooks.step._taps import Tapped, Taps
 
@@ -26,9 +26,12 @@ InsideStep = Callable[[Tapped], Any]
 Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]]
 
 
-def step_rngs(base: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
-    """Keys for one step on one device: distinct per step, device and stream."""
-    key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(AXIS))
+def step_rngs(
+    base: jax.Array, step: jax.Array, names: Sequence[str], axis: str = AXIS,
+) -> dict[str, jax.Array]:
+    """Keys for one step on one device: distinct per step, device (along the
+    mapped ``axis``) and stream."""
+    key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
 
@@ -40,22 +43,22 @@ def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     return result, {}
 
 
-def mean_over_devices(tree: Any) -> Any:
+def mean_over_devices(tree: Any, axis: str) -> Any:
     """Averages floating leaves over the device axis; leaves others as they are
     (integer state such as counters is the same on every device)."""
     return jax.tree.map(
-        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
+        lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
     )
 
 
-def metrics_over_devices(metrics: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+def metrics_over_devices(metrics: Mapping[str, jax.Array], axis: str) -> dict[str, jax.Array]:
     """Averages every metric over the device axis, integers and bools as float32."""
 
     def as_float(value: jax.Array) -> jax.Array:
         value = jnp.asarray(value)
         return value if jnp.issubdtype(value.dtype, jnp.inexact) else value.astype(jnp.float32)
 
-    return {name: lax.pmean(as_float(value), AXIS) for name, value in metrics.items()}
+    return {name: lax.pmean(as_float(value), axis) for name, value in metrics.items()}
 
 
 def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -67,7 +70,7 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                inside: Sequence[InsideStep] = ()) -> Step:
-    """Returns the pure, per-device train step, to be mapped over ``AXIS``.
+    """Returns the pure, per-device train step, to be mapped over the model's ``axis_name``.
 
     The step averages gradients, carried model state (BatchNorm statistics)
     and metrics over devices, so every replica stays identical. With
@@ -79,12 +82,13 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     back in the same order.
     """
     taps = taps or Taps()
+    axis = axis_name(model)
     instrumented = taps != Taps() or bool(inside)
 
     def train_step(
         state: TrainState, batch: Batch
     ) -> tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]:
-        rngs = step_rngs(state.rng, state.step, model.rng_names)
+        rngs = step_rngs(state.rng, state.step, model.rng_names, axis)
         if not instrumented:
             def objective(params):
                 outputs, model_state = model.apply(params, state.model_state, batch, train=True, rngs=rngs)
@@ -92,7 +96,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                 return loss, (metrics, model_state)
 
             (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            new_state, metrics, _ = _updated(state, grads, model_state, loss, metrics)
+            new_state, metrics, _ = _updated(state, grads, model_state, loss, metrics, axis)
             return new_state, metrics, ()
 
         run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
@@ -108,7 +112,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
         (loss, (metrics, model_state, values, outputs)), (grads, perturbation_grads) = jax.value_and_grad(
             tapped_objective, argnums=(0, 1), has_aux=True
         )(state.params, run.perturbations(state.params))
-        devices = lax.psum(1, AXIS)
+        devices = lax.psum(1, axis)
         activations = tuple(
             dataclasses.replace(t, value=v) for t, v in zip(found["activations"], values, strict=True)
         )
@@ -117,10 +121,11 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
             dataclasses.replace(t, value=t.value / devices) for t in run.gradients(perturbation_grads)
         )
         run.finish(activations, gradients)
-        new_state, metrics, grads = _updated(state, grads, model_state, loss, metrics)
+        new_state, metrics, grads = _updated(state, grads, model_state, loss, metrics, axis)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
             params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
+            axis_name=axis,
         )
         return new_state, metrics, tuple(fn(tapped) for fn in inside)
 
@@ -130,16 +135,16 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
-    metrics: Mapping[str, jax.Array],
+    metrics: Mapping[str, jax.Array], axis: str,
 ) -> tuple[TrainState, dict[str, jax.Array], Any]:
     """Applies this device's gradients, averaged over devices; returns the new
     state, the metrics averaged over devices and the averaged gradients."""
-    grads = lax.pmean(grads, AXIS)
+    grads = lax.pmean(grads, axis)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(
         step=state.step + 1,
         params=optax.apply_updates(state.params, updates),
-        model_state=mean_over_devices(dict(model_state)),
+        model_state=mean_over_devices(dict(model_state), axis),
         opt_state=opt_state,
     )
-    return new_state, metrics_over_devices({"loss": loss, **metrics}), grads
+    return new_state, metrics_over_devices({"loss": loss, **metrics}, axis), grads

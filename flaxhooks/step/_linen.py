@@ -23,17 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import in_filter
 
+from flaxhooks.step._call import INVERTED_MODE_ARGS, InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
-from flaxhooks.step._taps import INTERMEDIATES, PERTURBATIONS, ModuleFilter, Tap, Taps, module_path
+from flaxhooks.step._taps import (
+    INTERMEDIATES,
+    PERTURBATIONS,
+    ModuleFilter,
+    Tap,
+    Taps,
+    module_path,
+    output_name,
+)
 
 #: Collections that hold per-step values, never state: Flax's perturbation and
 #: intermediates collections. Sown collections are found by :meth:`LinenModel.carried`.
 PER_STEP_COLLECTIONS = frozenset({PERTURBATIONS, INTERMEDIATES})
 
 
-def _accepts_keyword(module: nn.Module, name: str) -> bool:
-    params = inspect.signature(type(module).__call__).parameters
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+def _mode_field(module: nn.Module, train_arg: str) -> str | None:
+    """A field of the module's constructor that switches train and eval mode."""
+    fields = {f.name for f in dataclasses.fields(module)}
+    candidates = (train_arg, "train", *sorted(INVERTED_MODE_ARGS))
+    return next((name for name in candidates if name in fields), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +52,15 @@ class LinenModel:
     """A ``flax.linen`` Module as the Trainer calls it.
 
     Args:
-        module: the Flax module.
-        input_keys: batch keys passed to the model, positionally, in order.
-        train_arg: the keyword that tells the model whether it trains
-            (``train=True`` in the step, ``False`` at init and evaluation),
-            dropped when the model's ``__call__`` has no such parameter.
+        module: the Flax module the train step calls.
+        call: how a batch and the mode reach its ``__call__``.
+        eval_module: the module evaluation, initialization and the summary
+            call (the same parameters; by default ``module``).
         rng_names: the RNG streams the model draws from (e.g. ``dropout``).
         state_collections: the collections carried from step to step besides
             ``params``; None: found by :meth:`carried`.
+        axis_name: the device axis the step maps over, which the model's
+            own collectives (``nn.BatchNorm(axis_name=...)``) name.
 
     Example:
         >>> import flax.linen as nn
@@ -58,35 +70,51 @@ class LinenModel:
     """
 
     module: nn.Module
-    input_keys: tuple[str, ...]
-    train_arg: str | None = None
+    call: ModelCall
+    eval_module: nn.Module
     rng_names: tuple[str, ...] = ("dropout",)
     state_collections: tuple[str, ...] | None = None
+    axis_name: str = AXIS
 
     @classmethod
     def create(
         cls,
         module: nn.Module,
-        input_keys: str | Sequence[str] = ("image",),
+        input_keys: InputKeys = ("image",),
         train_arg: str | None = "train",
         rng_names: Sequence[str] = ("dropout",),
         state_collections: Sequence[str] | None = None,
+        eval_module: nn.Module | None = None,
+        axis_name: str = AXIS,
     ) -> LinenModel:
-        """Builds the adapter, dropping ``train_arg`` if the model lacks it."""
-        if isinstance(input_keys, str):
-            input_keys = (input_keys,)
-        if train_arg is not None and not _accepts_keyword(module, train_arg):
-            train_arg = None
+        """Builds the adapter from the module's signature.
+
+        The mode reaches the model as ``train_arg`` when its ``__call__``
+        takes it (``deterministic``, Flax's inverse of ``train``, when it
+        takes that instead); else as a field of its constructor of either
+        name, set on a copy for each mode; else not at all, unless
+        ``eval_module`` gives the eval-mode model.
+        """
+        call = ModelCall.of(type(module).__call__, input_keys, train_arg)
+        if eval_module is None and call.mode_arg is None and train_arg is not None:
+            field = _mode_field(module, train_arg)
+            if field is not None:
+                train = field not in INVERTED_MODE_ARGS
+                module, eval_module = module.clone(**{field: train}), module.clone(**{field: not train})
         collections = None if state_collections is None else tuple(state_collections)
-        return cls(module, tuple(input_keys), train_arg, tuple(rng_names), collections)
+        return cls(module, call, eval_module or module, tuple(rng_names), collections, axis_name)
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The batch keys the model takes."""
+        return self.call.input_keys
 
     def _call(
         self, variables: Mapping[str, Any], batch: Batch, *, train: bool, rngs: Mapping[str, jax.Array],
         mutable: Sequence[str], capture: bool | ModuleFilter = False,
     ) -> tuple[Any, dict[str, Any]]:
-        kwargs: dict[str, Any] = {self.train_arg: train} if self.train_arg else {}
-        args = [batch[key] for key in self.input_keys]
-        outputs, mutated = self.module.apply(
+        args, kwargs = self.call.arguments(batch, train=train)
+        outputs, mutated = (self.module if train else self.eval_module).apply(
             variables, *args, rngs=dict(rngs), mutable=list(mutable), capture_intermediates=capture, **kwargs,
         )
         return outputs, dict(mutated)
@@ -95,9 +123,8 @@ class LinenModel:
         """Initializes every collection the model creates, in inference mode."""
         keys = jax.random.split(key, len(self.rng_names) + 1)
         rngs = {"params": keys[0], **dict(zip(self.rng_names, keys[1:], strict=False))}
-        kwargs: dict[str, Any] = {self.train_arg: False} if self.train_arg else {}
-        args = [batch[key] for key in self.input_keys]
-        return dict(self.module.init(rngs, *args, **kwargs))
+        args, kwargs = self.call.arguments(batch, train=False)
+        return dict(self.eval_module.init(rngs, *args, **kwargs))
 
     def own_variables(self) -> None:
         """None: a Linen module holds no values; :meth:`init` makes them."""
@@ -144,7 +171,8 @@ class LinenModel:
         leading = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((1, *jnp.shape(x)), jnp.result_type(x)), dict(batch)
         )
-        after = jax.eval_shape(jax.vmap(mutated, in_axes=(None, 0), axis_name=AXIS), inputs, leading)
+        mapped = jax.vmap(mutated, in_axes=(None, 0), axis_name=self.axis_name)
+        after = jax.eval_shape(mapped, inputs, leading)
         after = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), after)
 
         def signature(tree):
@@ -167,12 +195,12 @@ class LinenModel:
         tabulate's (``depth``, ``console_kwargs``, ...).
         """
         # Concrete zeros (tabulate rejects abstract inputs), made by numpy: no compilation.
-        inputs = [np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys]
-        kwargs: dict[str, Any] = {self.train_arg: False} if self.train_arg else {}
+        zeros = {key: np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys}
+        inputs, kwargs = self.call.arguments(zeros, train=False)
         shape = jax.eval_shape(jax.random.PRNGKey, 0)  # only traced: the key's value does not matter
         key = np.zeros(shape.shape, shape.dtype)
         rngs: dict[str, Any] = {"params": key, **dict.fromkeys(self.rng_names, key)}
-        return nn.tabulate(self.module, rngs, mutable=["params", *carried], **options)(*inputs, **kwargs)
+        return nn.tabulate(self.eval_module, rngs, mutable=["params", *carried], **options)(*inputs, **kwargs)
 
 
 class _LinenTapRun:
@@ -194,7 +222,7 @@ class _LinenTapRun:
             variables[PERTURBATIONS] = perturbations
         with nn.intercept_methods(self.recorder):
             return self.model._call(variables, self.batch, train=True, rngs=self.rngs, mutable=mutable,
-                                    capture=self.taps.capture or False)
+                                    capture=self.recorder.capture_filter or False)
 
     def perturbations(self, params: Any) -> Any:
         if not self.taps.wants_gradients:
@@ -208,12 +236,13 @@ class _LinenTapRun:
     def __call__(self, params: Any, perturbations: Any) -> tuple[Any, dict[str, Any], tuple[Tap, ...]]:
         outputs, mutated = self._run(params, perturbations, [*self.carried, *self.collections])
         assert self.recorder is not None
-        activations = collect_taps({c: mutated[c] for c in self.collections if c in mutated}, self.recorder)
+        activations = collect_taps({c: mutated[c] for c in self.collections if c in mutated}, self.recorder,
+                                   self.taps.split_steps)
         return outputs, {c: mutated[c] for c in self.carried}, tuple(activations)
 
     def gradients(self, perturbation_grads: Any) -> tuple[Tap, ...]:
         assert self.recorder is not None
-        return tuple(collect_taps({PERTURBATIONS: perturbation_grads}, self.recorder))
+        return tuple(collect_taps({PERTURBATIONS: perturbation_grads}, self.recorder, self.taps.split_steps))
 
     def finish(self, activations: Sequence[Tap], gradients: Sequence[Tap]) -> None:
         assert self.recorder is not None
@@ -222,67 +251,146 @@ class _LinenTapRun:
 
 
 @functools.cache
-def _scan_axes(cls: Any) -> Mapping[Any, Any] | None:
-    """The ``variable_axes`` of a class made by ``nn.scan``, else None.
+def _scan_kwargs(cls: type, method: str) -> tuple[str, Mapping[str, Any]] | None:
+    """``("class" | "method", nn.scan's arguments)`` when ``cls.method`` is
+    lifted by ``nn.scan``: a class made by ``nn.scan(Module, ...)``, or a
+    method decorated with ``nn.transforms.scan``; else None.
 
-    Flax keeps them only in the closure of the lifted method.
+    Flax keeps the arguments only in the closure of the lifted method.
     """
-    method = cls.__dict__.get("__call__")
-    if method is None:
+    function = next((c.__dict__[method] for c in cls.__mro__ if method in c.__dict__), None)
+    if function is None:
         return None
     try:
-        nonlocals = inspect.getclosurevars(method).nonlocals
+        nonlocals = inspect.getclosurevars(function).nonlocals
     except (TypeError, ValueError):
         return None
     transform, kwargs = nonlocals.get("transform"), nonlocals.get("trafo_kwargs")
     if getattr(transform, "__name__", "") != "scan" or not isinstance(kwargs, Mapping):
         return None
-    return dict(kwargs.get("variable_axes", {}))
+    return ("method" if "prewrapped_fns" in nonlocals else "class"), kwargs
 
 
 def scan_axis(variable_axes: Mapping[Any, Any], collection: str) -> int | None:
     """The axis ``nn.scan`` stacks ``collection`` along, or None if it drops it."""
     for collection_filter, axis in variable_axes.items():
-        if in_filter(collection_filter, collection):
+        if in_filter(collection_filter, collection) and axis is not None:
             return int(axis)
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A lifted scan whose body an instrumented call ran.
+
+    Attributes:
+        variable_axes: the collections it hands out, stacked along an axis.
+        what: the scan as a person finds it in the model.
+        fix: how to make it hand out more collections, ``{axes}`` standing for them.
+    """
+
+    variable_axes: Mapping[Any, Any]
+    what: str
+    fix: str
+
+    @property
+    def recurrent(self) -> bool:
+        """Every iteration shares the parameters: a recurrence over time
+        steps (reduced by default), not a stack of layers (split per layer)."""
+        return scan_axis(self.variable_axes, "params") is None
+
+
+def _is_probe(module: nn.Module) -> bool:
+    """Flax's abstract check of ``setup`` runs on a clone in a throw-away scope."""
+    return type(module.scope).__name__ == "TestScope"
+
+
 class CallRecorder:
     """A method interceptor: records which modules ran, in the order their
-    calls completed, finds ``nn.scan`` modules, and perturbs the outputs of
-    selected modules so the loss can be differentiated with respect to them."""
+    calls completed, finds the scans they ran in (``nn.scan`` in class or
+    method form, ``nn.RNN``), and perturbs the outputs of selected modules so
+    the loss can be differentiated with respect to them."""
 
     def __init__(self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None):
         self.perturb = perturb
         self.capture = capture
         self._completed: dict[tuple[str, ...], int] = {}  # path -> rank of its first completed call
-        self.scans: dict[tuple[str, ...], Mapping[Any, Any]] = {}
+        self.scans: dict[tuple[str, ...], Scan] = {}  # path of the module a scan runs -> the scan
         #: (module path, variable) -> (module, method) of each perturbed output.
         self.perturbed: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
         #: (module path, method) -> (module, method) of each captured output.
         self.captured: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
-        self._lifted: dict[str, Mapping[Any, Any]] = {}
+        self._scanned_classes: dict[str, Mapping[Any, Any]] = {}  # name -> variable_axes
+        self._rnn_cells: dict[tuple[str, ...], Scan] = {}  # path of an nn.RNN's cell -> its scan
         self.inside_scans: dict[tuple[str, ...], set[str]] = {}  # scan path -> collections wanted inside
         self._calls: dict[tuple[tuple[str, ...], str, int], int] = {}
         self._scopes: list[Any] = []  # keeps ids in _calls unique while recording
+        self._running: list[tuple[tuple[str, ...], str]] = []  # (path, method) of the calls under way
+
+    def _outer(self, module: nn.Module, method: str) -> bool:
+        """Whether this call is not one of a module's method calling itself
+        (``super().__call__`` in ``nn.SelfAttention``): only the outermost
+        output of such a chain is its output."""
+        return (module_path(module), method) not in self._running
+
+    @property
+    def capture_filter(self) -> ModuleFilter | None:
+        """The capture filter for ``capture_intermediates``, outermost calls only
+        (Flax checks it once the call has returned, inside any enclosing one)."""
+        capture = self.capture
+        if capture is None:
+            return None
+        return lambda module, method: self._outer(module, method) and capture(module, method)
+
+    def _enter(self, module: nn.Module, method: str, path: tuple[str, ...]) -> None:
+        """Notes the scan ``module`` runs in, if it is the root of a scan's body."""
+        where = "/".join(path) or "the model"
+        if isinstance(module, nn.RNN):
+            cell = module_path(module.cell)
+            self._rnn_cells[cell] = Scan(
+                dict(module.variable_axes), f"nn.RNN {where!r} (its cell {'/'.join(cell)!r})",
+                "build it as nn.RNN(cell, variable_axes={axes})",
+            )
+        if not path or isinstance(module.parent, nn.Module):
+            return
+        # The root of a lifted scope: the body of a transform.
+        lifted = _scan_kwargs(type(module), method)
+        if lifted is not None:  # a method decorated with nn.transforms.scan
+            self.scans[path] = Scan(
+                dict(lifted[1].get("variable_axes", {})),
+                f"the nn.transforms.scan on {type(module).__name__}.{method} (module {where!r})",
+                "pass variable_axes={axes} to that nn.transforms.scan",
+            )
+        elif path in self._rnn_cells:
+            self.scans[path] = self._rnn_cells[path]
+        elif path[-1] in self._scanned_classes:
+            self.scans[path] = Scan(self._scanned_classes[path[-1]], f"nn.scan module {where!r}",
+                                    "pass variable_axes={axes} to nn.scan")
 
     def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module, method = context.module, context.method_name
-        axes = _scan_axes(type(module))  # type: ignore[arg-type]
-        if axes is not None:
-            # The class nn.scan made. Its body runs on a clone, as the root of
-            # a new scope tree, which is where the layers are found.
-            self._lifted[str(module.name)] = axes
+        if _is_probe(module):
+            # The only call of a class made by nn.scan that is intercepted: its
+            # body runs on a clone of the original class, as the root of a new
+            # scope tree with the same name.
+            lifted = _scan_kwargs(type(module), "__call__")
+            if lifted is not None and lifted[0] == "class":
+                self._scanned_classes[str(module.name)] = dict(lifted[1].get("variable_axes", {}))
             return next_fun(*args, **kwargs)
         path = module_path(module)
-        if path and not isinstance(module.parent, nn.Module) and path[-1] in self._lifted:
-            self.scans[path] = self._lifted[path[-1]]
-        output = next_fun(*args, **kwargs)
+        self._enter(module, method, path)
+        outer = self._outer(module, method)
+        self._running.append((path, method))
+        try:
+            output = next_fun(*args, **kwargs)
+        finally:
+            self._running.pop()
+        if method == "setup" or not outer:
+            return output
         captured = self.capture is not None and self.capture(module, method)
         perturbed = self.perturb is not None and self.perturb(module, method)
         for scan in self.scans:
-            if len(path) > len(scan) and path[: len(scan)] == scan:
+            if len(path) >= len(scan) and path[: len(scan)] == scan:
                 wanted = self.inside_scans.setdefault(scan, set())
                 if captured:
                     wanted.add(INTERMEDIATES)
@@ -292,6 +400,7 @@ class CallRecorder:
             self.captured[(path, method)] = (module, method)
         if perturbed:
             output = self._perturbed(module, path, method, output)
+        # A parent completes after its children: the order module outputs were produced.
         self._completed.setdefault(path, len(self._completed))
         return output
 
@@ -357,14 +466,16 @@ def _split_scanned(
     name: tuple[str, ...],
     value: jax.Array,
     collection: str,
-    scans: Mapping[tuple[str, ...], Mapping[Any, Any]],
+    scans: Mapping[tuple[str, ...], Scan],
+    split_steps: bool,
 ) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
-    """One (display path, value) per layer of every ``nn.scan`` the value passed through."""
+    """One (display path, value) per layer of every scan the value passed
+    through; a recurrence's time steps stay together unless ``split_steps``."""
     enclosing = [s for s in scans if len(s) <= len(module) and module[: len(s)] == s]
     axes = []
     for scan in sorted(enclosing, key=len):
-        axis = scan_axis(scans[scan], collection)
-        if axis is not None:
+        axis = scan_axis(scans[scan].variable_axes, collection)
+        if axis is not None and (split_steps or not scans[scan].recurrent):
             axes.append((len(scan), axis))
 
     def split(value: jax.Array, done: list[str], todo: list[tuple[int, int]], at: int) -> Iterator[Any]:
@@ -383,25 +494,28 @@ def _split_scanned(
 
 
 def collect_taps(
-    collections: Mapping[str, Mapping[str, Any]], recorder: CallRecorder
+    collections: Mapping[str, Mapping[str, Any]], recorder: CallRecorder, split_steps: bool = False,
 ) -> list[Tap]:
     """Taps for every floating value in ``collections``, in execution order.
 
-    Values stacked by ``nn.scan`` are split into one tap per layer.
+    Values stacked by a scan over layers are split into one tap per layer;
+    those of a recurrence stay one value over every time step unless ``split_steps``.
     """
     found: list[tuple[int, int, Tap]] = []
     for collection, tree in collections.items():
         sites = list(_sites(tree))
         origins = {PERTURBATIONS: recorder.perturbed, INTERMEDIATES: recorder.captured}.get(collection, {})
         for module, key, value in sites:
+            origin = origins.get((module, key))
             if collection == PERTURBATIONS:
                 siblings = {k for m, k, _ in sites if m == module}
                 entries: Iterator[Any] = iter([(_perturbation_name(key, siblings), value)])
             else:
                 entries = sown_values(value, (key,))
             for name, array in entries:
-                for display, layer_value in _split_scanned(module, name, array, collection, recorder.scans):
-                    origin = origins.get((module, key))
+                name = output_name(module, name) if origin is not None else name
+                scanned = _split_scanned(module, name, array, collection, recorder.scans, split_steps)
+                for display, layer_value in scanned:
                     tap = Tap("/".join(display), module, collection, layer_value, key, origin)
                     found.append((recorder.rank(module), len(found), tap))
     taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
@@ -413,30 +527,30 @@ def collect_taps(
 
 
 def warn_dropped(recorder: CallRecorder, taps: Sequence[Tap], requested: Sequence[str]) -> None:
-    """Warns about each ``nn.scan`` that drops values that are wanted.
+    """Warns once about each scan (``nn.scan``, ``nn.RNN``) that drops values
+    that are wanted, naming it and the exact change that hands them out.
 
     A collection is wanted inside a scan when a capture or perturbation
     filter selected a module inside it, or when it is one the user asked for
     by name (sown values and the model's own ``perturb`` sites, which cannot
     be seen before they are dropped).
     """
-    for scan, variable_axes in recorder.scans.items():
-        inside = recorder.inside_scans.get(scan, set())
-        wanted = [*inside, *requested]
-        for collection in dict.fromkeys(wanted):
-            if scan_axis(variable_axes, collection) is not None:
-                continue
-            if any(t.collection == collection and t.module[: len(scan)] == scan for t in taps):
-                continue
-            where = "/".join(scan) or "the model"
-            axes = {**{str(k): v for k, v in variable_axes.items()}, collection: 0}
-            made = (
-                f"the {collection!r} values made inside it" if collection in inside
-                else f"any values put in {collection!r} inside it"
-            )
-            warnings.warn(
-                f"nn.scan module {where!r} drops {made}, because its variable_axes "
-                f"{dict(variable_axes)} lacks {collection!r}; pass variable_axes={axes} to "
-                "nn.scan to log them per layer",
-                stacklevel=2,
-            )
+    for path, scan in recorder.scans.items():
+        inside = recorder.inside_scans.get(path, set())
+        dropped = [
+            c for c in dict.fromkeys([*sorted(inside), *requested])
+            if scan_axis(scan.variable_axes, c) is None
+            and not any(t.collection == c and t.module[: len(path)] == path for t in taps)
+        ]
+        if not dropped:
+            continue
+        made = [f"the {c!r} values made inside it" if c in inside else f"any {c!r} values put inside it"
+                for c in dropped]
+        axes = {**{str(k): v for k, v in scan.variable_axes.items()}, **dict.fromkeys(dropped, 0)}
+        how = "reduced over its time steps" if scan.recurrent else "per layer"
+        warnings.warn(
+            f"{scan.what} drops {' and '.join(made)}, because its variable_axes {dict(scan.variable_axes)} "
+            f"lacks {', '.join(map(repr, dropped))}: to log them ({how}), "
+            f"{scan.fix.format(axes=axes)}",
+            stacklevel=2,
+        )

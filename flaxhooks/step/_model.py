@@ -22,9 +22,15 @@ from flaxhooks.step._taps import Tap, Taps
 #: A batch (or one device's share of it) as the step sees it.
 Batch = Mapping[str, Any]
 
-#: The device axis every compiled step maps over. Models that reduce over
-#: devices themselves (``nn.BatchNorm(axis_name=...)``) name this axis.
+#: The default name of the device axis every compiled step maps over. Models
+#: that reduce over devices themselves (``nn.BatchNorm(axis_name=...)``)
+#: name this axis, or the one given as ``Trainer(axis_name=...)``.
 AXIS = "batch"
+
+
+def axis_name(model: Any) -> str:
+    """The device axis the steps of ``model``'s adapter map over."""
+    return str(getattr(model, "axis_name", AXIS))
 
 
 class TapRun(Protocol):
@@ -57,6 +63,8 @@ class Model(Protocol):
     Attributes:
         input_keys: the batch keys the model takes.
         rng_names: the RNG streams it draws from in train mode.
+        axis_name: (optional, default ``AXIS``) the device axis the steps map
+            over, which the model's own collectives name.
     """
 
     input_keys: tuple[str, ...]

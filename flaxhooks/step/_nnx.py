@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import re
 import threading
 import warnings
@@ -33,9 +32,18 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
+from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._linen import sown_values
 from flaxhooks.step._model import AXIS, Batch
-from flaxhooks.step._taps import INTERMEDIATES, PERTURBATIONS, ModuleFilter, Tap, Taps, named_modules
+from flaxhooks.step._taps import (
+    INTERMEDIATES,
+    PERTURBATIONS,
+    ModuleFilter,
+    Tap,
+    Taps,
+    named_modules,
+    output_name,
+)
 
 Path = tuple[str, ...]
 
@@ -62,11 +70,6 @@ def _put(tree: dict[Any, Any], path: Sequence[Any], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
-
-
-def _names_parameter(module: nnx.Module, name: str) -> bool:
-    # Named only: NNX containers (nnx.Sequential) pass **kwargs on to every layer.
-    return name in inspect.signature(type(module).__call__).parameters
 
 
 class _Leaf:
@@ -101,14 +104,16 @@ class NNXModel:
     Args:
         module: the user's ``nnx.Module``, with its parameters (it is not
             changed until :meth:`update`).
-        input_keys: batch keys passed to the model, positionally, in order.
+        input_keys: batch keys passed to the model positionally, in order,
+            or ``{argument: batch key}`` passed by keyword.
         train_arg: a parameter of ``__call__`` telling the model it trains,
-            if it names one; NNX's own switch (``deterministic`` /
-            ``use_running_average``, as ``train()`` / ``eval()`` set them) is
-            always used.
+            if it names one (``deterministic``, its inverse, is recognized
+            too); NNX's own switch (``deterministic`` / ``use_running_average``
+            attributes, as ``train()`` / ``eval()`` set them) is always used.
+        axis_name: the device axis the step maps over.
 
     Every ``nnx.BatchNorm`` of the train-mode copy reduces its statistics
-    over the step's device axis (``flaxhooks.AXIS``), so they cover the
+    over the step's device axis (``axis_name``), so they cover the
     global batch as under a sharded ``jax.jit``; the user's module keeps its
     own ``axis_name``. With several devices, dropout keys differ per device.
 
@@ -122,15 +127,15 @@ class NNXModel:
 
     rng_names: tuple[str, ...] = ()  # the model carries its own nnx.Rngs
 
-    def __init__(self, module: nnx.Module, input_keys: str | Sequence[str] = ("image",),
-                 train_arg: str | None = None):
-        self.module = module
-        self.input_keys = (input_keys,) if isinstance(input_keys, str) else tuple(input_keys)
-        self.train_arg = train_arg if train_arg and _names_parameter(module, train_arg) else None
+    def __init__(self, module: nnx.Module, input_keys: InputKeys = ("image",),
+                 train_arg: str | None = None, axis_name: str = AXIS):
+        self.module, self.axis_name = module, axis_name
+        self.call = ModelCall.of(type(module).__call__, input_keys, train_arg)
+        self.input_keys = self.call.input_keys
         template = nnx.clone(module)
         # Values sown or perturbed outside nnx.capture are attributes: per-step values, never state.
         nnx.pop(template, nnx.Intermediate)
-        template.set_attributes(nnx.BatchNorm, axis_name=AXIS, raise_if_not_found=False)
+        template.set_attributes(nnx.BatchNorm, axis_name=axis_name, raise_if_not_found=False)
         template.train()
         self._train_def, state = nnx.split(template)
         template.eval()
@@ -174,7 +179,8 @@ class NNXModel:
         In train mode on several devices, each device's RNG keys are folded
         with its index, so dropout masks differ between devices.
         """
-        devices = jax.lax.psum(1, AXIS) if train and any(leaf.rng_key for leaf in self._leaves) else 1
+        folds = train and any(leaf.rng_key for leaf in self._leaves)
+        devices = jax.lax.psum(1, self.axis_name) if folds else 1
         nested = self._leaf_values({"params": params, **model_state}, per_device=devices > 1)
         return nnx.merge(self._train_def if train else self._eval_def, nested)
 
@@ -188,8 +194,8 @@ class NNXModel:
         return {c: after[c] for c in model_state}
 
     def _call(self, module: nnx.Module, batch: Batch, train: bool) -> Any:
-        kwargs = {self.train_arg: train} if self.train_arg else {}
-        return module(*[batch[key] for key in self.input_keys], **kwargs)
+        args, kwargs = self.call.arguments(batch, train=train)
+        return module(*args, **kwargs)
 
     def apply(
         self, params: Any, model_state: Mapping[str, Any], batch: Batch, *, train: bool,
@@ -222,8 +228,8 @@ class NNXModel:
         del carried
         options.pop("show_repeated", None)
         console = {"force_terminal": False, **options.pop("console_kwargs", {})}
-        inputs = [np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys]
-        kwargs = {self.train_arg: False} if self.train_arg else {}
+        zeros = {key: np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys}
+        inputs, kwargs = self.call.arguments(zeros, train=False)
         table: list[str] = []
 
         def rows(info: Any) -> bool:
@@ -250,7 +256,7 @@ class NNXModel:
         for leaf in self._leaves:
             value = leaf.live(_get(collections[leaf.collection], leaf.key))
             if leaf.rng_key and per_device:
-                value = jax.random.fold_in(value, jax.lax.axis_index(AXIS))
+                value = jax.random.fold_in(value, jax.lax.axis_index(self.axis_name))
             _put(nested, leaf.path, value)
         return nested
 
@@ -340,8 +346,11 @@ class _Recorder:
             known = None  # inside a JAX transform (jax.vmap, lax.scan, ...): its values cannot leave it
         if known is None or (self._stack and self._stack[-1] is module):  # unknown, or a super() call
             if known is None:
-                caller = self.modules[id(self._stack[-1])][0] if self._stack else ()
-                self.unseen.setdefault(type(module).__name__, "/".join(caller) or "the model itself")
+                caller = self._stack[-1] if self._stack else None
+                path = self.modules[id(caller)][0] if caller is not None else ()
+                where = "/".join(path) or "the model"
+                named = f"{where!r} ({type(caller).__name__})" if caller is not None else where
+                self.unseen.setdefault(type(module).__name__, named)
             return original(module, *args, **kwargs)
         path, _ = known
         self._stack.append(module)
@@ -373,7 +382,7 @@ class _Recorder:
         return self.completed.get(path, len(self.completed))
 
     def name(self, path: Path, call: int, leaf: int, leaves: int) -> str:
-        parts = [*path, "__call__"]
+        parts = [*path, *output_name(path, ())]
         if self.calls.get(path, 1) > 1:
             parts.append(str(call))
         if leaves > 1:
@@ -482,9 +491,10 @@ class _NNXTapRun:
             callers = sorted(set(recorder.unseen.values()))
             warnings.warn(
                 f"modules of type {sorted(recorder.unseen)} ran inside a JAX or NNX transform "
-                f"(nnx.scan, nnx.vmap, jax.vmap, lax.scan, ...) called by {', '.join(map(repr, callers))}: "
-                "their outputs are not logged one by one, only the outputs of the modules that call the "
-                "transform",
+                f"(nnx.RNN, nnx.scan, nnx.vmap, jax.vmap, lax.scan, ...) called by {', '.join(callers)}: "
+                "their outputs cannot leave the transform, so only the output of the module that calls it "
+                "is logged; to log them, call them from Python (for a recurrence, a loop over the time "
+                "steps calling the cell: one value per step) instead of through the transform",
                 stacklevel=2,
             )
 

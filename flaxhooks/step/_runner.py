@@ -14,7 +14,7 @@ import jax
 from flaxhooks.data import BatchSpec
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor
-from flaxhooks.step._model import AXIS, Model
+from flaxhooks.step._model import Model, axis_name
 from flaxhooks.step._state import LossError, abstract, explained, with_leading
 from flaxhooks.step._taps import Taps
 
@@ -39,6 +39,7 @@ class StepRunner:
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.model, self.loss_fn, self.devices = model, loss_fn, list(devices)
+        self.axis = axis_name(model)
         self.pmap_devices = pmap_devices
         self.max_steps_in_flight = max_steps_in_flight
         self.contributors: tuple[StepContributor, ...] = ()
@@ -64,7 +65,7 @@ class StepRunner:
         """The compiled step serving ``due`` (the lean step for none); built once."""
         step = self._variants.get(due)
         if step is None:
-            step = jax.pmap(self._counted(self._step(due)), axis_name=AXIS, devices=self.pmap_devices,
+            step = jax.pmap(self._counted(self._step(due)), axis_name=self.axis, devices=self.pmap_devices,
                             donate_argnums=(0,))
             self._variants[due] = step
         return step
@@ -97,7 +98,7 @@ class StepRunner:
         devices = len(self.devices)
         mapped = with_leading(state, devices), spec.device_batch()
         with explained(spec):
-            _, metrics, _ = jax.eval_shape(jax.vmap(self._step(()), axis_name=AXIS), *mapped)
+            _, metrics, _ = jax.eval_shape(jax.vmap(self._step(()), axis_name=self.axis), *mapped)
         for name, value in metrics.items():
             if value.shape[1:] != ():
                 raise LossError(
@@ -105,7 +106,7 @@ class StepRunner:
                     f"{value.shape[1:]}"
                 )
         if self.contributors:  # the contributors' own errors, raised as they are
-            jax.eval_shape(jax.vmap(self._step(self.contributors), axis_name=AXIS), *mapped)
+            jax.eval_shape(jax.vmap(self._step(self.contributors), axis_name=self.axis), *mapped)
         self._checked.add(key)
 
     def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:

@@ -59,7 +59,8 @@ def _local_sums(x: jax.Array, count_nonfinite: bool) -> tuple[jax.Array, jax.Arr
 
 
 def tap_stats(
-    values: Sequence[jax.Array], *, l2: bool = False, bins: int = 0, count_nonfinite: bool = False
+    values: Sequence[jax.Array], *, l2: bool = False, bins: int = 0, count_nonfinite: bool = False,
+    axis: str = AXIS,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Statistics of each value over every device's share, inside a mapped step.
 
@@ -70,6 +71,7 @@ def tap_stats(
             this many equal bins between its finite minimum and maximum.
         count_nonfinite: count NaN and infinite entries exactly and leave
             them out of the other statistics (a slower, masked pass).
+        axis: the device axis the step maps over (``Tapped.axis_name``).
 
     Returns:
         ``stats [len(values), len(columns)]`` (float32, the same on every
@@ -79,14 +81,14 @@ def tap_stats(
     if not values:
         return jnp.zeros((0, columns), jnp.float32), jnp.zeros((0, bins), jnp.float32) if bins > 0 else None
     local = [_local_sums(v, count_nonfinite) for v in values]
-    sums = lax.psum(jnp.stack([s for s, _, _ in local]), AXIS)
+    sums = lax.psum(jnp.stack([s for s, _, _ in local]), axis)
     # One pmax for both extremes: min(x) = -max(-x).
     negated_low, high = lax.pmax(jnp.stack([
         jnp.stack([-lo for _, lo, _ in local]), jnp.stack([hi for _, _, hi in local])
-    ]), AXIS)
+    ]), axis)
     low = -negated_low
     count, total, squares, nonzero, nonfinite = sums.T
-    size = jnp.asarray([v.size for v in values], jnp.float32) * lax.psum(1, AXIS)
+    size = jnp.asarray([v.size for v in values], jnp.float32) * lax.psum(1, axis)
     n = jnp.maximum(count, 1)
     mean = total / n
     none = count == 0
@@ -106,7 +108,7 @@ def tap_stats(
         return table, None
     histograms = lax.psum(jnp.stack([
         _bin_counts(_as_float(x), lo, hi, bins) for x, lo, hi in zip(values, low, high, strict=True)
-    ]), AXIS)
+    ]), axis)
     return table, histograms
 
 

@@ -109,12 +109,16 @@ class Taps:
             ``intercept_methods``) to take the loss's gradient with respect to them.
         model_perturbations: also take gradients at the model's own
             ``self.perturb(...)`` sites.
+        split_steps: give each time step of a recurrence (``nn.RNN``, a scan
+            whose iterations share parameters) a value of its own, instead of
+            one value over every time step.
     """
 
     collections: tuple[str, ...] = ()
     capture: ModuleFilter | None = None
     perturb: ModuleFilter | None = None
     model_perturbations: bool = False
+    split_steps: bool = False
 
     @property
     def activation_collections(self) -> tuple[str, ...]:
@@ -144,6 +148,7 @@ class Taps:
             capture=_either(self.capture, other.capture),
             perturb=_either(self.perturb, other.perturb),
             model_perturbations=self.model_perturbations or other.model_perturbations,
+            split_steps=self.split_steps or other.split_steps,
         )
 
 
@@ -171,12 +176,20 @@ class Tap:
     origin: tuple[nn.Module, str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
+def output_name(module: tuple[str, ...], name: tuple[str, ...]) -> tuple[str, ...]:
+    """A module output's name: the method is left out when it is ``__call__``
+    (the model's own output is ``output``)."""
+    if name[:1] == ("__call__",):
+        name = name[1:]
+    return name if module or name else ("output",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tapped:
     """What an instrumented step hands to each callback's in-step function.
 
     Values are this device's: reduce over the device axis
-    (``flaxhooks.AXIS``) with ``jax.lax`` collectives for global figures.
+    (:attr:`axis_name`) with ``jax.lax`` collectives for global figures.
 
     Attributes:
         activations: sown and captured values, in execution order.
@@ -189,6 +202,7 @@ class Tapped:
         outputs: the model's outputs on this device's share of the batch.
         batch: this device's share of the batch.
         devices: how many devices share the batch.
+        axis_name: the device axis the step maps over (``Trainer(axis_name=...)``).
     """
 
     activations: tuple[Tap, ...]
@@ -200,6 +214,7 @@ class Tapped:
     outputs: Any
     batch: Mapping[str, jax.Array]
     devices: int
+    axis_name: str = "batch"
 
     def only(self, taps: Taps) -> Tapped:
         """This view with only the activations and gradients ``taps`` asks for."""

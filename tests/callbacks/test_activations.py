@@ -112,18 +112,18 @@ def test_activation_stats_match_numpy_on_the_captured_arrays(devices):
     )
     captured = captured["intermediates"]
     want = {
-        "hidden/__call__": captured["hidden"]["__call__"][0],
+        "hidden": captured["hidden"]["__call__"][0],
         "relu": captured["relu"][0],
-        "shared/__call__/0": captured["shared"]["__call__"][0],
-        "shared/__call__/1": captured["shared"]["__call__"][1],
-        "head/__call__": captured["head"]["__call__"][0],
-        "__call__": captured["__call__"][0],
+        "shared/0": captured["shared"]["__call__"][0],
+        "shared/1": captured["shared"]["__call__"][1],
+        "head": captured["head"]["__call__"][0],
+        "output": captured["__call__"][0],
     }
     latest = stats.latest
     assert latest is not None and latest.step == 3
     # Execution order: the model's own output (and what it sows) come last.
-    assert list(latest.names) == ["hidden/__call__", "shared/__call__/0", "shared/__call__/1",
-                                  "head/__call__", "relu", "__call__"]
+    assert list(latest.names) == ["hidden", "shared/0", "shared/1",
+                                  "head", "relu", "output"]
     got = latest.to_dict()
     for name, value in want.items():
         assert_rows(got[name], numpy_stats(value), ACTIVATION_STATS, name)
@@ -136,8 +136,8 @@ def test_capture_filters_select_by_type_name_and_method():
     by_name = flaxhooks.ActivationStats(every=1, collections=(), capture="sha*", prefix="named")
     sown_only = flaxhooks.ActivationStats(every=1, capture=None, prefix="sown")
     sgd_trainer(Tapped(), callbacks=[by_type, by_name, sown_only]).fit(batches, steps=1)
-    assert by_type.names == ("hidden/__call__", "shared/__call__/0", "shared/__call__/1", "head/__call__")
-    assert by_name.names == ("shared/__call__/0", "shared/__call__/1")
+    assert by_type.names == ("hidden", "shared/0", "shared/1", "head")
+    assert by_name.names == ("shared/0", "shared/1")
     assert sown_only.names == ("relu",)
 
 
@@ -165,8 +165,8 @@ def test_gradient_stats_match_jax_grad_with_explicit_perturbations(devices):
     np.testing.assert_allclose(  # both runs trained the same parameters
         params["hidden"]["kernel"], params_written["hidden"]["kernel"], rtol=1e-5, atol=1e-6
     )
-    names = {"hidden_out": "hidden/__call__", "shared_out0": "shared/__call__/0",
-             "shared_out1": "shared/__call__/1", "head_out": "head/__call__"}
+    names = {"hidden_out": "hidden", "shared_out0": "shared/0",
+             "shared_out1": "shared/1", "head_out": "head"}
     assert list(intercepted.names) == list(names.values())
     got = intercepted.latest.to_dict()
     got_written = written.latest.to_dict()
@@ -234,11 +234,12 @@ def test_lean_steps_read_nothing_and_nothing_waits(monkeypatch):
     reads = HostReads(monkeypatch)
     stats = flaxhooks.ActivationStats(every=5)
     sgd_trainer(Tapped(), callbacks=[reads, stats]).fit(make_batches(22, batch_size=16), epochs=1)
-    # Steps 5, 10, 15 and 20 are checked for non-finite values once the loop
-    # has waited for them anyway (two steps later): two reads each (the
-    # statistics and the loss), none of which waits.
-    assert reads.count == 2 * 4
-    assert reads.unready == 0
+    # Every step's loss is checked for non-finite values once the loop has
+    # waited for the step anyway (two steps later), and the statistics of
+    # steps 5, 10, 15 and 20 with it: none of these reads waits, but for the
+    # epoch's last two steps, checked at its end before any epoch-end handler.
+    assert reads.count == 22 + 4
+    assert reads.unready <= 2
 
 
 def test_sown_values_do_not_accumulate_or_reach_the_state():
@@ -297,8 +298,8 @@ def test_scanned_layers_are_logged_per_layer():
         before = trainer.fit(batches, steps=1)
         trainer.fit(batches, steps=2)
     assert stats.names == ("layers/0/out", "layers/1/out", "layers/2/out")
-    assert grads.names == ("embed/__call__", "layers/0/Dense_0/__call__", "layers/1/Dense_0/__call__",
-                           "layers/2/Dense_0/__call__", "head/__call__")
+    assert grads.names == ("embed", "layers/0/Dense_0", "layers/1/Dense_0",
+                           "layers/2/Dense_0", "head")
     _, sown = model.apply({"params": before.params}, batches[1]["image"], mutable=["intermediates"])
     stacked = sown["intermediates"]["layers"]["out"][0]
     got = stats.latest.to_dict()
@@ -340,19 +341,53 @@ def test_non_finite_values_stop_training_naming_the_step_and_first_module(tmp_pa
     stats = flaxhooks.ActivationStats(every=1, count_nonfinite=count_nonfinite)
     grads = flaxhooks.ActivationGradStats(every=1, count_nonfinite=count_nonfinite)
     trainer = sgd_trainer(Diverging(), callbacks=[tensorboard, stats, grads])
-    with caplog.at_level(logging.ERROR, logger="flaxhooks"):
-        state = trainer.fit(make_batches(10, batch_size=8), epochs=3)
-    assert int(state.step) < 30  # stopped early
+    with caplog.at_level(logging.ERROR, logger="flaxhooks"), pytest.raises(flaxhooks.NonFiniteError) as error:
+        trainer.fit(make_batches(10, batch_size=8), epochs=3)
+    assert error.value.step == 1 and str(error.value) == caplog.records[0].getMessage()
+    assert int(trainer.state.step) <= 1 + trainer.runner.max_steps_in_flight
     assert len(caplog.records) == 1  # one report, then the stop
     message = caplog.records[0].getMessage()
-    assert "step 1:" in message and "'root'" in message and "activations/root/__call__" in message
+    assert "step 1:" in message and "'root'" in message and "activations/root" in message
     counted = "NaN or infinite values)" if not count_nonfinite else " NaN or infinite values)"
     assert counted in message
     if count_nonfinite:
         assert int(message.split("has ")[1].split(" ")[0]) > 0
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert "activations/root/__call__/nonfinite" in events.Tags()["scalars"]  # flushed at the stop
+    assert "activations/root/nonfinite" in events.Tags()["scalars"]  # flushed at the stop
+
+
+class SetupDiverging(nn.Module):
+    """Defines its layers in setup(); NaN from the first batch holding a NaN on."""
+
+    def setup(self):
+        self.encoder = nn.Dense(4)
+        self.root = SquareRoot()
+        self.head = nn.Dense(3)
+
+    def __call__(self, x):
+        return self.head(self.root(jnp.abs(self.encoder(x))))
+
+
+@pytest.mark.parametrize("every, named", [(10, None), (5, "'encoder'")], ids=["between-due-steps", "due"])
+def test_a_nan_between_due_steps_is_found_at_its_step_and_nothing_evaluates_it(caplog, every, named):
+    batches = make_batches(12, batch_size=8)
+    batches[4]["image"][0, 0] = np.nan  # step 5 goes non-finite
+    evaluate = flaxhooks.Evaluate(make_arrays(16), batch_size=8)
+    stats = flaxhooks.ActivationStats(every=every)
+    trainer = sgd_trainer(SetupDiverging(), callbacks=[evaluate, stats])
+    with caplog.at_level(logging.ERROR, logger="flaxhooks"), pytest.raises(flaxhooks.NonFiniteError) as error:
+        trainer.fit(batches, epochs=2)
+    assert error.value.step == 5
+    assert 5 <= int(trainer.state.step) <= 5 + trainer.runner.max_steps_in_flight
+    assert evaluate.result is None  # the NaN state was never evaluated
+    message = str(error.value)
+    if named is None:
+        assert "the loss is nan at step 5, a step without statistics" in message
+        assert "ActivationStats(every=1)" in message
+    else:  # a setup() root: the child whose output went non-finite, not the model itself
+        assert f"step 5: the first module, in execution order, whose output went non-finite is {named}" \
+            in message
 
 
 def test_raise_mode():
@@ -376,10 +411,10 @@ def test_tags_group_by_kind_layer_and_statistic(tmp_path):
     events.Reload()
     scalars, histograms = events.Tags()["scalars"], events.Tags()["histograms"]
     for stat in ACTIVATION_STATS:
-        assert f"activations/hidden/__call__/{stat}" in scalars
-    assert "activation_grads/shared/__call__/1/l2" in scalars
+        assert f"activations/hidden/{stat}" in scalars
+    assert "activation_grads/shared/1/l2" in scalars
     assert [e.step for e in events.Scalars("activations/relu/zero_fraction")] == [2, 4, 6]
-    assert [e.step for e in events.Scalars("activation_grads/head/__call__/mean")] == [3, 6]
+    assert [e.step for e in events.Scalars("activation_grads/head/mean")] == [3, 6]
     histogram = events.Histograms("activations/relu/histogram")[-1].histogram_value
     assert histogram.num == 8 * 8 and len(histogram.bucket) == 10
-    assert "activation_grads/hidden/__call__/histogram" in histograms
+    assert "activation_grads/hidden/histogram" in histograms

@@ -362,7 +362,8 @@ def test_kill_9_during_a_save_leaves_the_last_good_checkpoint(tmp_path, process_
     assert not [p for p in checkpoints.iterdir() if "tmp" in p.name]  # cleaned up by the next run
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGTERM takes the same path end to end in tests/recipes (the recipe saves, says how to resume, resumes).
+@pytest.mark.parametrize("signum", [signal.SIGINT], ids=["SIGINT"])
 def test_a_signal_stops_at_a_step_boundary_with_a_final_checkpoint(tmp_path, process_reference, signum):
     code, output = run_worker(tmp_path, "--seconds-per-step", 0.2, until="step 9", send=signum)
     assert code == 128 + signum, output

@@ -169,8 +169,10 @@ def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):
     assert "process 1: image float32[4, 5]" in layout["message"]
 
     nonfinite = zero["nonfinite"]
-    assert nonfinite["error"] is None and nonfinite["stop_reason"].startswith("every process: non-finite")
-    assert "Dense_1" in nonfinite["stop_reason"]
+    # Every process sees the same global loss and statistics: the same stop, then NonFiniteError on each.
+    assert nonfinite["error"] == "NonFiniteError"
+    assert nonfinite["stop_reason"].startswith("every process: non-finite")
+    assert "Dense_1" in nonfinite["stop_reason"] and nonfinite["message"] == nonfinite["stop_reason"]
     by_time = zero["eval_by_time"]
     assert by_time["error"] == "ProcessError" and "Every(steps=N)" in by_time["message"]
     assert zero["healthy_after_all"]["error"] is None and zero["healthy_after_all"]["step"] == 16

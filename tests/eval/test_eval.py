@@ -171,7 +171,7 @@ def test_bad_evaluation_data_fails_before_compiling(trained, compiles):
         trainer.evaluate(bad_labels, batch_size=8)
     with pytest.raises(BatchError, match="batch size must be positive"):
         trainer.evaluate(good, batch_size=0)
-    with pytest.raises(BatchError, match="cannot evaluate batches of image float32"):
+    with pytest.raises(BatchError, match="cannot be called in eval mode on batches of image float32"):
         trainer.evaluate({"image": np.zeros((8, 4), np.float32), "label": np.zeros(8, np.int32)})
     assert compiles == [] and trainer.evaluations.traces == before
 
@@ -345,3 +345,60 @@ def test_a_second_fit_evaluates_again_at_a_step_seen_before():
     first = evaluate.result
     trainer.fit(make_batches(2, seed=1), epochs=1, state=initial)  # step 2 again, other data
     assert evaluate.result is not first and evaluate.result.step == 2
+
+
+# -- problems found before training, and models that sample at inference ------------
+
+
+class SamplesWhenEvaluating(nn.Module):
+    """Adds noise from the ``sample`` stream in eval mode only (as a decoder that samples)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        logits = nn.Dense(3)(x)
+        if not train:
+            logits = logits + jax.random.normal(self.make_rng("sample"), logits.shape)
+        return logits
+
+
+def _fails_at_fit_start(trainer, evaluate, error_type):
+    with pytest.raises(flaxhooks.CallbackError) as raised:
+        trainer.add(evaluate).fit(make_batches(4), epochs=1)
+    assert isinstance(raised.value.__cause__, error_type) and raised.value.event == "fit_start"
+    assert not trainer.runner.traces and trainer.evaluations.traces == 0  # nothing compiled
+    return str(raised.value.__cause__)
+
+
+EMPTY = {"image": np.zeros((0, 5), np.float32), "label": np.zeros(0, np.int32)}
+
+
+@pytest.mark.parametrize("data", [EMPTY, []], ids=["arrays", "iterable"])
+def test_an_empty_eval_set_fails_before_the_train_step_compiles(data):
+    message = _fails_at_fit_start(sgd_trainer(), Evaluate(data, batch_size=8, name="test"), EmptyDataError)
+    assert message.startswith("evaluation 'test': ")
+
+
+def test_an_eval_mode_call_that_fails_names_the_cause_before_training():
+    test = Evaluate(make_arrays(16), batch_size=8)
+    missing_stream = _fails_at_fit_start(sgd_trainer(SamplesWhenEvaluating()), test, BatchError)
+    assert "cannot be called in eval mode" in missing_stream and '"sample"' in missing_stream
+    assert "Trainer(rng_names=...)" in missing_stream and "metrics" not in missing_stream
+    pixels = Evaluate({"pixels": np.zeros((8, 5), np.float32)}, batch_size=8)
+    missing_key = _fails_at_fit_start(sgd_trainer(), pixels, BatchError)
+    assert "batch has no key 'image' (its keys: ['pixels'])" in missing_key
+    auc = Evaluate(make_arrays(16), batch_size=8, metrics={"auc": clu_metrics.Average.from_output("auc")})
+    wrong_metrics = _fails_at_fit_start(sgd_trainer(), auc, BatchError)
+    assert "the loss or metrics cannot evaluate the model's outputs" in wrong_metrics
+    assert "auc" in wrong_metrics
+
+
+def test_a_model_that_samples_when_evaluating_gets_fixed_keys():
+    trainer = sgd_trainer(SamplesWhenEvaluating(), rng_names=("dropout", "sample"))
+    state = trainer.fit(make_batches(2), epochs=1)
+    test = make_arrays(40)
+    first, again = trainer.evaluate(test, batch_size=16), trainer.evaluate(test, batch_size=16)
+    assert first.metrics == again.metrics and first.examples == 40
+    # The noise is there: the loss differs from a noise-free evaluation of the same parameters.
+    logits = test["image"] @ state.params["Dense_0"]["kernel"] + state.params["Dense_0"]["bias"]
+    clean = optax.softmax_cross_entropy_with_integer_labels(logits, test["label"]).mean()
+    assert abs(first.metrics["loss"] - float(clean)) > 1e-3
