@@ -391,6 +391,8 @@ class Evaluations:
         try:
             first = next(eval_batches(data, batch_size), None)
             if first is None:
+                if jax.process_count() > 1:
+                    return  # this process's share may be empty; the evaluation fails if every one is
                 raise EmptyDataError("it yielded no batch")
             arrays, _ = check_layout(first, self.model.input_keys)
             evaluator = self._evaluator(metrics)

@@ -77,6 +77,8 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     result = lean.evaluate(make_arrays(1001, seed=5), batch_size=100)
     # One example: process 1's share is empty, and it still takes part.
     tiny = lean.evaluate(make_arrays(1, seed=9), batch_size=100)
+    # Evaluate's check before training passes there too (nothing to check on process 1).
+    lean.evaluate(make_arrays(1, seed=9), batch_size=100, check=True)
     # A bad label on process 1 only: both processes raise, neither waits forever.
     batch = make_arrays(8, seed=index)
     batch["label"][0] = 3 * index
