@@ -24,6 +24,8 @@ from flaxhooks.callbacks import (
     Evaluate,
     InstrumentedCallback,
     NonFiniteError,
+    ParamStats,
+    Profile,
     Progress,
     Summary,
     TapStats,
@@ -81,9 +83,11 @@ __all__ = [
     "LossError",
     "Loop",
     "NonFiniteError",
+    "ParamStats",
     "PeerLost",
     "PeerTimeout",
     "ProcessError",
+    "Profile",
     "Progress",
     "StopTraining",
     "Summary",
@@ -99,4 +103,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"

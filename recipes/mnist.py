@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class Config:
     log_every: int = 50
     stats_every: int = 100
     histograms: bool = True
+    profile: bool = False
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
@@ -46,35 +48,38 @@ class Config:
 
 
 _HELP = {
-    "api": "the Flax API the CNN is written with: linen or nnx (the same network)",
+    "api": "the Flax API the CNN is written with, linen or nnx: the same network either way",
     "epochs": "passes over the training set",
-    "batch_size": "global batch size (split over the devices)",
-    "eval_batch_size": "evaluation batch size (the last, smaller batch is padded, not dropped)",
+    "batch_size": "global batch size, split over the devices",
+    "eval_batch_size": "evaluation batch size; the last, smaller batch is padded, not dropped",
     "learning_rate": "SGD learning rate",
     "momentum": "SGD momentum",
     "seed": "seed for initialization and shuffling",
-    "data_dir": "directory holding the four MNIST .gz files (checked by sha256)",
-    "cache_dir": "where downloaded MNIST is kept (default ~/.cache/flaxhooks/mnist)",
+    "data_dir": "directory holding the four MNIST .gz files, checked by sha256 (default: the cache dir)",
+    "cache_dir": "where downloaded MNIST is kept (default: $FLAXHOOKS_CACHE, else "
+                 "~/.cache/flaxhooks/mnist)",
     "download": "try to download full MNIST when it is not found locally",
     "cpu_devices": "XLA CPU devices to expose (default: one per core, unless XLA_FLAGS sets it)",
-    "log_every": "log to TensorBoard (and print, off a terminal) every this many steps",
-    "stats_every": "log per-layer activation and activation-gradient statistics every this many steps "
-                   "(0: never)",
+    "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
+    "stats_every": "log per-layer statistics (activations, their gradients, parameter updates) every "
+                   "this many steps, 0 for never",
     "histograms": "with the statistics, also log per-layer histograms",
+    "profile": "trace steps 10 to 12 with jax.profiler into the TensorBoard run, for its Profile tab; "
+               "viewing it needs pip install tensorboard-plugin-profile",
     "checkpoint_every": "save a checkpoint every this many steps, besides each epoch's end and the "
-                        "end of training (0: only those)",
+                        "end of training; 0 for only those",
     "keep_checkpoints": "how many of the latest checkpoints to keep",
-    "resume": "go on from the latest checkpoint in the workdir (a fresh start if there is none)",
+    "resume": "go on from the latest checkpoint in the workdir, or start afresh if there is none",
     "coordinator": "several processes: the address (host:port) of process 0, where JAX's coordination "
-                   "service runs; with --num-processes and --process-id, or 'auto' to let JAX detect "
+                   "service runs, with --num-processes and --process-id; or 'auto' to let JAX detect "
                    "all three (SLURM, Cloud TPU, ...)",
     "num_processes": "several processes: how many take part",
     "process_id": "several processes: this one's index, from 0",
 }
 
-#: Settings of where the run happens, not of the run: a resumed run, or one
-#: on another number of processes, is the same run.
-_PLACEMENT = ("resume", "coordinator", "num_processes", "process_id")
+#: The settings runs are compared by in TensorBoard's HParams tab (with the
+#: data and the model's size); the rest (paths, logging, placement) are not results.
+_COMPARED = ("api", "epochs", "batch_size", "learning_rate", "momentum", "seed")
 
 
 def _images(images: Any) -> Any:
@@ -84,8 +89,8 @@ def _images(images: Any) -> Any:
 
 
 def _hyperparameters(config: Config) -> dict[str, Any]:
-    """The settings that define the run (a resumed run is the same run)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _PLACEMENT}
+    """The settings runs differ by (a resumed run, or one on other devices, is the same run)."""
+    return {k: getattr(config, k) for k in _COMPARED}
 
 
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
@@ -102,11 +107,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         steps, and on Ctrl-C or SIGTERM, after which
         :class:`flaxhooks.TrainingInterrupted` is raised); ``config.resume``
         goes on from the latest. TensorBoard logs go to
-        ``workdir/tensorboard``: training and test scalars, the model
-        summary, and every ``stats_every`` steps per-layer statistics of
-        activations (``activations/...``: each module's output and the
-        post-ReLU values the CNN sows) and of their gradients
-        (``activation_grads/...``).
+        ``workdir/tensorboard``: the ``train`` and ``eval`` sub-runs (loss,
+        accuracy, the optimizer's gradient norm and update ratio, as means
+        over each logging window), the model summary, the hyperparameters,
+        and every ``stats_every`` steps per-layer statistics
+        (``stats/activations/...``: each module's output and the post-ReLU
+        values the CNN sows; ``stats/activation_grads/...``;
+        ``stats/params/...``), one Custom Scalars chart per statistic.
+        ``config.profile`` traces steps 10 to 12 for TensorBoard's Profile tab.
     """
     import jax
     import optax
@@ -133,7 +141,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     )
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
-    evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="test")
+    evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="eval")
     callbacks: list[flaxhooks.Callback] = [
         evaluation,
         flaxhooks.Summary(depth=1),
@@ -144,10 +152,13 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     callbacks.append(flaxhooks.Checkpoint(
         Path(workdir) / "checkpoints", every=config.checkpoint_every or None, keep=config.keep_checkpoints,
     ))
+    if config.profile:
+        callbacks.append(flaxhooks.Profile(logdir))
     if config.stats_every:
         callbacks += [
             flaxhooks.ActivationStats(every=config.stats_every, histograms=config.histograms),
             flaxhooks.ActivationGradStats(every=config.stats_every, histograms=config.histograms),
+            flaxhooks.ParamStats(every=config.stats_every),
         ]
     trainer = flaxhooks.Trainer(
         models[config.api](),
@@ -158,10 +169,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     )
     say = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)
     where = f" on {processes} processes" if processes > 1 else ""
+
+    def counted(count: int, noun: str) -> str:  # "1 epoch", "2 epochs"
+        return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+    devices = counted(jax.device_count(), f"{trainer.devices[0].platform.upper()} device")
     say(
-        f"training on {len(data.train_labels)} {data.source} MNIST digits, "
-        f"{jax.device_count()} {trainer.devices[0].platform} device(s){where}, "
-        f"{config.epochs} epochs of {len(train)} steps, the CNN in Flax {config.api}",
+        f"training on {len(data.train_labels)} {data.source} MNIST digits, {devices}{where}, "
+        f"{counted(config.epochs, 'epoch')} of {counted(len(train), 'step')}, the CNN in Flax {config.api}",
         flush=True,
     )
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
@@ -177,20 +192,43 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
-    """Builds the Config and workdir from command-line arguments."""
+    """Builds the Config and workdir from command-line arguments.
+
+    Each option's help ends with its default, once: unless it has none or its
+    text already says it (``BooleanOptionalAction`` adds one of its own on
+    some Python versions; it is replaced).
+    """
+
+    class Formatter(argparse.HelpFormatter):
+        """Wraps help without breaking an option's name (``--num-processes``) at
+        a hyphen, or a default from its value."""
+
+        def _split_lines(self, text: str, width: int) -> list[str]:
+            glued = " ".join(text.split()).replace("(default: ", "(default:\0")  # \0: not a space to wrap at
+            return [line.replace("\0", " ") for line in textwrap.wrap(glued, width, break_on_hyphens=False)]
+
+    def with_default(text: str, flag: str, default: Any) -> str:
+        if default is None or "(default" in text:
+            return text
+        if isinstance(default, bool):  # the flag that is in effect
+            default = flag if default else "--no-" + flag[2:]
+        return f"{text} (default: {default})".replace("%", "%%")  # argparse %-formats help
+
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.mnist", description=__doc__.split("\n\n")[0]
+        prog="python -m recipes.mnist", description=__doc__.split("\n\n")[0], formatter_class=Formatter,
     )
-    parser.add_argument("--workdir", default="runs/mnist", help="where the run writes its files")
+    parser.add_argument("--workdir", default="runs/mnist", metavar="DIR",
+                        help=with_default("where the run writes its files", "--workdir", "runs/mnist"))
+    metavars = {int: "N", float: "X", "data_dir": "DIR", "cache_dir": "DIR", "coordinator": "ADDRESS"}
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
         if field.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                                help=_HELP[field.name])
-            continue
-        kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
-        parser.add_argument(flag, type=kind, default=field.default,
-                            help=_HELP[field.name] + " (default: %(default)s)")
+            action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
+            action = parser.add_argument(flag, type=kind, default=field.default,
+                                         metavar=metavars.get(kind) or metavars.get(field.name))
+        action.help = with_default(_HELP[field.name], flag, field.default)
     args = vars(parser.parse_args(argv))
     workdir = args.pop("workdir")
     return Config(**args), workdir

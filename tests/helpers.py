@@ -44,10 +44,10 @@ class ResumeNet(nn.Module):
         return nn.Dense(3)(x)
 
 
-def resume_trainer(workdir, callbacks=(), every=2, keep=3, **kwargs) -> flaxhooks.Trainer:
+def resume_trainer(workdir, callbacks=(), every=2, keep=3, log_every=1, **kwargs) -> flaxhooks.Trainer:
     """A Trainer with the callbacks whose state a resume restores: checkpoints
     every ``every`` steps, evaluation each epoch, early stopping (never
-    triggered) and TensorBoard at every step."""
+    triggered) and TensorBoard every ``log_every`` steps."""
     import os
 
     return flaxhooks.Trainer(
@@ -56,7 +56,7 @@ def resume_trainer(workdir, callbacks=(), every=2, keep=3, **kwargs) -> flaxhook
             flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=every, keep=keep),
             flaxhooks.Evaluate(make_arrays(40, seed=9), batch_size=16),
             flaxhooks.EarlyStopping("accuracy", patience=100, mode="max"),
-            flaxhooks.TensorBoard(os.path.join(workdir, "tensorboard"), every=1),
+            flaxhooks.TensorBoard(os.path.join(workdir, "tensorboard"), every=log_every),
             *callbacks,
         ],
         **kwargs,

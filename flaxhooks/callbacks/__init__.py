@@ -5,11 +5,13 @@ from flaxhooks.callbacks._activations import (
     ActivationStats,
     InstrumentedCallback,
     NonFiniteError,
+    ParamStats,
     TapStats,
 )
 from flaxhooks.callbacks._checkpoint import Checkpoint, CheckpointError, CheckpointWarning, Restored
 from flaxhooks.callbacks._console import ConsoleLog
 from flaxhooks.callbacks._evaluate import EarlyStopping, Evaluate
+from flaxhooks.callbacks._profile import Profile
 from flaxhooks.callbacks._progress import Progress
 from flaxhooks.callbacks._summary import Summary
 from flaxhooks.callbacks._tensorboard import TensorBoard
@@ -25,6 +27,8 @@ __all__ = [
     "Evaluate",
     "InstrumentedCallback",
     "NonFiniteError",
+    "ParamStats",
+    "Profile",
     "Progress",
     "Restored",
     "Summary",

@@ -1,5 +1,6 @@
-"""Callbacks that compute inside the train step (step contributors), and the
-per-layer statistics of activations and of their gradients."""
+"""Callbacks that compute inside the train step (step contributors): the
+per-layer statistics of activations and of their gradients, and per-module
+figures of the parameter update."""
 
 from __future__ import annotations
 
@@ -7,22 +8,29 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 
 from flaxhooks.core import Callback, Every, Loop, NonFiniteError, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
     GRADIENT_STATS,
+    PARAM_STATS,
+    ROOT_MODULE,
     ModuleSpec,
+    RepeatedTap,
     Tap,
     Tapped,
     Taps,
     as_module_filter,
     bin_edges,
+    check_stats,
+    param_stats,
     tap_stats,
 )
 from flaxhooks.writers import Histogram
@@ -84,18 +92,66 @@ class InstrumentedCallback(Callback):
             )
 
 
+#: What selects statistics: None (the defaults, chosen for signal), ``"all"``
+#: (every statistic of every value) or a sequence of statistic names.
+StatsSpec = Union[None, str, Sequence[str]]  # noqa: UP007
+
+#: Module types whose outputs hold exact zeros only by chance (affine maps,
+#: normalizations, attention) or by design (dropout): their zero fraction
+#: says nothing about dead ReLU units, so it is not logged by default.
+NOT_RELU_LIKE: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Embed, nn.Einsum,
+    nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm, nn.SpectralNorm, nn.WeightNorm,
+    nn.MultiHeadDotProductAttention, nn.Dropout,
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Embed, nnx.Einsum, nnx.LoRA,
+    nnx.LoRALinear, nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm,
+    nnx.SpectralNorm, nnx.WeightNorm, nnx.MultiHeadAttention, nnx.Dropout,
+)
+
+
+def may_hold_relu_zeros(tap: Tap) -> bool:
+    """Whether a value can hold exact zeros from a ReLU-like op: a sown
+    value, or the output of a module that is not one of :data:`NOT_RELU_LIKE`.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> from flaxhooks.step import Tap
+        >>> may_hold_relu_zeros(Tap("relu", (), "intermediates", None))
+        True
+        >>> may_hold_relu_zeros(Tap("Dense_0", ("Dense_0",), "intermediates", None,
+        ...                         origin=(nn.Dense(3, parent=None), "__call__")))
+        False
+    """
+    return tap.origin is None or not isinstance(tap.origin[0], NOT_RELU_LIKE)
+
+
+def tag(prefix: str, *parts: str) -> str:
+    """A statistic's TensorBoard tag, under the ``stats/`` group (which sorts
+    after the training and evaluation charts): ``stats/<prefix>/<parts...>``."""
+    return "/".join(("stats", prefix, *parts))
+
+
 @dataclasses.dataclass(frozen=True)
 class TapStats:
-    """Statistics of every tapped value at one step.
+    """Statistics of every logged value at one step.
 
     Attributes:
         step: the step (after it completed).
         names: the values' names, in execution order.
         modules: the path of each value's module.
-        columns: the statistics' names (``mean``, ``std``, ...).
+        columns: the columns of :attr:`values` (``mean``, ``std``, ...).
         values: ``[len(names), len(columns)]``, on the device until read.
+            A statistic a value does not log is NaN.
         histograms: ``[len(names), bins]`` bin counts between each value's
             ``min`` and ``max``, or None.
+        logged: the statistics each value logs (None: every column).
+
+    Example:
+        >>> import numpy as np
+        >>> from flaxhooks import TapStats
+        >>> stats = TapStats(3, ("relu",), ((),), ("mean", "zero_fraction"), np.array([[0.5, 0.25]]))
+        >>> stats.to_dict()
+        {'relu': {'mean': 0.5, 'zero_fraction': 0.25}}
     """
 
     step: int
@@ -104,19 +160,63 @@ class TapStats:
     columns: tuple[str, ...]
     values: Any
     histograms: Any = None
+    logged: tuple[tuple[str, ...], ...] | None = None
+
+    def table(self) -> np.ndarray:
+        """:attr:`values` on the host, float64 (waits for the step)."""
+        return np.asarray(jax.device_get(self.values), np.float64).reshape(len(self.names), len(self.columns))
+
+    def statistics(self, index: int) -> tuple[str, ...]:
+        """The statistics the ``index``-th value logs."""
+        return self.columns if self.logged is None else self.logged[index]
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        """``{name: {statistic: value}}`` on the host (waits for the step)."""
-        table = np.asarray(jax.device_get(self.values)).reshape(len(self.names), len(self.columns))
-        return {name: dict(zip(self.columns, map(float, row), strict=True))
-                for name, row in zip(self.names, table, strict=True)}
+        """``{name: {statistic: value}}`` of the logged statistics, on the host (waits for the step)."""
+        table = self.table()
+        column = {c: i for i, c in enumerate(self.columns)}
+        return {name: {c: float(table[i, column[c]]) for c in self.statistics(i)}
+                for i, name in enumerate(self.names)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """The statistics a callback logs.
+
+    Attributes:
+        stats: the per-value statistics, in the order of the valid ones.
+        every_value: also log the model's output where it repeats a module's.
+        zero_fraction_where_relu: ``zero_fraction`` only for values that
+            :func:`may_hold_relu_zeros`.
+    """
+
+    stats: tuple[str, ...]
+    every_value: bool = False
+    zero_fraction_where_relu: bool = False
+
+
+def _choose(stats: StatsSpec, valid: Sequence[str], default: Sequence[str]) -> _Choice:
+    """Checks ``stats=`` (None, ``"all"`` or names) before anything compiles."""
+    if stats is None:
+        return _Choice(tuple(default), zero_fraction_where_relu="zero_fraction" in default)
+    if isinstance(stats, str) and stats == "all":
+        return _Choice(tuple(valid), every_value=True)
+    if isinstance(stats, str) and stats not in valid:
+        raise ValueError(f"stats must be None, 'all' or statistics among {list(valid)}, got {stats!r}")
+    return _Choice(check_stats(stats, valid))
+
+
+_TITLES = {"zero_fraction": "zero fraction", "nonfinite": "non-finite entries", "l2": "l2 norm"}
 
 
 class _TapStatistics(InstrumentedCallback):
     """Shared by :class:`ActivationStats` and :class:`ActivationGradStats`."""
 
     kind = ""  # "activations" or "gradients": which taps
-    columns: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()  # every statistic there is
+    default: tuple[str, ...] = ()  # the statistics logged unless stats= says otherwise
+    default_prefix = ""  # of the tags, and the topic the figures are published under
+    category = ""  # of the charts
+    subject = ""  # what the charts' titles name
 
     def __init__(
         self,
@@ -127,55 +227,100 @@ class _TapStatistics(InstrumentedCallback):
         count_nonfinite: bool,
         if_nonfinite: str,
         prefix: str,
+        stats: StatsSpec,
     ):
         if if_nonfinite not in ("stop", "raise", "warn"):
             raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
         if histograms and bins < 1:
             raise ValueError(f"bins must be at least 1, got {bins}")
+        self.choice = _choose(stats, self.columns, self.default)
+        #: The statistics logged per value, in the order of :attr:`columns`.
+        self.stats = self.choice.stats
         self.every = as_every(every)
         self.taps = taps
         self.bins = bins if histograms else 0
         self.count_nonfinite = count_nonfinite
         self.if_nonfinite = if_nonfinite
         self.prefix = prefix
+        own = prefix == self.default_prefix  # another prefix: charts of their own
+        self.chart_category = self.category if own else f"{self.category} ({prefix})"
+        #: Every value the taps found (with a model output that repeats a module's), in execution order.
         self.names: tuple[str, ...] = ()
         self.modules: tuple[tuple[str, ...], ...] = ()
+        self._layout: tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]] = (
+            (), (), ())
+        self._charts: tuple[Any, dict[str, list[str]]] = (None, {})
         self._warned = False
         #: The latest statistics (a :class:`TapStats`), also published under ``prefix``.
         self.latest: TapStats | None = None
         #: Steps dispatched but not yet checked: (step, its loss, its statistics or None).
-        self._unchecked: collections.deque[tuple[int, Any, Any]] = collections.deque()
-        self._stats: dict[int, Any] = {}  # statistics taken at a step, until its step_end
+        self._unchecked: collections.deque[tuple[int, Any, TapStats | None]] = collections.deque()
+        self._taken: dict[int, TapStats] = {}  # statistics taken at a step, until its step_end
+
+    @property
+    def table_columns(self) -> tuple[str, ...]:
+        """The columns computed: the logged statistics, ``nonfinite`` (the
+        guard's per-value flag, from a sum the pass makes anyway) and what
+        histograms need."""
+        extra = {"nonfinite"} | ({"min", "max", "mean", "rms"} if self.bins else set())
+        return tuple(c for c in self.columns if c in self.stats or c in extra)
+
+    def logs(self, tap: Tap) -> tuple[str, ...]:
+        """The statistics logged for ``tap``."""
+        if not self.choice.zero_fraction_where_relu or may_hold_relu_zeros(tap):
+            return self.stats
+        return tuple(c for c in self.stats if c != "zero_fraction")
 
     def inside_step(self, tapped: Tapped) -> Any:
-        taps: Sequence[Tap] = getattr(tapped, self.kind)
+        found: Sequence[Tap] = getattr(tapped, self.kind)
         # Runs while the step is traced: the names are fixed by the model.
-        self.names = tuple(t.name for t in taps)
-        self.modules = tuple(t.module for t in taps)
-        if not taps and not self._warned:
+        self.names = tuple(t.name for t in found)
+        self.modules = tuple(t.module for t in found)
+        if not found and not self._warned:
             self._warned = True
             _log.warning("%r found no values to log: %s", self, self._nothing_found())
-        values = [t.value for t in taps]
+        taps = [t for t in found if self.choice.every_value or not isinstance(t, RepeatedTap)]
+        logged = tuple(self.logs(t) for t in taps)
+        self._layout = (tuple(t.name for t in taps), tuple(t.module for t in taps), logged)
+        columns = self.table_columns
+        always = set(columns) - set(self.stats)  # the guard's flag, what histograms need
         stats, histograms = tap_stats(
-            values, l2=self.columns == GRADIENT_STATS, bins=self.bins, count_nonfinite=self.count_nonfinite,
-            axis=tapped.axis_name,
+            [t.value for t in taps], bins=self.bins, count_nonfinite=self.count_nonfinite,
+            axis=tapped.axis_name, columns=columns, wanted=[always | set(row) for row in logged],
         )
         return {"stats": stats, "histograms": histograms}
 
     def _nothing_found(self) -> str:
         return "no tapped values"
 
+    def charts(self, latest: TapStats) -> dict[str, list[str]]:
+        """One chart per statistic, a line per value in execution order:
+        ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars)."""
+        key = (latest.names, latest.logged)
+        if self._charts[0] != key:
+            found = {}
+            for stat in self.stats:
+                title = f"{self.subject}{_TITLES.get(stat, stat)}"
+                if stat == "zero_fraction" and self.choice.zero_fraction_where_relu:
+                    title += " (ReLU outputs)"
+                tags = [tag(self.prefix, name, stat)
+                        for i, name in enumerate(latest.names) if stat in latest.statistics(i)]
+                if tags:
+                    found[title] = tags
+            self._charts = (key, found)
+        return self._charts[1]
+
     def on_fit_start(self, loop: Loop) -> None:
         super().on_fit_start(loop)
         self._unchecked.clear()
-        self._stats.clear()
+        self._taken.clear()
 
     def on_step_end(self, loop: Loop) -> None:
         # Every step's loss is watched: kept as a device array, read once the
         # loop has waited for its step anyway (no host sync of its own), and
         # every one at the epoch's last step, before epoch-end handlers
         # (evaluation, checkpoints) see the state.
-        self._unchecked.append((loop.step, loop.metrics["loss"], self._stats.pop(loop.step, None)))
+        self._unchecked.append((loop.step, loop.metrics["loss"], self._taken.pop(loop.step, None)))
         last = loop.epoch_step == loop.steps_per_epoch or loop.step == loop.max_steps
         settled = loop.step if last else loop.settled_step
         while self._unchecked and settled is not None and self._unchecked[0][0] <= settled:
@@ -185,10 +330,13 @@ class _TapStatistics(InstrumentedCallback):
         step = loop.step
         stats = device0_copy(result["stats"])
         histograms = None if result["histograms"] is None else device0_copy(result["histograms"])
-        latest = TapStats(step, self.names, self.modules, self.columns, stats, histograms)
+        names, modules, logged = self._layout
+        latest = TapStats(step, names, modules, self.table_columns, stats, histograms, logged)
         self.latest = latest
         loop.publish(self.prefix, latest)
-        self._stats[step] = stats
+        self._taken[step] = latest
+        # The writer ignores an unchanged declaration; each fit opens a new one.
+        loop.writers.charts(self.chart_category, self.charts(latest), step)
         # Read on the writer's thread: step outputs are never donated.
         loop.writers.scalars(lambda: _scalars(latest, self.prefix), step)
         if self.bins:
@@ -202,8 +350,8 @@ class _TapStatistics(InstrumentedCallback):
 
     on_fit_end = on_epoch_end
 
-    def _check(self, loop: Loop, step: int, loss: Any, stats: Any) -> None:
-        """Stops (or raises) if the loss or any statistic at ``step`` is not finite."""
+    def _check(self, loop: Loop, step: int, loss: Any, stats: TapStats | None) -> None:
+        """Stops (or raises) if the loss or any value at ``step`` is not finite."""
         if loop.should_stop and self.if_nonfinite != "warn":
             return  # stopping already (maybe for this): report the first cause only
         loss_value = float(np.asarray(jax.device_get(loss.addressable_shards[0].data)).reshape(-1)[0])
@@ -216,22 +364,21 @@ class _TapStatistics(InstrumentedCallback):
                 f"with {type(self).__name__}(every=1)"
             )
             return self._act(loop, step, message)
-        table = np.asarray(jax.device_get(stats)).reshape(len(self.names), len(self.columns))
-        nonfinite = table[:, self.columns.index("nonfinite")]
-        bad = np.flatnonzero(~np.isfinite(table).all(axis=1) | (nonfinite > 0))
+        nonfinite = _nonfinite(stats)
+        bad = np.flatnonzero(np.isnan(nonfinite) | (nonfinite > 0))
         if not bad.size and np.isfinite(loss_value):
             return
         what = "output" if self.kind == "activations" else "gradient"
         if bad.size:
             first = int(bad[0])
-            module = "/".join(self.modules[first]) or "the model itself"
+            module = "/".join(stats.modules[first]) or "the model itself"
             count = nonfinite[first]
             how_many = "NaN or infinite values"
             if np.isfinite(count):
                 how_many = f"{int(count)} {how_many}"
             message = (
                 f"non-finite values at step {step}: the first module, in execution order, whose "
-                f"{what} went non-finite is {module!r} ({self.prefix}/{self.names[first]} has "
+                f"{what} went non-finite is {module!r} ({tag(self.prefix, stats.names[first])} has "
                 f"{how_many}); loss = {loss_value}"
             )
         else:
@@ -254,21 +401,31 @@ class _TapStatistics(InstrumentedCallback):
         return f"{type(self).__name__}(every={self.every!r})"
 
 
+def _nonfinite(stats: TapStats) -> np.ndarray:
+    """Each value's non-finite flag: NaN (some, not counted), or their number."""
+    return stats.table()[:, stats.columns.index("nonfinite")]
+
+
 def _scalars(stats: TapStats, prefix: str) -> dict[str, float]:
-    """One step's statistics as ``{prefix/name/statistic: value}`` (reads the values)."""
-    table = np.asarray(jax.device_get(stats.values), np.float64).reshape(len(stats.names), len(stats.columns))
-    return {
-        f"{prefix}/{name}/{column}": value
-        for name, row in zip(stats.names, table, strict=True)
-        for column, value in zip(stats.columns, row, strict=True)
+    """One step's statistics as ``{stats/prefix/name/statistic: value}``, and
+    ``stats/prefix/nonfinite``: how many values had NaN or infinite entries
+    (how many entries, when they are counted). Reads the values."""
+    table = stats.table()
+    column = {c: i for i, c in enumerate(stats.columns)}
+    found = {
+        tag(prefix, name, c): table[i, column[c]]
+        for i, name in enumerate(stats.names)
+        for c in stats.statistics(i)
     }
+    flags = table[:, column["nonfinite"]]
+    found[tag(prefix, "nonfinite")] = float(np.where(np.isnan(flags), 1.0, flags).sum())
+    return found
 
 
 def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]:
     """One step's histograms, binned inside the step (reads the values)."""
-    table, counts = jax.device_get((stats.values, stats.histograms))
-    table = np.asarray(table, np.float64).reshape(len(stats.names), len(stats.columns))
-    counts = np.asarray(counts, np.float64).reshape(len(stats.names), bins)
+    table, counts = stats.table(), np.asarray(jax.device_get(stats.histograms), np.float64)
+    counts = counts.reshape(len(stats.names), bins)
     col = {c: i for i, c in enumerate(stats.columns)}
     found = {}
     for name, row, bucket_counts in zip(stats.names, table, counts, strict=True):
@@ -276,7 +433,7 @@ def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]
         if number == 0:  # every value non-finite: nothing to draw
             continue
         low, high, mean, rms = row[col["min"]], row[col["max"]], row[col["mean"]], row[col["rms"]]
-        found[f"{prefix}/{name}/histogram"] = Histogram(
+        found[tag(prefix, name, "histogram")] = Histogram(
             float(low), float(high), float(mean * number), float(rms * rms * number),
             bin_edges(float(low), float(high), bins), bucket_counts.tolist(),
         )
@@ -294,21 +451,32 @@ class ActivationStats(_TapStatistics):
     are logged per layer; those of a recurrence (``nn.RNN``, a scan sharing
     its parameters) once over every time step, unless ``split_steps``. A
     scan whose ``variable_axes`` lacks the collection drops the values:
-    one warning then names it and the change that hands them out. Tags name
-    a module's output by its path (``encoder/Dense_0``); the method is named
+    one warning then names it and the change that hands them out. Values
+    are named by their module's path (``encoder/Dense_0``); the method is named
     when it is not ``__call__``, and calls are numbered when there are several.
 
-    For each value: ``mean``, ``std``, ``rms``, ``min``, ``max``,
-    ``zero_fraction`` (dead ReLU units), ``nonfinite``, and optionally a
-    histogram of the finite entries. They are reduced inside the step, in a
-    pass XLA fuses into it, and combined exactly over devices: only one small
-    array per step leaves the devices. A value with NaN or infinite entries
-    gets NaN statistics (``nonfinite`` NaN: present, not counted) unless
-    ``count_nonfinite=True``, which counts them and leaves them out of the
-    other statistics at the price of a separate masked pass. TensorBoard tags are
-    ``activations/<module path>/<name>/<statistic>``, written through the
-    fit's writers (``loop.writers``: TensorBoard). The latest figures are
-    :attr:`latest` and ``loop.published["activations"]``.
+    Statistics, chosen for signal by default: ``mean`` and ``std`` of every
+    value, and ``zero_fraction`` (dead ReLU units) of the values that can hold
+    a ReLU's exact zeros: sown values and outputs of modules that are not
+    affine, normalization, attention or dropout layers
+    (:data:`NOT_RELU_LIKE`). The model's own output is left out when it is
+    the very output of a module (the model returns it unchanged). ``stats``
+    chooses others among ``mean``, ``std``, ``rms``, ``min``, ``max``,
+    ``zero_fraction`` (then of every value) and ``nonfinite``, or ``"all"``
+    of them for every value. Only what they need is computed, inside the
+    step, in a pass XLA fuses into it, and combined exactly over devices:
+    one small array per step leaves the devices. Histograms of the finite
+    entries are optional.
+
+    TensorBoard tags are ``stats/<prefix>/<value>/<statistic>``, plus
+    ``stats/<prefix>/nonfinite``: how many values had NaN or infinite entries
+    at that step. A value with such entries gets NaN statistics unless
+    ``count_nonfinite=True``, which counts the entries (then the counter sums
+    them) and leaves them out of the other statistics, at the price of a
+    separate masked pass. The Custom Scalars tab draws one chart per
+    statistic with a line per value, in execution order (category
+    ``activations``). The latest figures are :attr:`latest` and
+    ``loop.published["activations"]``.
 
     If the loss or any value is NaN or infinite, training stops, naming the
     step and the first module in execution order whose output went non-finite.
@@ -328,15 +496,27 @@ class ActivationStats(_TapStatistics):
         split_steps: log each time step of a recurrence (``nn.RNN``, a scan
             whose iterations share parameters) apart, instead of one value
             over all of them; scans over layers are always logged per layer.
+        stats: None (the defaults above), ``"all"``, or statistic names.
+
+    Raises:
+        ValueError: ``stats`` names an unknown statistic (the message lists them).
 
     Example:
         >>> import flax.linen as nn
         >>> import flaxhooks
         >>> stats = flaxhooks.ActivationStats(every=100, capture=(nn.Dense, nn.Conv))
+        >>> stats.stats
+        ('mean', 'std', 'zero_fraction')
+        >>> flaxhooks.ActivationStats(stats=("max", "rms")).stats
+        ('rms', 'max')
     """
 
     kind = "activations"
     columns = ACTIVATION_STATS
+    default = ("mean", "std", "zero_fraction")
+    default_prefix = "activations"
+    category = "activations"
+    subject = ""
 
     def __init__(
         self,
@@ -350,10 +530,11 @@ class ActivationStats(_TapStatistics):
         if_nonfinite: str = "stop",
         prefix: str = "activations",
         split_steps: bool = False,
+        stats: StatsSpec = None,
     ):
         taps = Taps(collections=tuple(collections), capture=as_module_filter(capture),
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
 
     def _nothing_found(self) -> str:
         return (
@@ -374,9 +555,13 @@ class ActivationGradStats(_TapStatistics):
     gradients, so the update is unchanged. The gradients are those of the
     mean loss over the whole batch (all devices), as for the parameters.
 
-    Statistics: those of :class:`ActivationStats` plus ``l2`` (the norm);
-    tags ``activation_grads/<module path>/<name>/<statistic>``; the latest
-    figures in ``loop.published["activation_grads"]``.
+    By default each value logs its ``rms`` (its ``std`` too when the mean is
+    about 0, and its ``l2`` norm up to a constant); ``stats`` chooses among
+    those of :class:`ActivationStats` plus ``l2``, or ``"all"``. Tags
+    ``stats/<prefix>/<value>/<statistic>`` and the counter
+    ``stats/<prefix>/nonfinite``; charts in the category ``activation
+    gradients``; the latest figures in ``loop.published["activation_grads"]``.
+    The model's own output is left out when it is the very output of a module.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
@@ -387,15 +572,25 @@ class ActivationGradStats(_TapStatistics):
         histograms, bins, count_nonfinite, if_nonfinite: as for :class:`ActivationStats`.
         prefix: the tag prefix and published topic.
         split_steps: as for :class:`ActivationStats`.
+        stats: None (``rms``), ``"all"``, or statistic names.
+
+    Raises:
+        ValueError: ``stats`` names an unknown statistic (the message lists them).
 
     Example:
         >>> import flax.linen as nn
         >>> import flaxhooks
         >>> grads = flaxhooks.ActivationGradStats(every=100, perturb=nn.Dense)
+        >>> grads.stats, flaxhooks.ActivationGradStats(stats="all").stats[-1]
+        (('rms',), 'l2')
     """
 
     kind = "gradients"
     columns = GRADIENT_STATS
+    default = ("rms",)
+    default_prefix = "activation_grads"
+    category = "activation gradients"
+    subject = "gradient "
 
     def __init__(
         self,
@@ -409,10 +604,86 @@ class ActivationGradStats(_TapStatistics):
         if_nonfinite: str = "stop",
         prefix: str = "activation_grads",
         split_steps: bool = False,
+        stats: StatsSpec = None,
     ):
         taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations,
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
 
     def _nothing_found(self) -> str:
         return "the model has no perturb sites and perturb selects no module"
+
+
+class ParamStats(InstrumentedCallback):
+    """Logs, per module, the norm of the loss's gradient and the ratio of
+    the optimizer's update to the parameters, every ``every`` steps.
+
+    A module's parameters are the leaves whose paths share all but the leaf's
+    name (``Conv_0/kernel`` and ``Conv_0/bias`` make ``Conv_0``; leaves of the
+    model itself make ``(model)``), in Linen's parameter dicts as in NNX's
+    ``nnx.Param`` values. For each: ``grad_norm``, the norm of the gradient
+    averaged over devices, and ``update_ratio``, ``|update| / |params|`` of the
+    update applied at that step (the parameters before it). A ratio far
+    from the others' (around 1e-3 with Adam) shows a layer that learns too
+    fast or not at all. They are computed inside the step from values every
+    device shares, and read on the writer's thread. The whole model's
+    figures are step metrics already (``grad_norm``, ``update_ratio``).
+
+    Tags ``stats/<prefix>/<module>/grad_norm`` and ``.../update_ratio``;
+    charts in the category ``parameters``; the latest figures in
+    :attr:`latest` and ``loop.published[prefix]`` (a :class:`TapStats`).
+
+    Args:
+        every: when to log (steps, or an :class:`Every`).
+        prefix: the tag prefix and published topic.
+
+    Example:
+        >>> import flaxhooks
+        >>> flaxhooks.ParamStats(every=50)
+        ParamStats(every=Every(steps=50))
+    """
+
+    taps = Taps()
+
+    def __init__(self, every: Every | int = 100, *, prefix: str = "params"):
+        self.every = as_every(every)
+        self.prefix = prefix
+        self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
+        #: The modules, in natural order of their names (found while the step is traced).
+        self.names: tuple[str, ...] = ()
+        #: The latest figures (a :class:`TapStats` of columns ``grad_norm`` and ``update_ratio``).
+        self.latest: TapStats | None = None
+        self._charts: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
+
+    def inside_step(self, tapped: Tapped) -> jax.Array:
+        if tapped.updates is None:
+            raise ValueError(f"{self!r} needs the optimizer's updates (Tapped.updates): this step has none")
+        self.names, table = param_stats(tapped.params, tapped.grads, tapped.updates)
+        return table
+
+    def charts(self) -> dict[str, list[str]]:
+        """A chart of each figure with a line per module: ``{title: [tag, ...]}``."""
+        if self._charts[0] != self.names:
+            titles = {"grad_norm": "gradient norm", "update_ratio": "update ratio"}
+            self._charts = (self.names, {
+                titles[stat]: [tag(self.prefix, name, stat) for name in self.names] for stat in PARAM_STATS
+            })
+        return self._charts[1]
+
+    def take(self, loop: Loop, result: Any) -> None:
+        step = loop.step
+        modules = tuple(() if name == ROOT_MODULE else tuple(name.split("/")) for name in self.names)
+        latest = TapStats(step, self.names, modules, PARAM_STATS, device0_copy(result))
+        self.latest = latest
+        loop.publish(self.prefix, latest)
+        loop.writers.charts(self.chart_category, self.charts(), step)
+        loop.writers.scalars(lambda: _scalars_of(latest, self.prefix), step)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(every={self.every!r})"
+
+
+def _scalars_of(stats: TapStats, prefix: str) -> dict[str, float]:
+    """``{stats/prefix/name/column: value}`` for every cell (reads the values)."""
+    return {tag(prefix, name, column): value
+            for name, row in stats.to_dict().items() for column, value in row.items()}

@@ -1,21 +1,188 @@
-"""Plain progress lines on the console."""
+"""Plain progress lines on the console, and what the callbacks that print share:
+metrics as text, and the rerouting of log records and warnings through a rich
+console while a live display is on the terminal."""
 
 from __future__ import annotations
 
+import logging
 import sys
-from typing import TYPE_CHECKING, TextIO
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
 from flaxhooks.core import Callback, Every, Rate, as_every
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from flaxhooks.core import Loop
     from flaxhooks.eval import EvalResult
 
 
+def metric_texts(metrics: dict[str, float]) -> list[str]:
+    """``name value`` for each metric, loss first, four significant digits."""
+    names = sorted(metrics, key=lambda name: (name != "loss", name))
+    return [f"{name} {metrics[name]:.4g}" for name in names]
+
+
 def format_metrics(metrics: dict[str, float]) -> str:
     """``name value`` pairs, loss first, four significant digits."""
-    names = sorted(metrics, key=lambda name: (name != "loss", name))
-    return "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
+    return "  ".join(metric_texts(metrics))
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 step``, ``2 steps``: a count with its noun in the right number."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def print_line(console: Console, text: str) -> None:
+    """Prints ``text`` exactly: no markup, highlighting or emoji, and never
+    wrapped or cut by rich (a terminal folds a long line itself, a file keeps it whole)."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` writes to a terminal (False for a closed or odd stream)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class TerminalRedirect:
+    """Prints what logging and ``warnings`` would write to the terminal
+    through a rich console instead, above its live display.
+
+    As tqdm's ``logging_redirect_tqdm`` does: :meth:`start` swaps every handler
+    that writes to a terminal (a ``logging.StreamHandler`` on a TTY, such as
+    ``logging.basicConfig``'s, or absl's handler) on the root logger and on
+    every other logger, in place, for one that prints the record as that
+    handler formats it, with its level and filters, through the console. So
+    are ``logging.lastResort`` (used when no handler is configured) and
+    ``warnings.showwarning`` when warnings go to a terminal (when logging
+    captures warnings, its handlers are already swapped). Handlers writing to
+    files or pipes are left alone. :meth:`stop` puts back everything still in
+    place, also after an error; it can be called more than once.
+
+    Args:
+        console: the console to print through.
+
+    Example:
+        >>> import io
+        >>> from rich.console import Console
+        >>> with TerminalRedirect(Console(file=io.StringIO())):
+        ...     pass
+    """
+
+    def __init__(self, console: Console):
+        self.console = console
+        self._swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+        self._last_resort: tuple[logging.Handler, logging.Handler] | None = None  # (original, ours)
+        self._showwarning: tuple[Callable[..., None], Callable[..., None]] | None = None
+
+    def __enter__(self) -> TerminalRedirect:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Reroutes what is bound for the terminal through the console."""
+        self.stop()
+        self._swap_handlers()
+        self._swap_last_resort()
+        self._swap_showwarning()
+
+    def stop(self) -> None:
+        """Puts back every handler and function swapped, where it is still ours."""
+        swapped, self._swapped = self._swapped, []
+        for logger, original, ours in swapped:
+            handlers = logger.handlers
+            if ours in handlers:
+                handlers[handlers.index(ours)] = original
+        last_resort, self._last_resort = self._last_resort, None
+        if last_resort is not None and logging.lastResort is last_resort[1]:
+            logging.lastResort = last_resort[0]
+        showwarning, self._showwarning = self._showwarning, None
+        if showwarning is not None and warnings.showwarning is showwarning[1]:
+            warnings.showwarning = showwarning[0]
+
+    def _swap_handlers(self) -> None:
+        replacements: dict[int, _ConsoleHandler] = {}  # one per handler, even when loggers share it
+        for logger in _loggers():
+            for index, handler in enumerate(list(logger.handlers)):
+                if isinstance(handler, _ConsoleHandler) or not _writes_to_terminal(handler):
+                    continue
+                ours = replacements.setdefault(id(handler), _ConsoleHandler(self.console, handler))
+                logger.handlers[index] = ours  # in place: the handlers' order stays
+                self._swapped.append((logger, handler, ours))
+
+    def _swap_last_resort(self) -> None:
+        original = logging.lastResort
+        if original is not None and _writes_to_terminal(original):
+            logging.lastResort = _ConsoleHandler(self.console, original)
+            self._last_resort = (original, logging.lastResort)
+
+    def _swap_showwarning(self) -> None:
+        original = warnings.showwarning
+        # Warnings that logging captures already go through the swapped handlers.
+        if is_terminal(sys.stderr) and getattr(original, "__module__", None) != "logging":
+            warnings.showwarning = _WarningPrinter(self.console, original)
+            self._showwarning = (original, warnings.showwarning)
+
+
+def _loggers() -> list[logging.Logger]:
+    """The root logger and every logger made so far."""
+    made = list(logging.Logger.manager.loggerDict.values())  # a copy: other threads may add loggers
+    return [logging.root, *(logger for logger in made if isinstance(logger, logging.Logger))]
+
+
+def _writes_to_terminal(handler: logging.Handler) -> bool:
+    # absl's handler writes through the stream handler it wraps.
+    target = getattr(handler, "python_handler", handler)
+    return isinstance(target, logging.StreamHandler) and is_terminal(target.stream)
+
+
+class _ConsoleHandler(logging.Handler):
+    """Prints each record through a console, as ``replaced`` would format it,
+    with its level and filters."""
+
+    def __init__(self, console: Console, replaced: logging.Handler):
+        super().__init__(replaced.level)
+        self.console = console
+        self.replaced = replaced
+
+    def filter(self, record: logging.LogRecord) -> Any:
+        return self.replaced.filter(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.replaced.format(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print_line(self.console, self.format(record))
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+class _WarningPrinter:
+    """A ``warnings.showwarning`` that prints through a console the warnings
+    bound for stderr, and hands any other file to the one it replaced."""
+
+    def __init__(self, console: Console, replaced: Callable[..., None]):
+        self.console = console
+        self.replaced = replaced
+
+    def __call__(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+        if file is not None and file is not sys.stderr:
+            self.replaced(message, category, filename, lineno, file, line)
+            return
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        print_line(self.console, text.rstrip("\n"))
 
 
 class ConsoleLog(Callback):
@@ -65,7 +232,7 @@ class ConsoleLog(Callback):
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
         self._print(
-            f"{result.name} at step {result.step} ({result.examples} examples): "
+            f"{result.name} at step {result.step} ({counted(result.examples, 'example')}): "
             f"{format_metrics(result.metrics)}"
         )
 

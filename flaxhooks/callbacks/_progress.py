@@ -1,25 +1,23 @@
-"""A rich progress bar that never waits for the devices."""
+"""A rich progress bar that never waits for the devices and always fits one line."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.live import Live
 from rich.progress import Progress as _RichProgress
+from rich.progress import Task
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
 from rich.text import Text
 
-from flaxhooks.callbacks._console import format_metrics
+from flaxhooks.callbacks._console import TerminalRedirect, counted, format_metrics, metric_texts, print_line
 from flaxhooks.core import Callback, Every, Rate, as_every
 from flaxhooks.data import host_scalars
 
@@ -31,10 +29,26 @@ if TYPE_CHECKING:
 class Progress(Callback):
     """A live progress bar: step, epoch, steps/s, ETA, and the latest metrics.
 
-    The bar shows the steps taken out of the fit's total, the epoch, the step
-    rate, the time left and the newest *settled* training metrics, plus the
-    results of the latest evaluation (each evaluation is also printed as a
-    line above the bar).
+    The bar shows the epoch, the steps taken out of the fit's total, the step
+    rate, the time since ``fit_start`` and the time left, the newest *settled*
+    training metrics, and the results of the latest evaluation (each
+    evaluation is also printed as a line above the bar). It always stays on
+    one line: at each redraw it keeps what fits the console's width, dropping
+    first the evaluation, then the metrics after the loss, then the elapsed
+    time, the ETA and the rate, and then narrowing the bar.
+
+    From ``fit_start`` until the first step ends (the first dispatch blocks
+    while XLA compiles the train step) a spinner shows
+    ``compiling the train step… 3.2s``, redrawn by rich's thread. Then a line
+    ``train step compiled: first step done after 3.2s`` stays, and the bar
+    takes over, redrawn by the training thread only.
+
+    While the spinner or the bar is on the terminal, log records and warnings
+    that would be written to it (``logging.basicConfig``'s handler, a
+    library's own stream handler, ``warnings``) are printed through the
+    console instead, above the bar, so nothing breaks it (as tqdm's
+    ``logging_redirect_tqdm`` does); ``fit_end`` puts every handler back, also
+    after an error or Ctrl-C.
 
     It costs no host sync per step. On ``step_end`` it only compares the
     clock with the next refresh time. When a refresh is due it shows the
@@ -42,13 +56,16 @@ class Progress(Callback):
     to bound the steps in flight, so the transfer never waits for the
     devices. It reads ``loop.metrics`` only at ``fit_end``. The metrics shown therefore lag
     the step count by up to ``max_steps_in_flight`` steps (they appear once
-    that many steps have run), and the bar is redrawn only on refreshes, not
-    by a background thread.
+    that many steps have run), and after the first step the bar is redrawn
+    only on refreshes, not by a background thread.
 
     When the console is not a terminal (CI, output redirected to a file) it
-    prints no control characters: plain lines such as
+    prints no control characters, and never wraps a line: ``compiling the
+    train step…`` at ``fit_start``, the first step's time when it ends, then
+    plain lines such as
     ``step 300/1000  epoch 2/5  loss 0.3127 (step 298)  41.2 steps/s  ETA 0:00:17``
-    whenever ``every`` is due, and each evaluation's results.
+    whenever ``every`` is due, and each evaluation's results. Log records go
+    where their handlers send them.
 
     At ``fit_end``, which runs also after an error or a KeyboardInterrupt, the
     bar is stopped first (the terminal gets its cursor back), then one summary
@@ -98,6 +115,9 @@ class Progress(Callback):
         self._clock = clock
         self._bar: _RichProgress | None = None
         self._task: Any = None
+        self._compiling: Live | None = None  # the spinner, until the first step ends
+        self._redirect: TerminalRedirect | None = None  # logs and warnings, while a display is live
+        self._first_step_pending = False
         self._next_refresh = 0.0
         self._start = (0, 0.0)  # (step, time) at fit_start
         self._rate = Rate(clock)  # between plain lines
@@ -119,26 +139,23 @@ class Progress(Callback):
         self._next_refresh = now
         self._total = _total(loop)
         self._metrics, self._metrics_step, self._eval = {}, None, ""
-        if self.quiet or not self.console.is_terminal:
+        self._first_step_pending = True
+        if self.quiet:
             return
-        self._bar = _RichProgress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            _RateColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[metrics]}"),
-            console=self.console,
-            auto_refresh=False,
-            get_time=self._clock,
-        )
-        self._task = self._bar.add_task(
-            self._epoch_text(loop), total=self._total, completed=loop.step, metrics="")
-        self._bar.start()
+        if not self.console.is_terminal:
+            self._print(_COMPILING)
+            return
+        # Before the display starts: it swaps sys.stderr, and the handlers' streams are the real ones.
+        self._redirect = TerminalRedirect(self.console)
+        self._redirect.start()
+        # The first dispatch blocks the training thread while XLA compiles: rich's thread redraws.
+        self._compiling = Live(_CompilingLine(self._clock, now), console=self.console,
+                               refresh_per_second=10, transient=True)
+        self._compiling.start(refresh=True)
 
     def on_step_end(self, loop: Loop) -> None:
+        if self._first_step_pending:
+            self._first_step_done(loop)
         if self.quiet:
             return
         if self._bar is not None:
@@ -159,7 +176,8 @@ class Progress(Callback):
         self._eval = f"{result.name} {metrics}"
         if self.quiet:
             return
-        self._print(f"{result.name} at step {result.step} ({result.examples} examples): {metrics}")
+        examples = counted(result.examples, "example")
+        self._print(f"{result.name} at step {result.step} ({examples}): {metrics}")
         if self._bar is not None:
             self._refresh_bar(loop)
 
@@ -171,12 +189,82 @@ class Progress(Callback):
             if self._bar is not None:
                 self._refresh_bar(loop)  # leave the final count on screen, not the last refresh's
         finally:
-            bar, self._bar = self._bar, None
             try:
-                if bar is not None:
-                    bar.stop()
+                self._stop_terminal()
             finally:
                 self._print(self._summary(loop))
+
+    # -- the terminal --------------------------------------------------------
+
+    def _first_step_done(self, loop: Loop) -> None:
+        """Ends the compiling phase: its spinner gives way to a line and the bar."""
+        self._first_step_pending = False
+        self._rate.start(loop.step)  # plain lines' rates leave the compilation out
+        if self.quiet:
+            return
+        seconds = self._clock() - self._start[1]
+        compiling, self._compiling = self._compiling, None
+        if compiling is not None:
+            compiling.stop()  # its thread ends: no redraws but the training thread's from here
+        self._print(f"train step compiled: first step done after {seconds:.1f}s")
+        if self.console.is_terminal:
+            self._start_bar(loop)
+
+    def _start_bar(self, loop: Loop) -> None:
+        self._bar = _OneLineProgress(
+            self._bar_line, console=self.console, auto_refresh=False, get_time=self._clock)
+        self._task = self._bar.add_task(
+            self._epoch_text(loop), total=self._total, completed=loop.step, metrics=[], evaluation="")
+        self._bar.start()
+
+    def _stop_terminal(self) -> None:
+        """Stops the live display (the terminal gets its cursor back) and puts
+        back what the redirect swapped, even if stopping fails."""
+        live: Live | _RichProgress | None = self._compiling or self._bar
+        redirect = self._redirect
+        self._compiling, self._bar, self._redirect = None, None, None
+        try:
+            if live is not None:
+                live.stop()
+        finally:
+            if redirect is not None:
+                redirect.stop()
+
+    def _bar_line(self, task: Task, console: Console, options: ConsoleOptions) -> Text:
+        """The bar's one line, with the fields that fit ``options.max_width`` (less one)."""
+        fields = self._bar_fields(task)
+        # The last column stays blank: a terminal that wraps as soon as it is written would scroll.
+        kept, bar_width = _fit(task.description, fields, options.max_width - 1)
+        line = Text(task.description, no_wrap=True, overflow="ellipsis")
+        if bar_width:
+            line.append(" ")
+            bar = ProgressBar(total=task.total, completed=max(0.0, task.completed), width=bar_width,
+                              animation_time=task.get_time())
+            for segment in console.render(bar, options.update(width=bar_width)):
+                line.append(segment.text, segment.style)
+        for field in kept:
+            line.append(field.separator)
+            line.append(field.text, field.style)
+        return line
+
+    def _bar_fields(self, task: Task) -> list[_Field]:
+        """What the bar shows after the bar itself, each with its priority."""
+        total = "?" if task.total is None else str(int(task.total))
+        speed = task.speed
+        fields = [
+            _Field(f"{int(task.completed)}/{total}", keep=(6, 0), style="progress.download"),
+            _Field("? steps/s" if speed is None else f"{speed:.1f} steps/s", keep=(4, 0),
+                   style="progress.data.speed"),
+            _Field(_clock_text(self._clock() - self._start[1]), keep=(2, 0), style="progress.elapsed"),
+            _Field(f"ETA {_clock_text(task.time_remaining)}", keep=(3, 0), style="progress.remaining"),
+        ]
+        metrics: list[str] = task.fields.get("metrics", [])
+        for index, text in enumerate(metrics):
+            # The first metric (the loss) stays longest; the others go, last first.
+            fields.append(_Field(text, keep=(5, 0) if index == 0 else (1, -index), separator="  "))
+        if task.fields.get("evaluation"):
+            fields.append(_Field(f"| {task.fields['evaluation']}", keep=(0, 0), separator="  "))
+        return fields
 
     # -- helpers -------------------------------------------------------------
 
@@ -192,11 +280,8 @@ class Progress(Callback):
     def _refresh_bar(self, loop: Loop) -> None:
         assert self._bar is not None
         self._pull(loop)
-        text = format_metrics(self._metrics)
-        if self._eval:
-            text = f"{text}  | {self._eval}" if text else self._eval
-        self._bar.update(
-            self._task, completed=loop.step, description=self._epoch_text(loop), metrics=text)
+        self._bar.update(self._task, completed=loop.step, description=self._epoch_text(loop),
+                         metrics=metric_texts(self._metrics), evaluation=self._eval)
         self._bar.refresh()
 
     def _epoch_text(self, loop: Loop) -> str:
@@ -235,22 +320,109 @@ class Progress(Callback):
         else:
             how = "done:"
         rate = f", {steps / elapsed:.1f} steps/s" if elapsed > 0 and steps else ""
-        line = f"{how} {self._position(loop)}  ({steps} steps in {_duration(elapsed)}{rate})"
+        line = f"{how} {self._position(loop)}  ({counted(steps, 'step')} in {_duration(elapsed)}{rate})"
         line += self._metrics_text()
         if self._eval:
             line += f"  | {self._eval}"
         return line
 
     def _print(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False, soft_wrap=True, emoji=False)
+        print_line(self.console, text)
 
 
-class _RateColumn(ProgressColumn):
-    """Steps per second, from rich's own estimate."""
+#: What the spinner says, and the plain line at ``fit_start``.
+_COMPILING = "compiling the train step…"
+#: The bar's narrowest width before it shrinks further (fields go first), and its widest.
+_BAR_WIDTHS = (10, 40)
 
-    def render(self, task: Task) -> Text:
-        speed = task.speed
-        return Text("? steps/s" if speed is None else f"{speed:.1f} steps/s")
+
+class _CompilingLine:
+    """``⠋ compiling the train step… 3.2s``: a spinner and the time since ``since``."""
+
+    def __init__(self, clock: Callable[[], float], since: float):
+        self._clock = clock
+        self._since = since
+        self._spinner = Spinner("dots")
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        frame = self._spinner.render(console.get_time())
+        if isinstance(frame, Text):
+            line.append_text(frame)
+            line.append(" ")
+        line.append(f"{_COMPILING} ")
+        line.append(f"{self._clock() - self._since:.1f}s", style="progress.elapsed")
+        yield line
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One field of the bar's line, after the bar.
+
+    Attributes:
+        text: what it shows.
+        keep: its priority: when the line is too long, the lowest goes first.
+        style: its rich style.
+        separator: what comes before it.
+    """
+
+    text: str
+    keep: tuple[int, int]
+    style: str = ""
+    separator: str = " "
+
+    @property
+    def width(self) -> int:
+        return cell_len(self.separator) + cell_len(self.text)
+
+
+def _fit(description: str, fields: Sequence[_Field], width: int) -> tuple[list[_Field], int]:
+    """The fields that fit one line of ``width`` after ``description`` and a
+    bar, in their order, and the bar's width (0: no bar).
+
+    Fields are dropped, the lowest ``keep`` first, until the bar has at least
+    its narrowest width; when dropping them all is not enough, the bar shrinks.
+
+    Example:
+        >>> fields = [_Field("12/62", keep=(2, 0)), _Field("loss 0.1", keep=(1, 0), separator="  ")]
+        >>> kept, bar_width = _fit("epoch 1/2", fields, 80)
+        >>> [field.text for field in kept], bar_width
+        (['12/62', 'loss 0.1'], 40)
+        >>> kept, bar_width = _fit("epoch 1/2", fields, 30)  # the loss goes, the bar keeps 14
+        >>> [field.text for field in kept], bar_width
+        (['12/62'], 14)
+    """
+    kept = list(fields)
+
+    def room() -> int:  # for the bar, after the space before it
+        return width - cell_len(description) - 1 - sum(field.width for field in kept)
+
+    while kept and room() < _BAR_WIDTHS[0]:
+        kept.remove(min(kept, key=lambda field: field.keep))
+    return kept, max(0, min(_BAR_WIDTHS[1], room()))
+
+
+class _OneLine:
+    """A renderable made, at each render, for the width it is given."""
+
+    def __init__(self, make: Callable[[Console, ConsoleOptions], Text]):
+        self._make = make
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self._make(console, options)
+
+
+class _OneLineProgress(_RichProgress):
+    """rich's Progress (its timing, speed estimate and live display), each
+    task drawn as one line by ``line(task, console, options)``."""
+
+    def __init__(self, line: Callable[[Task, Console, ConsoleOptions], Text], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._line = line
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        for task in self.tasks:
+            yield _OneLine(functools.partial(self._line, task))
 
 
 def _total(loop: Loop) -> int | None:
@@ -266,3 +438,8 @@ def _total(loop: Loop) -> int | None:
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _clock_text(seconds: float | None) -> str:
+    """``0:01:05``, or ``-:--:--`` when not known yet."""
+    return "-:--:--" if seconds is None else _duration(seconds)

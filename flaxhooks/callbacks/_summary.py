@@ -15,6 +15,11 @@ from flaxhooks.core import Callback, Loop
 if TYPE_CHECKING:
     import rich.console
 
+#: The width a table is rendered at off a terminal: more than any table
+#: needs, so each takes its natural width (a table that does not expand is
+#: never wider than its contents).
+_UNSQUEEZED_WIDTH = 1000
+
 
 class Summary(Callback):
     """Prints ``flax.linen.tabulate`` of the model once, when the first fit starts.
@@ -29,7 +34,10 @@ class Summary(Callback):
     as ``batch_stats`` keep their own column, as in ``nn.tabulate``.
 
     The table is printed through rich, on process 0 only, and once per
-    ``Summary`` (a second ``fit`` prints nothing). The same table, as plain
+    ``Summary`` (a second ``fit`` prints nothing). On a terminal it is drawn
+    to the console's width; elsewhere (a file, a pipe, CI) at its own natural
+    width, never squeezed to the 80 columns rich assumes without a terminal,
+    and never wrapped. The same table, as plain
     text in a markdown code block, goes to the fit's writers
     (``loop.writers``: TensorBoard's Text tab) under the tag ``model_summary``.
 
@@ -39,7 +47,8 @@ class Summary(Callback):
         compute_flops: add a ``flops`` column (lowers each call: costs time).
         compute_vjp_flops: add a ``vjp_flops`` column (backward-pass FLOPs).
         console_kwargs: keyword arguments of the ``rich.console.Console`` the
-            table is rendered with (and, without ``console``, printed to).
+            table is rendered with (and, without ``console``, printed to); a
+            ``width`` here is the table's width wherever it is printed.
         table_kwargs: keyword arguments of ``rich.table.Table``.
         column_kwargs: keyword arguments of ``rich.table.Table.add_column``.
         console: the rich console to print to (default: a new one made from
@@ -91,15 +100,19 @@ class Summary(Callback):
     def render(self, loop: Loop) -> str:
         """The model's table on one device's share of the training batch.
 
+        The table is as wide as ``console_kwargs["width"]``, else the
+        console's terminal, else its own natural width.
+
         Returns:
             The table as rich renders it (with ANSI styles when the console
             kwargs force a terminal, as tabulate's defaults do).
         """
         if loop.model is None or loop.spec is None:
             raise ValueError("no model or batch layout yet: render during a fit")
-        console_kwargs = self.console_kwargs
+        # Where to print is the console's business: tabulate renders into a buffer of its own.
+        console_kwargs = {key: value for key, value in self.console_kwargs.items() if key != "file"}
         if self.console is not None and "width" not in console_kwargs:
-            console_kwargs = {"width": self.console.width, **console_kwargs}
+            console_kwargs = {"width": self._width_for(self.console), **console_kwargs}
         return loop.model.tabulate(
             loop.spec.per_device(), tuple(loop.state.model_state), depth=self.depth,
             show_repeated=self.show_repeated, console_kwargs=console_kwargs, table_kwargs=self.table_kwargs,
@@ -107,19 +120,26 @@ class Summary(Callback):
             compute_vjp_flops=self.compute_vjp_flops,
         )
 
+    def _width_for(self, console: rich.console.Console) -> int:
+        """The width to render the table at for ``console``: its terminal's,
+        else room enough for the table's natural width."""
+        if console.is_terminal or self.table_kwargs.get("expand"):  # an expanding table fills any width
+            return console.width
+        return _UNSQUEEZED_WIDTH
+
     def on_fit_start(self, loop: Loop) -> None:
         from rich.text import Text
 
         if self.table is None:
-            rendered = Text.from_ansi(self.render(loop))
-            # Replicated leaves carry a leading device axis; shapes only, no transfer.
-            self.parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
-            self.table = rendered.plain
             if self.console is None:
                 from rich.console import Console
 
                 self.console = Console(**self.console_kwargs)
-            self.console.print(rendered, soft_wrap=True)
+            rendered = Text.from_ansi(self.render(loop))
+            # Replicated leaves carry a leading device axis; shapes only, no transfer.
+            self.parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
+            self.table = rendered.plain
+            self.console.print(rendered, soft_wrap=True)  # as rendered: never wrapped again
         if loop.resumed_from:  # the resumed run's first part wrote it
             self._written = True
         if loop.writers and not self._written:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxhooks.core import Callback, Every, Loop, Rate, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
+from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
 from flaxhooks.writers import SummaryWriterThread, check_writable, truncate_events
 from flaxhooks.writers._files import _detach
 
@@ -38,18 +38,32 @@ class TensorBoard(Callback):
     """Writes training and evaluation scalars to TensorBoard, off the training
     thread, and is the fit's writer for every other callback.
 
-    Tags: ``train/<metric>`` every ``every`` steps (with ``train/steps_per_s``
-    and ``train/learning_rate``), ``<eval name>/<metric>`` at every
-    evaluation, and the run's hyperparameters in the Text and HParams tabs.
+    What a person sees, in TensorBoard's usual layout (as Keras writes it):
 
-    Logging is cheap enough for every step. The training thread only buffers
-    the step's metrics, as the device arrays the step returned; a writer
-    thread reads a batch of steps at once (device 0's copy only) and writes
-    them. Nothing waits for the devices, and no value is copied but the
-    learning rate, which lives in the optimizer state the next step donates.
+    - one sub-run per split: ``train`` (every ``every`` steps) and one per
+      evaluation, named by it (``eval``), logging the same tag names, so
+      train and eval ``loss`` (and every metric) share a chart;
+    - training scalars are the **mean over the steps since the last log**
+      (summed on the devices by the step itself: no host sync per step),
+      plus ``optimizer/grad_norm`` and ``optimizer/update_ratio`` (every
+      step's global gradient norm and ``|update| / |params|``, averaged
+      likewise), ``optimizer/learning_rate`` (at the logged step) and
+      ``throughput/steps_per_s``;
+    - a Custom Scalars layout whose first category holds these charts, train
+      and eval together; the statistics callbacks add theirs after it (one
+      chart per statistic, one line per layer);
+    - the hyperparameters in the Text tab, and in the HParams tab as the main
+      run's session, with the model's parameter count, linked to the final
+      evaluation metrics (read from the evaluation sub-runs).
+
+    Logging is cheap enough for every step: the training thread only keeps
+    references to device arrays the step returned; a writer thread reads
+    them (device 0's copy only) and writes. The running totals of a resumed
+    run carry the partial window over, so its curves equal an uninterrupted
+    run's.
 
     The Trainer opens its writer (a :class:`~flaxhooks.writers.SummaryWriterThread`)
-    before ``fit_start`` and closes it, with its thread and event file, after
+    before ``fit_start`` and closes it, with its thread and event files, after
     ``fit_end`` (also after an error or a KeyboardInterrupt), so many fits in
     one process (a sweep, a notebook) leave nothing behind. While a fit runs,
     every callback writes through it with ``loop.writers`` (on process 0; the
@@ -58,7 +72,10 @@ class TensorBoard(Callback):
     Args:
         logdir: the run directory; checked for writing at once.
         every: when to write training scalars (default every 50 steps).
-        hparams: the run's hyperparameters, written once.
+        hparams: the run's hyperparameters (numbers, strings, booleans),
+            compared across runs in the HParams tab: name the ones that
+            distinguish runs (learning rate, batch size, epochs); the model's
+            parameter count is added as ``parameters``.
         learning_rate: a schedule ``step -> learning rate`` to log; without
             it, an ``optax.inject_hyperparams`` learning rate is found in the
             optimizer state.
@@ -72,6 +89,10 @@ class TensorBoard(Callback):
     #: Seconds to wait for the writer at the end of a failed fit: what it
     #: still has to read may come from a step that never finishes.
     FAILING_WAIT_SECONDS = 5.0
+    #: The sub-run of the training scalars.
+    TRAIN_RUN = "train"
+    #: The Custom Scalars category of the training and evaluation charts.
+    CATEGORY = "training"
 
     def __init__(
         self,
@@ -88,20 +109,40 @@ class TensorBoard(Callback):
         #: The writer of the fit under way, else None.
         self.writer: SummaryWriterThread | None = None
         self._rate = Rate()
-        self._last_eval: dict[str, float] = {}
-        self._hparams_written = False
+        self._last_eval: dict[str, dict[str, float]] = {}  # {evaluation: {metric: value}}
+        self._hparams_written = False  # the Text tab's table
+        self._session_written = False  # the HParams record
+        self._parameters: int | None = None
+        # The window of training steps since the last log: the totals then
+        # (None: the fit's start) and what an earlier fit or run added to it.
+        self._window_start: Totals | None = None
+        self._carried: dict[str, Any] | None = None
+        self._latest_totals: Totals | None = None
+        self._charted: set[str] = set()  # the tags of the training category
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
 
     def state_dict(self) -> dict[str, Any]:
-        """The latest evaluation (for the HParams record) and whether the
-        hyperparameters were written."""
-        return {"last_eval": self._last_eval, "hparams_written": self._hparams_written}
+        """The latest evaluations (for the HParams record), what was written
+        once, and the training steps since the last log (read now: a
+        checkpoint is being saved), so a resumed run logs the same means."""
+        return {"last_eval": self._last_eval, "hparams_written": self._hparams_written,
+                "session_written": self._session_written, "window": self._pending_window()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._last_eval = dict(state["last_eval"])
+        self._last_eval = {k: dict(v) for k, v in state["last_eval"].items() if isinstance(v, Mapping)}
         self._hparams_written = state["hparams_written"]
+        self._session_written = state.get("session_written", False)
+        self._carried = state.get("window")
+
+    def _pending_window(self) -> dict[str, Any] | None:
+        """The training steps since the last log, summed on the host (waits for the latest step)."""
+        if self._latest_totals is None:
+            return self._carried
+        start, end = jax.device_get((device0_copy(self._window_start), device0_copy(self._latest_totals)))
+        start = None if start is None else jax.tree.map(lambda x: x[0], start)
+        return combine_windows(self._carried, window_sums(start, jax.tree.map(lambda x: x[0], end)))
 
     # -- the fit's writer ------------------------------------------------------
 
@@ -112,10 +153,13 @@ class TensorBoard(Callback):
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
         self.writer = SummaryWriterThread(self.logdir)
+        self._parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
         if self.hparams and not self._hparams_written:
             self._hparams_written = True
-            rows = "\n".join(f"| {k} | {v} |" for k, v in self.hparams.items())
+            rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())
             self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
+        if loop.totals is not None:  # the training category comes first in the layout
+            self._declare_charts(loop.totals["sum"], loop.step)
         return self.writer
 
     def close_writer(self, loop: Loop) -> None:
@@ -123,14 +167,20 @@ class TensorBoard(Callback):
         writer, self.writer = self.writer, None
         if writer is None:
             return
-        if self.hparams:
-            metrics = {k: v for k, v in self._last_eval.items() if math.isfinite(v)}
-            hparams = {k: v if isinstance(v, (bool, str, int, float)) else str(v)
-                       for k, v in self.hparams.items()}
-            # add_hparams opens its own writer, unsuffixed, in logdir/<name>:
-            # a name per fit keeps one fit's record from overwriting another's.
-            step, name = loop.step, f"hparams/{time.time_ns()}"
-            writer.call(lambda w: w.add_hparams(hparams, metrics, name=name, global_step=step))
+        if self.hparams and self._last_eval:
+            # HParams reads a session's metrics from its own run (it joins "."
+            # and a sub-run's name into a run that does not exist), so the
+            # latest evaluation is written here too, under ``results/``.
+            results = {result_tag(name, metric): value
+                       for name, metrics in self._last_eval.items() for metric, value in metrics.items()}
+            writer.scalars(results, loop.step)
+            if not self._session_written:
+                # TensorBoard reads a run's first HParams record: written once,
+                # when the evaluations it links to are known.
+                self._session_written = True
+                record = hparams_record(self._hparams(), self._last_eval)
+                writer.call(lambda w: [w._get_file_writer().add_summary(summary, loop.step)
+                                       for summary in record])
         if loop.exception is None:
             writer.close()
         elif not writer.close(timeout=self.FAILING_WAIT_SECONDS):
@@ -139,17 +189,21 @@ class TensorBoard(Callback):
                 "written within %g s and is left out", self.FAILING_WAIT_SECONDS,
             )
 
+    def _hparams(self) -> dict[str, Any]:
+        hparams = dict(self.hparams)
+        if self._parameters is not None:
+            hparams.setdefault("parameters", self._parameters)
+        return hparams
+
     def _drop_after(self, step: int) -> None:
         """Resuming from ``step``: the points the stopped run logged after it
-        are logged again, so they go; so does its HParams record, as the
-        resumed run writes the run's final one."""
+        are logged again, so they go."""
         dropped = truncate_events(self.logdir, step)
-        shutil.rmtree(os.path.join(self.logdir, "hparams"), ignore_errors=True)
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
 
     def close(self) -> None:
-        """Closes the event file and its thread (each fit opens its own)."""
+        """Closes the event files and their thread (each fit opens its own)."""
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
@@ -158,20 +212,43 @@ class TensorBoard(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._rate.start(loop.settled_step or loop.step)
+        self._window_start, self._latest_totals = None, None
 
     def on_step_end(self, loop: Loop) -> None:
+        self._latest_totals = loop.totals  # a reference: nothing is read
         if not self.every(loop.step) or self.writer is None:
             return
-        values: dict[str, Any] = dict(loop.metrics)
+        start, end, carried = self._window_start, loop.totals, self._carried
+        self._window_start, self._carried = end, None
+        extra: dict[str, Any] = {}
         # The rate of steps known to have finished on the devices, not of
         # steps dispatched: dispatch runs ahead of the devices.
         rate = self._rate(loop.settled_step if loop.settled_step is not None else loop.step)
         if rate is not None:
-            values["steps_per_s"] = rate
+            extra["throughput/steps_per_s"] = rate
         learning_rate = self._learning_rate(loop)
         if learning_rate is not None:
-            values["learning_rate"] = learning_rate
-        self.writer.step_scalars(values, loop.step, prefix="train/")
+            extra["optimizer/learning_rate"] = learning_rate
+        if end is None:  # no totals (a hand-made loop): this step's own metrics
+            self.writer.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
+            return
+        if carried is None and self.every.steps == 1:
+            # A window of this one step: its metrics, buffered (cheapest every step).
+            self.writer.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
+            return
+
+        def window() -> dict[str, Any]:
+            host_start, host_end = jax.device_get((device0_copy(start), device0_copy(end)))
+            first = None if host_start is None else jax.tree.map(lambda x: x[0], host_start)
+            summed = combine_windows(carried, window_sums(first, jax.tree.map(lambda x: x[0], host_end)))
+            return {**_tags(window_means(summed)), **extra}
+
+        self.writer.scalars(window, loop.step, run=self.TRAIN_RUN)
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if loop.exception is None:  # a later fit goes on with this window
+            self._carried = self._pending_window()
+        self._window_start, self._latest_totals = None, None
 
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:
@@ -180,15 +257,77 @@ class TensorBoard(Callback):
         # The next step donates the optimizer state: keep a copy (no transfer).
         return None if found is None else _detach(device0_copy(found))
 
+    def _declare_charts(self, names: Iterable[str], step: int) -> None:
+        """One chart per metric (train and eval runs on it alike), the loss first."""
+        self._charted.update(_tags(dict.fromkeys(names)))
+        if self.writer is not None:
+            self.writer.charts(self.CATEGORY, {tag: [tag] for tag in sorted(self._charted, key=_chart_order)},
+                               step)
+
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
-        self._last_eval = {f"{result.name}/{k}": v for k, v in result.metrics.items()}
+        self._last_eval[result.name] = {k: float(v) for k, v in result.metrics.items()}
         if self.writer is not None:
-            self.writer.scalars(result.metrics, result.step, prefix=f"{result.name}/")
+            self._declare_charts(result.metrics, result.step)
+            self.writer.scalars(result.metrics, result.step, run=result.name)
             return
         # An evaluation outside fit (Trainer.evaluate): a writer just for it.
         writer = SummaryWriterThread(self.logdir)
         try:
-            writer.scalars(result.metrics, result.step, prefix=f"{result.name}/")
+            writer.scalars(result.metrics, result.step, run=result.name)
         finally:
             writer.close()
+
+
+def _tags(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Training metrics by tag: the optimizer's under ``optimizer/``."""
+    return {f"optimizer/{k}" if k in OPTIMIZER_METRICS else k: v for k, v in metrics.items()}
+
+
+def _chart_order(tag: str) -> tuple[int, str]:
+    """The loss first, then the other metrics, then the optimizer's."""
+    return (0 if tag == "loss" else 2 if "/" in tag else 1, tag)
+
+
+def result_tag(evaluation: str, metric: str) -> str:
+    """The main run's tag of an evaluation's latest value, for the HParams table
+    (the ``results`` group sorts after the metrics and the optimizer's)."""
+    return f"results/{evaluation}/{metric}"
+
+
+def hparams_record(hparams: Mapping[str, Any], evaluations: Mapping[str, Mapping[str, float]]) -> list[Any]:
+    """The HParams plugin's summaries for one run: the experiment (its
+    hyperparameters and metrics), the session's values and its end.
+
+    Each metric is the latest value of an evaluation's metric, written in
+    the same run under :func:`result_tag`.
+    """
+    from tensorboardX.proto.api_pb2 import DataType, Experiment, HParamInfo, MetricInfo, MetricName, Status
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo, SessionStartInfo
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+    start, infos = SessionStartInfo(), []
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
+        elif isinstance(value, (int, float)):
+            start.hparams[name].number_value, kind = float(value), "DATA_TYPE_FLOAT64"
+        elif value is not None:
+            start.hparams[name].string_value, kind = str(value), "DATA_TYPE_STRING"
+        else:
+            continue
+        infos.append(HParamInfo(name=name, type=DataType.Value(kind)))
+    metrics = [MetricInfo(name=MetricName(tag=result_tag(name, tag)), display_name=f"{name} {tag}")
+               for name, values in evaluations.items() for tag in values]
+    contents = {
+        "_hparams_/experiment": HParamsPluginData(
+            experiment=Experiment(hparam_infos=infos, metric_infos=metrics)),
+        "_hparams_/session_start_info": HParamsPluginData(session_start_info=start),
+        "_hparams_/session_end_info": HParamsPluginData(
+            session_end_info=SessionEndInfo(status=Status.Value("STATUS_SUCCESS"))),
+    }
+    return [
+        Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+            plugin_name="hparams", content=content.SerializeToString())))])
+        for tag, content in contents.items()
+    ]

@@ -41,6 +41,11 @@ class Loop:
         settled_step: the newest step known to have finished on the devices
             (the loop waits for it anyway to bound the steps in flight).
         settled_metrics: that step's metrics; reading them does not wait.
+        totals: running totals of every step's metrics since ``fit``
+            started, kept on the devices by the step itself (never donated):
+            the mean over the steps between two readings is
+            ``window_means(window_sums(earlier, later))`` (``flaxhooks.step``),
+            read off the training thread when due.
         event: the event being emitted.
         payload: that event's data: an ``EvalStart`` or ``EvalResult`` for
             evaluations, the error for ``exception``, else None.
@@ -81,6 +86,7 @@ class Loop:
     metrics: Any = None
     settled_step: int | None = None
     settled_metrics: Any = None
+    totals: Any = None
     event: str = ""
     payload: Any = None
     stop_reason: str | None = None

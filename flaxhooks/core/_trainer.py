@@ -238,7 +238,7 @@ class Trainer:
             state=self._replicated, step=start.step, epoch=start.epoch, epoch_step=start.skip,
             max_steps=steps, max_epochs=epochs, steps_per_epoch=source.length,
             resumed_from=start.record["resumed"], callbacks=self.callbacks, model=self.model,
-            spec=self.batch_spec, evaluate=self.evaluate,
+            spec=self.batch_spec, evaluate=self.evaluate, totals=self.runner.zero_totals(),
         )
         loop.emit = lambda event, payload=None: self.bus.emit(event, loop, payload)
         if start.restored is not None and start.restored.stop_reason:

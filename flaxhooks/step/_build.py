@@ -96,7 +96,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                 return loss, (metrics, model_state)
 
             (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            new_state, metrics, _ = _updated(state, grads, model_state, loss, metrics, axis)
+            new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis)
             return new_state, metrics, ()
 
         run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
@@ -121,11 +121,11 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
             dataclasses.replace(t, value=t.value / devices) for t in run.gradients(perturbation_grads)
         )
         run.finish(activations, gradients)
-        new_state, metrics, grads = _updated(state, grads, model_state, loss, metrics, axis)
+        new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
             params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
-            axis_name=axis,
+            axis_name=axis, updates=updates,
         )
         return new_state, metrics, tuple(fn(tapped) for fn in inside)
 
@@ -133,12 +133,25 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     return train_step
 
 
+def optimizer_metrics(params: Any, grads: Any, updates: Any) -> dict[str, jax.Array]:
+    """The global gradient norm and the update-to-parameter ratio
+    ``|update| / |params|`` (0 while every parameter is 0)."""
+    param_norm = optax.tree.norm(params)
+    ratio = optax.tree.norm(updates) / jnp.where(param_norm > 0, param_norm, jnp.inf)
+    return {"grad_norm": optax.tree.norm(grads), "update_ratio": ratio}
+
+
+#: The metrics every step adds to ``loss_fn``'s (see :func:`optimizer_metrics`).
+OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
+
+
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
     metrics: Mapping[str, jax.Array], axis: str,
-) -> tuple[TrainState, dict[str, jax.Array], Any]:
+) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
     """Applies this device's gradients, averaged over devices; returns the new
-    state, the metrics averaged over devices and the averaged gradients."""
+    state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
+    the averaged gradients and the updates applied."""
     grads = lax.pmean(grads, axis)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(
@@ -147,4 +160,13 @@ def _updated(
         model_state=mean_over_devices(dict(model_state), axis),
         opt_state=opt_state,
     )
-    return new_state, metrics_over_devices({"loss": loss, **metrics}, axis), grads
+    clash = sorted(set(metrics) & set(OPTIMIZER_METRICS))
+    if clash:
+        raise LossError(
+            f"loss_fn returns metrics named {clash}, names the step gives its own metrics "
+            f"{list(OPTIMIZER_METRICS)}: rename them"
+        )
+    metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
+    # Computed from the averaged (identical) values: the same on every device, no collective.
+    metrics.update(optimizer_metrics(state.params, grads, updates))
+    return new_state, metrics, grads, updates

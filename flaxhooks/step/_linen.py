@@ -15,7 +15,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -300,6 +300,43 @@ class Scan:
         return scan_axis(self.variable_axes, "params") is None
 
 
+@dataclasses.dataclass(frozen=True)
+class RepeatedTap(Tap):
+    """The model's own output when it is the very same array as the output
+    of a module the same taps take (the model returns that module's output
+    unchanged): a second copy of a curve, which the statistics callbacks
+    log only when asked for every value.
+
+    Attributes:
+        repeats: the path of the module whose output the model returns.
+    """
+
+    repeats: tuple[str, ...] = ()
+
+
+class ReturnedBy(NamedTuple):
+    """The module call a traced array came out of, as its caller received it."""
+
+    array: Any  # kept alive while recording, so that no other array takes its id
+    path: tuple[str, ...]
+    captured: bool
+    perturbed: bool
+
+
+def returned_by(returned: Mapping[int, ReturnedBy], array: Any) -> ReturnedBy | None:
+    """The call that returned this very array (object identity), or None."""
+    found = returned.get(id(array))
+    return found if found is not None and found.array is array else None
+
+
+def as_repeated(tap: Tap, repeats: tuple[str, ...] | None) -> Tap:
+    """``tap`` marked as repeating the output of the module at ``repeats`` (if not None)."""
+    if repeats is None:
+        return tap
+    fields = {f.name: getattr(tap, f.name) for f in dataclasses.fields(Tap)}
+    return RepeatedTap(**fields, repeats=repeats)
+
+
 def _is_probe(module: nn.Module) -> bool:
     """Flax's abstract check of ``setup`` runs on a clone in a throw-away scope."""
     return type(module.scope).__name__ == "TestScope"
@@ -326,6 +363,11 @@ class CallRecorder:
         self._calls: dict[tuple[tuple[str, ...], str, int], int] = {}
         self._scopes: list[Any] = []  # keeps ids in _calls unique while recording
         self._running: list[tuple[tuple[str, ...], str]] = []  # (path, method) of the calls under way
+        self._returned: dict[int, ReturnedBy] = {}  # id of each array a submodule returned -> its call
+        #: The arrays of the model's captured output that a captured submodule returned (as ReturnedBy).
+        self.repeated_outputs: dict[int, ReturnedBy] = {}
+        #: (path, variable) of the model's perturbed outputs that a perturbed submodule returned -> its path.
+        self.repeated_sites: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}
 
     def _outer(self, module: nn.Module, method: str) -> bool:
         """Whether this call is not one of a module's method calling itself
@@ -398,13 +440,38 @@ class CallRecorder:
                     wanted.add(PERTURBATIONS)
         if captured:
             self.captured[(path, method)] = (module, method)
+        # Not a helper method the module calls itself (the recipe's ``self._relu``).
+        outermost = all(running != path for running, _ in self._running)
+        # Decided on the arrays themselves, before they leave the traced call: the model's
+        # output repeats a module's when it is the very array that module returned.
+        repeats = self._repeats(output) if not path and outermost else None
         if perturbed:
-            output = self._perturbed(module, path, method, output)
-        # A parent completes after its children: the order module outputs were produced.
-        self._completed.setdefault(path, len(self._completed))
+            output = self._perturbed(module, path, method, output, repeats)
+        self._note_returned(output, path, captured, perturbed, repeats)
+        if outermost:  # a parent completes after its children: the order module outputs were produced
+            self._completed.setdefault(path, len(self._completed))
         return output
 
-    def _perturbed(self, module: nn.Module, path: tuple[str, ...], method: str, output: Any) -> Any:
+    def _repeats(self, output: Any) -> list[ReturnedBy | None]:
+        """For each leaf of the model's output, the submodule call that returned this very array."""
+        return [returned_by(self._returned, leaf) for leaf in jax.tree.leaves(output)]
+
+    def _note_returned(
+        self, output: Any, path: tuple[str, ...], captured: bool, perturbed: bool,
+        repeats: list[ReturnedBy | None] | None,
+    ) -> None:
+        leaves = jax.tree.leaves(output)
+        for leaf, source in zip(leaves, repeats or [None] * len(leaves), strict=True):
+            if path:
+                self._returned[id(leaf)] = ReturnedBy(leaf, path, captured, perturbed)
+            elif source is not None and source.captured:
+                # capture_intermediates records what the interceptors return: this leaf.
+                self.repeated_outputs[id(leaf)] = ReturnedBy(leaf, source.path, True, source.perturbed)
+
+    def _perturbed(
+        self, module: nn.Module, path: tuple[str, ...], method: str, output: Any,
+        repeats: list[ReturnedBy | None] | None = None,
+    ) -> Any:
         # Calls are counted per scope tree: nn.scan traces its body twice,
         # each time in a new one, while a shared module's calls share one.
         assert module.scope is not None, "interceptors see bound modules"
@@ -419,6 +486,9 @@ class CallRecorder:
             if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating):
                 variable = name if len(leaves) == 1 else f"{name}:{i}"
                 self.perturbed[(path, variable)] = (module, method)
+                source = repeats[i] if repeats is not None else None
+                if source is not None and source.perturbed:
+                    self.repeated_sites[(path, variable)] = source.path
                 leaves[i] = module.perturb(variable, leaf)
         return jax.tree.unflatten(treedef, leaves)
 
@@ -517,6 +587,8 @@ def collect_taps(
                 scanned = _split_scanned(module, name, array, collection, recorder.scans, split_steps)
                 for display, layer_value in scanned:
                     tap = Tap("/".join(display), module, collection, layer_value, key, origin)
+                    if origin is not None and not module:
+                        tap = as_repeated(tap, _repeated(recorder, collection, key, layer_value))
                     found.append((recorder.rank(module), len(found), tap))
     taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
     names = [t.name for t in taps]
@@ -524,6 +596,14 @@ def collect_taps(
         dataclasses.replace(t, name=f"{t.name}[{t.collection}]") if names.count(t.name) > 1 else t
         for t in taps
     ]
+
+
+def _repeated(recorder: CallRecorder, collection: str, key: str, value: jax.Array) -> tuple[str, ...] | None:
+    """The path of the module whose output this tap of the model's output is, or None."""
+    if collection == PERTURBATIONS:
+        return recorder.repeated_sites.get(((), key))
+    known = returned_by(recorder.repeated_outputs, value)
+    return known.path if known is not None else None
 
 
 def warn_dropped(recorder: CallRecorder, taps: Sequence[Tap], requested: Sequence[str]) -> None:

@@ -33,7 +33,7 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from flaxhooks.step._call import InputKeys, ModelCall
-from flaxhooks.step._linen import sown_values
+from flaxhooks.step._linen import ReturnedBy, as_repeated, returned_by, sown_values
 from flaxhooks.step._model import AXIS, Batch
 from flaxhooks.step._taps import (
     INTERMEDIATES,
@@ -337,6 +337,11 @@ class _Recorder:
         self.perturbed: list[tuple[Path, int, int, int, str, nnx.Module]] = []
         self.shapes: dict[str, jax.ShapeDtypeStruct] = {}
         self.unseen: dict[str, str] = {}  # type of a module run inside a transform -> its caller
+        self._returned: dict[int, ReturnedBy] = {}  # id of each array a submodule returned -> its call
+        #: (call, leaf) of the model's captured / perturbed outputs that a captured / perturbed
+        #: submodule returned -> its path.
+        self.repeated_outputs: dict[tuple[int, int], Path] = {}
+        self.repeated_sites: dict[tuple[int, int], Path] = {}
         self._stack: list[Any] = []
         self._trace = nnx.tracers.TraceState()  # the trace of the instrumented call
 
@@ -363,10 +368,14 @@ class _Recorder:
         leaves, treedef = jax.tree.flatten(output)
         floating = [i for i, x in enumerate(leaves)
                     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
-        if self.capture is not None and self.capture(module, "__call__"):
+        captured = self.capture is not None and self.capture(module, "__call__")
+        perturbed = self.perturb is not None and self.perturb(module, "__call__")
+        if not path:  # the model's output: does it repeat a submodule's, the very same array?
+            self._note_repeats(call, [leaves[i] for i in floating])
+        if captured:
             for n, i in enumerate(floating):
                 self.outputs.append((path, call, n, len(floating), leaves[i], module))
-        if self.perturb is not None and self.perturb(module, "__call__"):
+        if perturbed:
             for n, i in enumerate(floating):
                 key = "/".join((*path, "__call__", str(call), str(n)))
                 self.perturbed.append((path, call, n, len(floating), key, module))
@@ -375,8 +384,21 @@ class _Recorder:
                 else:
                     leaves[i] = leaves[i] + self.perturbations[key]
             output = jax.tree.unflatten(treedef, leaves)
+        if path:
+            for leaf in jax.tree.leaves(output):  # as the caller receives them
+                self._returned[id(leaf)] = ReturnedBy(leaf, path, captured, perturbed)
         self.completed.setdefault(path, len(self.completed))
         return output
+
+    def _note_repeats(self, call: int, outputs: Sequence[jax.Array]) -> None:
+        """Notes which of the model's floating outputs are the very arrays a
+        captured (perturbed) submodule returned: decided while traced."""
+        for n, leaf in enumerate(outputs):
+            source = returned_by(self._returned, leaf)
+            if source is not None and source.captured:
+                self.repeated_outputs[(call, n)] = source.path
+            if source is not None and source.perturbed:
+                self.repeated_sites[(call, n)] = source.path
 
     def rank(self, path: Path) -> int:
         return self.completed.get(path, len(self.completed))
@@ -455,6 +477,8 @@ class _NNXTapRun:
         for path, call, leaf, leaves, value, source in recorder.outputs:
             tap = Tap(recorder.name(path, call, leaf, leaves), path, INTERMEDIATES, value, "__call__",
                       (source, "__call__"))
+            if not path:
+                tap = as_repeated(tap, recorder.repeated_outputs.get((call, leaf)))
             found.append((recorder.rank(path), len(found), tap))
         for var_type, state in captured.items():
             if var_type is nnx.Perturbation:
@@ -476,6 +500,8 @@ class _NNXTapRun:
         for path, call, leaf, leaves, key, source in recorder.perturbed:
             tap = Tap(recorder.name(path, call, leaf, leaves), path, PERTURBATIONS,
                       perturbation_grads["outputs"][key], "__call__", (source, "__call__"))
+            if not path:
+                tap = as_repeated(tap, recorder.repeated_sites.get((call, leaf)))
             found.append((recorder.rank(path), len(found), tap))
         for module_path, key, value in _sites(perturbation_grads.get("model", {})):
             for name, array in sown_values(value, (key,)):

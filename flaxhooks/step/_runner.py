@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from flax import jax_utils
 
 from flaxhooks.data import BatchSpec
 from flaxhooks.step._build import LossFn, Step, build_step
@@ -17,6 +18,7 @@ from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._model import Model, axis_name
 from flaxhooks.step._state import LossError, abstract, explained, with_leading
 from flaxhooks.step._taps import Taps
+from flaxhooks.step._totals import Totals, add_to_totals, zero_totals
 
 
 class StepRunner:
@@ -46,8 +48,11 @@ class StepRunner:
         #: How many times each compiled step was traced (each trace compiles),
         #: by name: ``train_step`` (lean) and ``instrumented_step`` (every variant).
         self.traces: collections.Counter[str] = collections.Counter()
-        self._variants: dict[tuple[StepContributor, ...], Step] = {}
+        self._variants: dict[tuple[StepContributor, ...], Any] = {}
         self._checked: set[Any] = set()
+        #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
+        #: optimizer's), known once :meth:`check` traced the step.
+        self.metric_names: tuple[str, ...] = ()
         self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
 
     def use(self, callbacks: Sequence[Any]) -> None:
@@ -61,14 +66,21 @@ class StepRunner:
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
         return build_step(self.model, self.loss_fn, taps, inside)
 
-    def variant(self, due: tuple[StepContributor, ...]) -> Step:
-        """The compiled step serving ``due`` (the lean step for none); built once."""
+    def variant(self, due: tuple[StepContributor, ...]) -> Any:
+        """The compiled step serving ``due`` (the lean step for none), built
+        once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
+        the totals being the running sums of the metrics (see :meth:`zero_totals`)."""
         step = self._variants.get(due)
         if step is None:
-            step = jax.pmap(self._counted(self._step(due)), axis_name=self.axis, devices=self.pmap_devices,
-                            donate_argnums=(0,))
+            # The state is donated; the totals are not, so a reader may keep any step's.
+            step = jax.pmap(self._counted(_with_totals(self._step(due))), axis_name=self.axis,
+                            devices=self.pmap_devices, donate_argnums=(0,))
             self._variants[due] = step
         return step
+
+    def zero_totals(self) -> Totals:
+        """Running totals of no step, replicated over the devices (after :meth:`check`)."""
+        return jax_utils.replicate(zero_totals(self.metric_names), self.devices, axis_name=self.axis)
 
     def _counted(self, step: Step) -> Step:
         name = step.__name__
@@ -105,6 +117,7 @@ class StepRunner:
                     f"loss_fn must return a scalar loss and scalar metrics; {name!r} has shape "
                     f"{value.shape[1:]}"
                 )
+        self.metric_names = tuple(metrics)
         if self.contributors:  # the contributors' own errors, raised as they are
             jax.eval_shape(jax.vmap(self._step(self.contributors), axis_name=self.axis), *mapped)
         self._checked.add(key)
@@ -118,7 +131,7 @@ class StepRunner:
         step = loop.step + 1
         # Decided on the host, per step: the lean step unless a contributor is due.
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
-        loop.state, loop.metrics, results = self.variant(due)(loop.state, batch)
+        loop.state, loop.metrics, loop.totals, results = self.variant(due)(loop.state, batch, loop.totals)
         # One statement: a KeyboardInterrupt cannot land between the two.
         loop.step, loop.epoch_step = step, loop.epoch_step + 1
         for contributor, result in zip(due, results, strict=True):
@@ -127,3 +140,14 @@ class StepRunner:
         if len(self._in_flight) > self.max_steps_in_flight:
             loop.settled_step, loop.settled_metrics = self._in_flight.popleft()
             wait(loop, loop.settled_metrics["loss"])
+
+
+def _with_totals(step: Step) -> Any:
+    """``step`` that also adds its metrics to the running totals it is given."""
+
+    def stepped(state: Any, batch: Any, totals: Totals) -> tuple[Any, Any, Totals, Any]:
+        state, metrics, results = step(state, batch)
+        return state, metrics, add_to_totals(totals, metrics), results
+
+    stepped.__name__ = step.__name__  # compile counts are kept by name
+    return stepped

@@ -203,6 +203,8 @@ class Tapped:
         batch: this device's share of the batch.
         devices: how many devices share the batch.
         axis_name: the device axis the step maps over (``Trainer(axis_name=...)``).
+        updates: the updates the optimizer applied to ``params`` this step
+            (the same on every device).
     """
 
     activations: tuple[Tap, ...]
@@ -215,6 +217,7 @@ class Tapped:
     batch: Mapping[str, jax.Array]
     devices: int
     axis_name: str = "batch"
+    updates: Any = None
 
     def only(self, taps: Taps) -> Tapped:
         """This view with only the activations and gradients ``taps`` asks for."""

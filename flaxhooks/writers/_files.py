@@ -7,11 +7,12 @@ import dataclasses
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -146,8 +147,13 @@ class _Synced:
     done: threading.Event
 
 
+def _exactly(tag: str) -> str:
+    """The Custom Scalars regular expression that matches ``tag`` alone."""
+    return f"^{re.escape(tag)}$"
+
+
 class SummaryWriterThread:
-    """A tensorboardX ``SummaryWriter`` fed through a queue by one worker thread.
+    """tensorboardX writers, one per run, fed through a queue by one worker thread.
 
     Callers enqueue work and return at once; device values are pulled to the
     host on the worker thread. A failure in the worker is raised on the next
@@ -162,14 +168,17 @@ class SummaryWriterThread:
     def __init__(self, logdir: str, flush_secs: int = 30):
         self.logdir = logdir
         self._flush_secs = flush_secs
-        self._writer: Any = None  # opened by the worker on first use
+        # One tensorboardX writer per run: "" is the main run (``logdir``),
+        # others are sub-runs (``logdir/train``); each opened on first use.
+        self._writers: dict[str, Any] = {}
         self._queue: queue.Queue[Callable[[Any], None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="flaxhooks-tensorboard", daemon=True)
         self._thread.start()
         self._closed = False
-        self._buffer: list[tuple[int, str, Mapping[str, Any]]] = []
+        self._buffer: list[tuple[int, str, str, Mapping[str, Any]]] = []
         self._buffer_since = 0.0
+        self._layout: dict[str, dict[str, tuple[str, ...]]] = {}
         atexit.register(self._close_at_exit)  # writes queued after the last flush still land
 
     def _work(self) -> None:
@@ -180,36 +189,40 @@ class SummaryWriterThread:
                     return
                 if isinstance(job, _Synced):
                     try:
-                        self._close_file()
+                        self._close_files()
                     finally:
                         job.done.set()
                 elif self._error is None:
-                    job(self._open())
+                    job(self._open)
             except BaseException as error:  # reported on the training thread
                 self._error = error
             finally:
                 self._queue.task_done()
 
-    def _open(self) -> Any:
-        if self._writer is None:
+    def _open(self, run: str = "") -> Any:
+        """The tensorboardX writer of ``run`` ("" for the main run), opened on first use."""
+        writer = self._writers.get(run)
+        if writer is None:
             from tensorboardX import SummaryWriter
 
             # tensorboardX names files by the second and opens them with "wb":
             # a nanosecond suffix keeps a file reopened in the same second, and
             # keeps the files' names in the order they were written.
-            self._writer = SummaryWriter(
-                self.logdir, flush_secs=self._flush_secs, filename_suffix=f".{time.time_ns()}"
+            writer = SummaryWriter(
+                os.path.join(self.logdir, run) if run else self.logdir,
+                flush_secs=self._flush_secs, filename_suffix=f".{time.time_ns()}",
             )
-            _write_directly(self._writer)
-        return self._writer
+            _write_directly(writer)
+            self._writers[run] = writer
+        return writer
 
-    def _close_file(self) -> None:
+    def _close_files(self) -> None:
         # tensorboardX's flush() leaves events queued in its own writer
         # thread; only close() drains them. The next write opens a new file
         # in the same run directory, which TensorBoard reads in order.
-        if self._writer is not None:
-            _close_summary_writer(self._writer)
-            self._writer = None
+        writers, self._writers = self._writers, {}
+        for writer in writers.values():
+            _close_summary_writer(writer)
 
     def _raise_failure(self) -> None:
         """Raises what failed on the worker since the last call, once."""
@@ -224,7 +237,7 @@ class SummaryWriterThread:
         self._send_buffer()  # what was buffered before this job is written before it
         self._queue.put(job)
 
-    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "") -> None:
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
         """Buffers one step's scalars; cheap enough to call every step.
 
         ``values`` are floats or replicated device arrays that the step
@@ -236,7 +249,7 @@ class SummaryWriterThread:
             self._raise_failure()
         if not self._buffer:
             self._buffer_since = time.monotonic()
-        self._buffer.append((step, prefix, values))
+        self._buffer.append((step, run, prefix, values))
         waited = time.monotonic() - self._buffer_since
         if len(self._buffer) >= self.BATCH_STEPS or waited >= self.BATCH_SECONDS:
             self._raise_failure()
@@ -247,32 +260,36 @@ class SummaryWriterThread:
             return
         entries, self._buffer = self._buffer, []
 
-        def job(writer: Any) -> None:
+        def job(writer: Callable[[str], Any]) -> None:
             # One transfer per value, of device 0's copy only, all started together.
             host = jax.device_get([
                 [v.addressable_shards[0].data if isinstance(v, jax.Array) else v for v in values.values()]
-                for _, _, values in entries
+                for _, _, _, values in entries
             ])
-            for (step, prefix, values), row in zip(entries, host, strict=True):
-                write_scalars(writer, {
+            for (step, run, prefix, values), row in zip(entries, host, strict=True):
+                write_scalars(writer(run), {
                     prefix + name: np.asarray(value).reshape(-1)[0]
                     for name, value in zip(values, row, strict=True)
                 }, step)
 
         self._queue.put(job)
 
-    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
+    def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes scalars as ``prefix + name``: floats, device arrays (copied
         on the device first, so the next step's donation cannot delete them),
-        or a function returning them, called on the writer thread."""
+        or a function returning them, called on the writer thread.
+
+        ``run`` names a sub-run (a directory under ``logdir``, such as
+        ``train``): TensorBoard draws the same tag of several runs on one chart.
+        """
         if not callable(values):
             detached = {name: _detach(value) for name, value in values.items()}
             values = lambda: detached  # noqa: E731
 
-        def job(writer: Any) -> None:
+        def job(writer: Callable[[str], Any]) -> None:
             host = jax.device_get(dict(values()))
             # NaN and inf are written too: TensorBoard shows a diverging run.
-            write_scalars(writer, {
+            write_scalars(writer(run), {
                 prefix + name: np.asarray(value).reshape(-1)[0] for name, value in host.items()
             }, step)
 
@@ -280,15 +297,38 @@ class SummaryWriterThread:
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (shown in TensorBoard's Text tab; markdown)."""
-        self._submit(lambda writer: writer.add_text(tag, text, step))
+        self._submit(lambda writer: writer().add_text(tag, text, step))
+
+    def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
+        """Sets the charts of ``category`` in TensorBoard's Custom Scalars
+        layout: ``{title: [tag, ...]}``, one line per tag (and per run that
+        logs it), replacing what the category held. Categories keep the
+        order they were first given in.
+
+        The whole layout is written again at ``step`` whenever it changes;
+        TensorBoard reads the latest.
+        """
+        wanted = {title: tuple(tags) for title, tags in charts.items()}
+        if list(self._layout.get(category, {}).items()) == list(wanted.items()):
+            return
+        self._layout[category] = wanted
+        layout = {c: {t: ["Multiline", [_exactly(tag) for tag in tags]] for t, tags in found.items()}
+                  for c, found in self._layout.items()}
+
+        def job(writer: Callable[[str], Any]) -> None:
+            from tensorboardX.summary import custom_scalars
+
+            writer()._get_file_writer().add_summary(custom_scalars(layout), step)
+
+        self._submit(job)
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
         """Writes histograms already binned (or a function returning them, called on the thread)."""
 
-        def job(writer: Any) -> None:
+        def job(writer: Callable[[str], Any]) -> None:
             for tag, histogram in (values() if callable(values) else values).items():
-                writer.add_histogram_raw(
+                writer().add_histogram_raw(
                     tag, min=histogram.low, max=histogram.high, num=float(sum(histogram.counts)),
                     sum=histogram.total, sum_squares=histogram.squares,
                     bucket_limits=list(histogram.limits), bucket_counts=list(histogram.counts),
@@ -302,9 +342,10 @@ class SummaryWriterThread:
         values = _detach(values)
         self.histograms(lambda: {tag: h} if (h := Histogram.of(jax.device_get(values), bins)) else {}, step)
 
-    def call(self, job: Callable[[Any], None]) -> None:
-        """Runs ``job(summary_writer)`` on the writer thread."""
-        self._submit(job)
+    def call(self, job: Callable[[Any], None], run: str = "") -> None:
+        """Runs ``job(summary_writer)`` on the writer thread, with the
+        tensorboardX ``SummaryWriter`` of ``run`` (the main run by default)."""
+        self._submit(lambda writer: job(writer(run)))
 
     def sync_point(self) -> threading.Event:
         """An event set once everything queued so far is on disk; returns at once.

@@ -49,11 +49,16 @@ class Writer(Protocol):
     off the training thread.
     """
 
-    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
-        """Writes ``prefix + name`` for each value (floats or device arrays)."""
+    def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
+        """Writes ``prefix + name`` for each value (floats or device arrays),
+        in the main run or in the sub-run ``run`` (``train``, an evaluation's name)."""
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
+
+    def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
+        """Sets the charts of ``category``, each drawing several tags together:
+        ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars layout)."""
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
@@ -141,19 +146,32 @@ class Writers:
                 failed.append((callback, error))
         return failed
 
-    def scalars(self, values: Values, step: int, prefix: str = "") -> None:
+    def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes ``prefix + name`` for each value: floats, device arrays
         (copied on the device first, so a later step's donation cannot delete
-        them), or a function returning them, called off the training thread."""
+        them), or a function returning them, called off the training thread.
+
+        ``run`` names a sub-run: ``train`` for training scalars, an
+        evaluation's name for its results; "" is the main run. Runs that
+        log the same tag are drawn on one chart.
+        """
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
-                writer.scalars(values, step, prefix)
+                writer.scalars(values, step, prefix, run)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
         for writer in self.writers:
             writer.text(tag, text, step)
+
+    def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
+        """Sets the charts of ``category``, each drawing several tags together:
+        ``{title: [tag, ...]}``, in the order to show them (one chart per
+        statistic with a line per layer, say). They replace what the category
+        held; declaring the same charts again costs nothing."""
+        for writer in self.writers:
+            writer.charts(category, charts, step)
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:

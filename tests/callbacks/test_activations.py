@@ -4,6 +4,7 @@ hand-written gradients, on 1 and 8 devices."""
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 
 import flax.linen as nn
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -59,7 +61,8 @@ class ExplicitlyPerturbed(nn.Module):
 
 def _two_steps_then_one(model, callback, devices, batches):
     """Trains 2 steps, then the third (due) step; returns the params before it."""
-    trainer = sgd_trainer(model, callbacks=[callback], devices=devices)
+    callbacks = callback if isinstance(callback, list) else [callback]
+    trainer = sgd_trainer(model, callbacks=callbacks, devices=devices)
     before = trainer.fit(batches, steps=2)
     trainer.fit(batches, steps=3)
     return before.params, trainer
@@ -105,7 +108,7 @@ def test_non_finite_values_are_flagged_or_counted_and_left_out():
 
 def test_activation_stats_match_numpy_on_the_captured_arrays(devices):
     batches = make_batches(4, batch_size=16)
-    stats = flaxhooks.ActivationStats(every=3)
+    stats = flaxhooks.ActivationStats(every=3, stats="all")
     params, trainer = _two_steps_then_one(Tapped(), stats, devices, batches)
     _, captured = Tapped().apply(
         {"params": params}, batches[2]["image"], capture_intermediates=True, mutable=["intermediates"]
@@ -130,6 +133,87 @@ def test_activation_stats_match_numpy_on_the_captured_arrays(devices):
     assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
 
 
+def test_default_statistics_are_mean_std_and_the_zero_fraction_of_relu_like_values(devices):
+    batches = make_batches(4, batch_size=16)
+    stats = flaxhooks.ActivationStats(every=3)
+    params, trainer = _two_steps_then_one(Tapped(), stats, devices, batches)
+    _, captured = Tapped().apply(
+        {"params": params}, batches[2]["image"], capture_intermediates=True, mutable=["intermediates"]
+    )
+    captured = captured["intermediates"]
+    want = {
+        "hidden": captured["hidden"]["__call__"][0],
+        "shared/0": captured["shared"]["__call__"][0],
+        "shared/1": captured["shared"]["__call__"][1],
+        "head": captured["head"]["__call__"][0],
+        "relu": captured["relu"][0],
+    }
+    # The model returns head's output unchanged: it is found, but logged once.
+    assert stats.names[-1] == "output" and stats.latest.names == tuple(want)
+    got = stats.latest.to_dict()
+    for name, value in want.items():
+        columns = ("mean", "std", "zero_fraction") if name == "relu" else ("mean", "std")  # Dense: affine
+        assert tuple(got[name]) == columns
+        reference = numpy_stats(value)
+        assert_rows(got[name], [reference[ACTIVATION_STATS.index(c)] for c in columns], columns, name)
+    assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
+
+
+class Relus(nn.Module):
+    """A custom module (not known to be affine), a Dense, and a sown value."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = Rectified(name="block")(x)
+        self.sow("intermediates", "sown", x * 2)
+        return nn.Dense(3, name="head")(x) + 1.0  # transformed: not head's output
+
+
+class Rectified(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(8, name="dense")(x))
+
+
+def test_zero_fraction_only_where_a_relu_can_zero_entries_unless_asked_for():
+    batches = make_batches(2, batch_size=8)
+    default = flaxhooks.ActivationStats(every=1)
+    listed = flaxhooks.ActivationStats(every=1, stats=("zero_fraction",), prefix="listed")
+    sgd_trainer(Relus(), callbacks=[default, listed]).fit(batches, steps=1)
+    has_zero_fraction = {name: "zero_fraction" in row for name, row in default.latest.to_dict().items()}
+    assert has_zero_fraction == {"block/dense": False, "block": True, "head": False, "output": True,
+                                 "sown": True}
+    assert all(tuple(row) == ("zero_fraction",) for row in listed.latest.to_dict().values())
+    assert listed.latest.names == default.latest.names  # the model's output is its own: kept
+    assert default.latest.to_dict()["block"]["zero_fraction"] > 0.2
+
+
+def test_stats_all_or_a_list_choose_the_columns_and_bad_names_fail_at_once(compiles):
+    with pytest.raises(ValueError, match=r"unknown statistics \['median'\]: choose among \['mean', 'std', "
+                                         r"'rms', 'min', 'max', 'zero_fraction', 'nonfinite'\]"):
+        flaxhooks.ActivationStats(stats=("mean", "median"))
+    with pytest.raises(ValueError, match="'l2'"):
+        flaxhooks.ActivationStats(stats=["l2"])  # a gradient statistic only
+    with pytest.raises(ValueError, match="'all'"):
+        flaxhooks.ActivationGradStats(stats="everything")
+    assert compiles == []  # refused before anything was traced or compiled
+    assert flaxhooks.ActivationGradStats(stats="l2").stats == ("l2",)
+
+    batches = make_batches(2, batch_size=8)
+    every = flaxhooks.ActivationStats(every=1, stats="all")
+    grads = flaxhooks.ActivationGradStats(every=1, stats="all")
+    chosen = flaxhooks.ActivationGradStats(every=1, stats=["max", "l2"], prefix="chosen")
+    sgd_trainer(Tapped(), callbacks=[every, grads, chosen]).fit(batches, steps=1)
+    assert every.latest.names[-1] == "output" and grads.latest.names[-1] == "output"  # every value
+    assert all(tuple(row) == ACTIVATION_STATS for row in every.latest.to_dict().values())
+    assert all(tuple(row) == GRADIENT_STATS for row in grads.latest.to_dict().values())
+    assert all(tuple(row) == ("max", "l2") for row in chosen.latest.to_dict().values())
+    assert "output" not in chosen.latest.names
+    got, full = chosen.latest.to_dict(), grads.latest.to_dict()
+    for name, row in got.items():
+        assert row == pytest.approx({c: full[name][c] for c in ("max", "l2")}, rel=1e-6)
+
+
 def test_capture_filters_select_by_type_name_and_method():
     batches = make_batches(2, batch_size=8)
     by_type = flaxhooks.ActivationStats(every=1, collections=(), capture=nn.Dense)
@@ -146,9 +230,12 @@ def test_capture_filters_select_by_type_name_and_method():
 
 def test_gradient_stats_match_jax_grad_with_explicit_perturbations(devices):
     batches = make_batches(4, batch_size=16)
-    intercepted = flaxhooks.ActivationGradStats(every=3, perturb=nn.Dense, model_perturbations=False)
-    params, _ = _two_steps_then_one(Tapped(), intercepted, devices, batches)
-    written = flaxhooks.ActivationGradStats(every=3, perturb=None)
+    intercepted = flaxhooks.ActivationGradStats(every=3, perturb=nn.Dense, model_perturbations=False,
+                                                stats="all")
+    default = flaxhooks.ActivationGradStats(every=3, perturb=nn.Dense, model_perturbations=False,
+                                            prefix="default")
+    params, _ = _two_steps_then_one(Tapped(), [intercepted, default], devices, batches)
+    written = flaxhooks.ActivationGradStats(every=3, perturb=None, stats="all")
     params_written, _ = _two_steps_then_one(ExplicitlyPerturbed(), written, devices, batches)
 
     # By hand, as in Flax's guide: the gradient of the batch's mean loss with
@@ -170,10 +257,13 @@ def test_gradient_stats_match_jax_grad_with_explicit_perturbations(devices):
     assert list(intercepted.names) == list(names.values())
     got = intercepted.latest.to_dict()
     got_written = written.latest.to_dict()
+    got_default = default.latest.to_dict()
     for site, name in names.items():
         want = numpy_stats(by_hand[site], l2=True)
         assert_rows(got[name], want, GRADIENT_STATS, name)
         assert_rows(got_written[site], want, GRADIENT_STATS, site)
+        assert_rows(got_default[name], [want[GRADIENT_STATS.index("rms")]], ("rms",), name)
+        assert tuple(got_default[name]) == ("rms",)
 
 
 def test_perturbations_follow_the_batch_size():
@@ -288,7 +378,7 @@ def scanned(variable_axes):
 
 
 def test_scanned_layers_are_logged_per_layer():
-    stats = flaxhooks.ActivationStats(every=2, capture=None)
+    stats = flaxhooks.ActivationStats(every=2, capture=None, stats="all")
     grads = flaxhooks.ActivationGradStats(every=2, perturb=nn.Dense)
     batches = make_batches(2, batch_size=8)
     model = scanned({"params": 0, "intermediates": 0, "perturbations": 0})
@@ -352,9 +442,14 @@ def test_non_finite_values_stop_training_naming_the_step_and_first_module(tmp_pa
     assert counted in message
     if count_nonfinite:
         assert int(message.split("has ")[1].split(" ")[0]) > 0
+    assert "stats/activations/root" in message  # the value's tags
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert "activations/root/nonfinite" in events.Tags()["scalars"]  # flushed at the stop
+    # Flushed at the stop: how many values (entries, when counted) went non-finite at step 1.
+    counter = events.Scalars("stats/activations/nonfinite")[0]
+    assert counter.step == 1 and counter.value >= (1 if not count_nonfinite else 8)
+    assert events.Scalars("stats/activation_grads/nonfinite")[0].value >= 1
+    assert not [t for t in events.Tags()["scalars"] if t.endswith("/nonfinite") and t.count("/") > 2]
 
 
 class SetupDiverging(nn.Module):
@@ -410,11 +505,195 @@ def test_tags_group_by_kind_layer_and_statistic(tmp_path):
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     scalars, histograms = events.Tags()["scalars"], events.Tags()["histograms"]
-    for stat in ACTIVATION_STATS:
-        assert f"activations/hidden/{stat}" in scalars
-    assert "activation_grads/shared/1/l2" in scalars
-    assert [e.step for e in events.Scalars("activations/relu/zero_fraction")] == [2, 4, 6]
-    assert [e.step for e in events.Scalars("activation_grads/head/mean")] == [3, 6]
-    histogram = events.Histograms("activations/relu/histogram")[-1].histogram_value
+    values = ("hidden", "shared/0", "shared/1", "head")
+    want = {f"stats/activations/{v}/{s}" for v in values for s in ("mean", "std")}
+    want |= {f"stats/activations/relu/{s}" for s in ("mean", "std", "zero_fraction")}
+    want |= {f"stats/activation_grads/{v}/rms" for v in values}
+    want |= {"stats/activations/nonfinite", "stats/activation_grads/nonfinite"}
+    assert set(scalars) == want
+    assert set(histograms) == {f"stats/activations/{v}/histogram" for v in (*values, "relu")} | {
+        f"stats/activation_grads/{v}/histogram" for v in values}
+    assert [e.step for e in events.Scalars("stats/activations/relu/zero_fraction")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("stats/activation_grads/head/rms")] == [3, 6]
+    assert [e.value for e in events.Scalars("stats/activations/nonfinite")] == [0, 0, 0]
+    histogram = events.Histograms("stats/activations/relu/histogram")[-1].histogram_value
     assert histogram.num == 8 * 8 and len(histogram.bucket) == 10
-    assert "activation_grads/hidden/histogram" in histograms
+
+
+class RecordingWriter(flaxhooks.Callback):
+    """The fit's writer (a ``WriterCallback``) that keeps the scalars (read at
+    once) and the charts it is given."""
+
+    def __init__(self):
+        self.written: dict[int, dict[str, float]] = {}
+        self.declared: dict[str, dict[str, list[str]]] = {}
+
+    def open_writer(self, loop):
+        return self
+
+    def close_writer(self, loop):
+        pass
+
+    def scalars(self, values, step, prefix="", run=""):
+        values = values() if callable(values) else values
+        self.written.setdefault(step, {}).update({prefix + k: float(v) for k, v in values.items()})
+
+    def charts(self, category, charts, step):
+        self.declared.setdefault(category, {}).update(charts)
+
+    def text(self, tag, text, step=0):
+        pass
+
+    def histograms(self, values, step):
+        pass
+
+    def sync_point(self):
+        done = threading.Event()
+        done.set()
+        return done
+
+
+def test_charts_draw_each_statistic_with_a_line_per_layer_in_execution_order():
+    writer = RecordingWriter()
+    callbacks = [writer, flaxhooks.ActivationStats(every=2), flaxhooks.ActivationGradStats(every=2),
+                 flaxhooks.ActivationStats(every=2, stats=["max"], prefix="extremes"),
+                 flaxhooks.ParamStats(every=2)]
+    sgd_trainer(Tapped(), callbacks=callbacks).fit(make_batches(4, batch_size=8), epochs=1)
+    order = ("hidden", "shared/0", "shared/1", "head", "relu")
+    assert writer.declared["activations"] == {
+        "mean": [f"stats/activations/{v}/mean" for v in order],
+        "std": [f"stats/activations/{v}/std" for v in order],
+        "zero fraction (ReLU outputs)": ["stats/activations/relu/zero_fraction"],
+    }
+    assert writer.declared["activation gradients"] == {
+        "gradient rms": [f"stats/activation_grads/{v}/rms" for v in order[:4]]}
+    assert writer.declared["activations (extremes)"] == {"max": [f"stats/extremes/{v}/max" for v in order]}
+    modules = ("head", "hidden", "shared")
+    assert writer.declared["parameters"] == {
+        "gradient norm": [f"stats/params/{m}/grad_norm" for m in modules],
+        "update ratio": [f"stats/params/{m}/update_ratio" for m in modules],
+    }
+    every_tag = {tag for charts in writer.declared.values() for tags in charts.values() for tag in tags}
+    assert every_tag <= set(writer.written[4])  # every charted tag is written
+
+
+def test_the_recipes_cnn_writes_fewer_than_50_tags(tmp_path):
+    from recipes.models import CNN, cross_entropy_loss
+
+    rng = np.random.default_rng(0)
+    data = [{"image": rng.random((8, 28, 28, 1), dtype=np.float32), "label": rng.integers(0, 10, 8)}
+            for _ in range(2)]
+    callbacks = [flaxhooks.TensorBoard(tmp_path, every=1),
+                 flaxhooks.ActivationStats(every=2, histograms=True),
+                 flaxhooks.ActivationGradStats(every=2, histograms=True), flaxhooks.ParamStats(every=2)]
+    trainer = flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
+    trainer.fit(data, epochs=1)
+    tags: set[str] = set()
+    for run in [tmp_path, *[p for p in tmp_path.iterdir() if p.is_dir()]]:
+        events = EventAccumulator(str(run), size_guidance={"scalars": 0, "histograms": 0})
+        events.Reload()
+        tags |= set(events.Tags()["scalars"]) | set(events.Tags()["histograms"])
+    stats = {t for t in tags if t.startswith("stats/")}
+    layers, relus = ("Conv_0", "Conv_1", "Dense_0", "Dense_1"), ("Conv_0_relu", "Conv_1_relu", "Dense_0_relu")
+    want = {f"stats/activations/{v}/{s}" for v in layers + relus for s in ("mean", "std", "histogram")}
+    want |= {f"stats/activations/{v}/zero_fraction" for v in relus}
+    want |= {f"stats/activation_grads/{v}/{s}" for v in layers for s in ("rms", "histogram")}
+    want |= {f"stats/params/{v}/{s}" for v in layers for s in ("grad_norm", "update_ratio")}
+    want |= {"stats/activations/nonfinite", "stats/activation_grads/nonfinite"}
+    assert stats == want and len(stats) == 42
+    assert len(tags) <= 50, sorted(tags - stats)  # with the training scalars
+    assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
+
+
+# -- the model's output, when it is a module's ----------------------------------------------
+
+
+class ReturnsItsHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(nn.relu(nn.Dense(8, name="hidden")(x)))
+
+
+class Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(3, name="embed")(x)
+        return nn.Dense(3, name="head")(x) + x
+
+
+class NNXReturnsItsHead(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden, self.head = nnx.Linear(5, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.hidden(x)))
+
+
+class NNXResidual(nnx.Module):
+    def __init__(self, rngs):
+        self.embed, self.head = nnx.Linear(5, 3, rngs=rngs), nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        return self.head(x) + x
+
+
+@pytest.mark.parametrize("model, repeated", [
+    (ReturnsItsHead(), True), (Residual(), False),
+    (NNXReturnsItsHead(nnx.Rngs(0)), True), (NNXResidual(nnx.Rngs(0)), False),
+], ids=["linen-returns-head", "linen-residual", "nnx-returns-head", "nnx-residual"])
+def test_the_models_output_is_logged_once(model, repeated):
+    stats, grads = flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1)
+    every = flaxhooks.ActivationStats(every=1, stats="all", prefix="every")
+    every_grad = flaxhooks.ActivationGradStats(every=1, stats="all", prefix="every_grad")
+    trainer = sgd_trainer(model, callbacks=[stats, grads, every, every_grad])
+    trainer.fit(make_batches(2, batch_size=8), steps=1)
+    for callback in (stats, grads, every, every_grad):
+        assert callback.names[-1] == "output"  # found, whatever is logged
+    assert ("output" in stats.latest.names) is not repeated
+    assert ("output" in grads.latest.names) is not repeated
+    assert every.latest.names[-1] == every_grad.latest.names[-1] == "output"  # stats="all": every value
+    if repeated:  # the very same values: the same figures
+        table = every.latest.to_dict()
+        assert table["output"] == table["head"]
+        gradients = every_grad.latest.to_dict()
+        assert gradients["output"] == gradients["head"]
+    assert trainer.runner.traces == {"instrumented_step": 1}
+
+
+# -- per-module parameter figures ---------------------------------------------------------------
+
+
+def test_param_stats_match_a_hand_computed_update(devices):
+    batches = make_batches(4, batch_size=16)
+    params_stats = flaxhooks.ParamStats(every=3)
+    trainer = sgd_trainer(Tapped(), callbacks=[params_stats], devices=devices)
+    before = jax.device_get(trainer.fit(batches, steps=2))
+    trainer.fit(batches, steps=3)
+
+    batch = batches[2]
+    loss = lambda p: cross_entropy(Tapped().apply({"params": p}, batch["image"]), batch)  # noqa: E731
+    grads = jax.grad(loss)(before.params)
+    updates, _ = optax.sgd(0.1, 0.9).update(grads, before.opt_state, before.params)
+    latest = params_stats.latest
+    assert latest.step == 3 and latest.names == ("head", "hidden", "shared")
+    got = latest.to_dict()
+    for module in latest.names:
+        norm = float(optax.tree.norm(grads[module]))
+        ratio = float(optax.tree.norm(updates[module]) / optax.tree.norm(before.params[module]))
+        assert got[module] == pytest.approx({"grad_norm": norm, "update_ratio": ratio}, rel=2e-4)
+    assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
+
+
+def test_param_stats_name_nnx_modules_and_write_their_tags(tmp_path):
+    model = NNXResidual(nnx.Rngs(0))
+    params_stats = flaxhooks.ParamStats(every=1)
+    trainer = flaxhooks.Trainer(model, optax.adam(0.01), cross_entropy,
+                                callbacks=[flaxhooks.TensorBoard(tmp_path, every=10), params_stats])
+    trainer.fit(make_batches(2, batch_size=8), epochs=1)
+    assert params_stats.latest.names == ("embed", "head")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {"stats/params/embed/grad_norm", "stats/params/head/update_ratio"} <= set(events.Tags()["scalars"])
+    ratio = events.Scalars("stats/params/head/update_ratio")
+    assert [e.step for e in ratio] == [1, 2] and all(0 < e.value < 1 for e in ratio)

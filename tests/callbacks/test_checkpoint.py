@@ -25,19 +25,23 @@ EPOCHS = 3  # six steps each
 
 
 def logged(logdir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar TensorBoard reads from ``logdir``: (step, value) per tag,
-    duplicates and all."""
-    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    tags = accumulator.Tags()["scalars"]
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in tags}
+    """Every scalar TensorBoard reads from ``logdir`` and its sub-runs:
+    (step, value) per ``run/tag``, duplicates and all."""
+    found = {}
+    for run in [Path(logdir), *(p for p in Path(logdir).iterdir() if p.is_dir())]:
+        accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            name = tag if run == Path(logdir) else f"{run.relative_to(logdir)}/{tag}"
+            found[name] = [(e.step, e.value) for e in accumulator.Scalars(tag)]
+    return found
 
 
 def assert_same_logs(got: dict, expected: dict) -> None:
     assert sorted(got) == sorted(expected)
     for tag, points in expected.items():
         steps = [step for step, _ in got[tag]]
-        if tag == "train/steps_per_s":  # a timing, logged once a later step has finished
+        if tag == "train/throughput/steps_per_s":  # a timing, logged once a later step has finished
             assert steps == sorted(set(steps)), steps
             continue
         assert steps == [step for step, _ in points], tag  # none missing, none twice
@@ -126,6 +130,25 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     assert states["Evaluate"]["result"]["metrics"] == pytest.approx(
         reference["callbacks"]["Evaluate"]["result"]["metrics"], rel=1e-5)
     assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+
+
+@pytest.mark.parametrize(("error", "resumed_from"), [(signal.SIGINT, 7), (RuntimeError("crash"), 8)],
+                         ids=["ctrl-c-at-step-7", "crash-at-step-9-resumes-from-8"])
+def test_a_resumed_run_logs_the_same_window_means(tmp_path, error, resumed_from):
+    # Training scalars are means over the 4 steps since the last log; the
+    # checkpoints (every 2 steps) fall inside those windows.
+    expected = resume_trainer(tmp_path / "reference", log_every=4)
+    expected.fit(resume_data(), epochs=EPOCHS)
+    fail = FailAt(9 if resumed_from == 8 else 7, error)
+    interrupted = resume_trainer(tmp_path / "run", [fail], log_every=4)
+    with pytest.raises((KeyboardInterrupt, flaxhooks.CallbackError)):
+        interrupted.fit(resume_data(), epochs=EPOCHS)
+    assert interrupted.bus.of(Checkpoint)[0].saved_steps()[-1] == resumed_from
+    resume_trainer(tmp_path / "run", log_every=4).fit(resume_data(), epochs=EPOCHS, resume=True)
+    got = logged(tmp_path / "run" / "tensorboard")
+    reference_logs = logged(tmp_path / "reference" / "tensorboard")
+    assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16]
+    assert_same_logs(got, reference_logs)
 
 
 def test_resume_before_any_checkpoint_starts_afresh_without_doubling_the_logs(tmp_path, reference):

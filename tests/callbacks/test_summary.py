@@ -253,3 +253,42 @@ def test_costs_no_compilation_unless_flops_are_asked(compiles, flops):
         assert compiles == []
     assert summary.parameters == 50
     assert summary.table is not None and ("flops" in summary.table) == flops
+
+
+def nested_trainer(summary: Summary) -> flaxhooks.Trainer:
+    return flaxhooks.Trainer(Nested(), optax.sgd(0.1), loss_fn, devices=jax.local_devices()[:1],
+                             callbacks=[summary])
+
+
+def table_rows(printed: str) -> list[str]:
+    """The lines of the table's box (title and caption left out)."""
+    return [line for line in printed.splitlines() if line and line[0] in "┏┃┡│├└"]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["console", "console_kwargs"])
+def test_off_a_terminal_a_wide_table_is_printed_whole_at_its_natural_width(given):
+    file = io.StringIO()
+    console = Console(file=file)  # not a terminal: rich assumes 80 columns
+    assert not console.is_terminal and console.width == 80
+    summary = Summary(console=console) if given else Summary(console_kwargs={"file": file})
+    trainer = nested_trainer(summary)
+    trainer.fit(batches(1, PER_DEVICE, classes=3), steps=1)
+
+    rows = table_rows(file.getvalue())
+    assert "\x1b[" not in file.getvalue()
+    assert len({len(row) for row in rows}) == 1  # every row whole: none squeezed or wrapped
+    assert len(rows[0]) > 80
+    assert all(row[-1] in "┓┃┩│┤┘" for row in rows)
+    # The natural width: what a width of its own gives it.
+    loop = loop_of(trainer, trainer.init(batches(1, PER_DEVICE, classes=3)[0]))
+    natural = Text.from_ansi(Summary(console_kwargs={"width": 500}).render(loop)).plain
+    assert table_rows(natural) == rows
+
+
+def test_on_a_terminal_the_table_fits_its_width():
+    console = Console(file=io.StringIO(), force_terminal=True, width=80)
+    summary = Summary(console=console)
+    nested_trainer(summary).fit(batches(1, PER_DEVICE, classes=3), steps=1)
+    rows = table_rows(Text.from_ansi(output(console)).plain)
+    assert rows and max(len(row) for row in rows) <= 80
+    assert "Total Parameters" in Text.from_ansi(output(console)).plain

@@ -26,8 +26,31 @@ def read(logdir) -> EventAccumulator:
     return accumulator
 
 
-def scalars(logdir, tag):
-    return [(event.step, event.value) for event in read(logdir).Scalars(tag)]
+def scalars(logdir, tag, run="."):
+    """``(step, value)`` of ``tag`` in ``run``: ``train``, an evaluation's name, or the main run."""
+    return [(event.step, event.value) for event in read(Path(logdir) / run).Scalars(tag)]
+
+
+def records(logdir, plugin):
+    """``(step, tag, summary value)`` of every summary of ``plugin`` in the main run's files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    found = []
+    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == plugin:
+                    found.append((event.step, value.tag, value))
+    return found
+
+
+def layout(logdir):
+    """The latest Custom Scalars layout of the main run: ``[(category, [(title, [tag regex])])]``."""
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    latest = layout_pb2.Layout.FromString(records(logdir, "custom_scalars")[-1][2].tensor.string_val[0])
+    return [(category.title, [(chart.title, list(chart.multiline.tag)) for chart in category.chart])
+            for category in latest.category]
 
 
 class KeepLosses(Callback):
@@ -38,20 +61,75 @@ class KeepLosses(Callback):
         self.losses[loop.step] = loop.host_metrics()["loss"]
 
 
-def test_training_and_eval_scalars_land_with_the_right_steps_and_values(tmp_path):
-    keep = KeepLosses()
+class KeepMetrics(Callback):
+    def __init__(self):
+        self.metrics = {}
+
+    def on_step_end(self, loop):
+        self.metrics[loop.step] = loop.host_metrics()
+
+
+def test_train_and_eval_are_sub_runs_with_the_same_tags_and_train_logs_window_means(tmp_path):
+    keep = KeepMetrics()
     test = make_arrays(40)
     evaluate = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=16)
-    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, every=Every(steps=2)), evaluate, keep])
+    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, every=Every(steps=3)), evaluate, keep])
     trainer.fit(make_batches(4), epochs=2)
-    tags = read(tmp_path).Tags()["scalars"]
-    assert {"train/loss", "train/steps_per_s", "eval/loss", "eval/accuracy"} <= set(tags)
-    logged = scalars(tmp_path, "train/loss")
-    assert [step for step, _ in logged] == [2, 4, 6, 8]
-    for step, value in logged:
-        assert value == pytest.approx(keep.losses[step], rel=1e-6)
-    assert [step for step, _ in scalars(tmp_path, "eval/accuracy")] == [4, 8]
-    assert scalars(tmp_path, "eval/loss")[-1][1] == pytest.approx(evaluate.result.metrics["loss"], rel=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["eval", "train"]  # no stray run
+    train = set(read(tmp_path / "train").Tags()["scalars"])
+    assert train == {"loss", "optimizer/grad_norm", "optimizer/update_ratio", "throughput/steps_per_s"}
+    assert set(read(tmp_path / "eval").Tags()["scalars"]) == {"loss", "accuracy"}
+    assert read(tmp_path).Tags()["scalars"] == []
+    # Each point is the mean over the steps since the previous one (steps 1-3, then 4-6).
+    for tag, name in (("loss", "loss"), ("optimizer/grad_norm", "grad_norm")):
+        logged = scalars(tmp_path, tag, "train")
+        assert [step for step, _ in logged] == [3, 6]
+        for (step, value), first in zip(logged, (1, 4), strict=True):
+            expected = np.mean([keep.metrics[s][name] for s in range(first, step + 1)])
+            assert value == pytest.approx(expected, rel=1e-6), tag
+    assert [step for step, _ in scalars(tmp_path, "accuracy", "eval")] == [4, 8]
+    final = evaluate.result.metrics["loss"]
+    assert scalars(tmp_path, "loss", "eval")[-1][1] == pytest.approx(final, rel=1e-6)
+
+
+def test_the_layout_opens_on_train_and_eval_charts(tmp_path):
+    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, every=2),
+                                     flaxhooks.Evaluate(make_arrays(40), batch_size=16)])
+    trainer.fit(make_batches(4), epochs=1)
+    (category, charts), *_ = layout(tmp_path)
+    assert category == "training"
+    assert charts[:2] == [("loss", ["^loss$"]), ("accuracy", ["^accuracy$"])]  # train and eval runs alike
+    assert [title for title, _ in charts[2:]] == ["optimizer/grad_norm", "optimizer/update_ratio"]
+
+
+def test_the_optimizer_metrics_match_a_hand_computation(tmp_path):
+    import jax
+
+    batches = make_batches(3)
+    keep = KeepMetrics()
+    trainer = flaxhooks.Trainer(MLP(), optax.adam(0.01), cross_entropy, callbacks=[keep],
+                                devices=jax.local_devices()[:1])
+    params = trainer.init(batches[0]).params
+    optimizer = optax.adam(0.01)
+    opt_state = optimizer.init(params)
+    trainer.fit(batches, epochs=1)
+    for step, batch in enumerate(batches, start=1):
+        grads = jax.grad(lambda p, b=batch: cross_entropy(MLP().apply({"params": p}, b["image"]), b))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        def norm(tree):
+            return np.sqrt(sum((np.asarray(x, np.float64) ** 2).sum() for x in jax.tree.leaves(tree)))
+
+        assert keep.metrics[step]["grad_norm"] == pytest.approx(norm(grads), rel=1e-5)
+        assert keep.metrics[step]["update_ratio"] == pytest.approx(norm(updates) / norm(params), rel=1e-5)
+        params = optax.apply_updates(params, updates)
+
+
+def test_a_metric_named_like_the_optimizers_is_a_clear_error():
+    def clashing(logits, batch):
+        return cross_entropy(logits, batch), {"grad_norm": logits.mean()}
+
+    with pytest.raises(flaxhooks.LossError, match="grad_norm"):
+        flaxhooks.Trainer(MLP(), optax.sgd(0.1), clashing).init(make_batches(1)[0])
 
 
 def test_the_learning_rate_of_a_schedule_or_injected_hyperparameters(tmp_path):
@@ -61,26 +139,41 @@ def test_the_learning_rate_of_a_schedule_or_injected_hyperparameters(tmp_path):
                       callbacks=[TensorBoard(tmp_path / "injected", every=Every(steps=2))]).fit(
         make_batches(4), epochs=2)
     # The injected value is the one the latest update used: schedule(step - 1).
-    got = scalars(tmp_path / "injected", "train/learning_rate")
+    got = scalars(tmp_path / "injected", "optimizer/learning_rate", "train")
     assert [s for s, _ in got] == [2, 4, 6, 8]
     np.testing.assert_allclose([v for _, v in got], [float(schedule(s - 1)) for s, _ in got], rtol=1e-6)
 
     given = TensorBoard(tmp_path / "given", every=Every(steps=4), learning_rate=schedule)
     flaxhooks.Trainer(MLP(), optax.sgd(schedule), cross_entropy, callbacks=[given]).fit(
         make_batches(4), epochs=2)
-    got = scalars(tmp_path / "given", "train/learning_rate")
+    got = scalars(tmp_path / "given", "optimizer/learning_rate", "train")
     np.testing.assert_allclose([v for _, v in got], [float(schedule(4)), float(schedule(8))], rtol=1e-6)
 
 
-def test_hyperparameters_are_written_as_text_and_hparams(tmp_path):
+def test_hyperparameters_are_the_main_runs_hparams_session_linked_to_the_eval_metrics(tmp_path):
+    from tensorboard.plugins.hparams import metadata
+
     trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, hparams={"learning_rate": 0.1, "model": "mlp"}),
                                      flaxhooks.Evaluate(make_arrays(20), batch_size=8)])
     trainer.fit(make_batches(2), epochs=1)
+    trainer.fit(make_batches(2), epochs=2)  # written once: TensorBoard reads a run's first record
     text = read(tmp_path).Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| learning_rate | 0.1 |" in text and "| model | mlp |" in text
-    runs = list((tmp_path / "hparams").iterdir())  # the HParams plugin's run, with the final eval metrics
-    assert len(runs) == 1
-    assert "eval/accuracy" in read(runs[0]).Tags()["scalars"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["eval"]  # no HParams run
+    found = {tag: value for _, tag, value in records(tmp_path, "hparams")}
+    assert len(records(tmp_path, "hparams")) == 3
+    start = metadata.parse_session_start_info_plugin_data(
+        found[metadata.SESSION_START_INFO_TAG].metadata.plugin_data.content)
+    parameters = 5 * 8 + 8 + 8 * 3 + 3  # MLP: Dense(8), Dense(3) on 5 features
+    assert {k: v.number_value or v.string_value for k, v in start.hparams.items()} == {
+        "learning_rate": 0.1, "model": "mlp", "parameters": parameters}
+    experiment = metadata.parse_experiment_plugin_data(
+        found[metadata.EXPERIMENT_TAG].metadata.plugin_data.content)
+    metrics = ["results/eval/loss", "results/eval/accuracy"]
+    assert [(m.name.group, m.name.tag) for m in experiment.metric_infos] == [("", tag) for tag in metrics]
+    final = trainer.evaluate(make_arrays(20), batch_size=8).metrics  # the state both fits ended with
+    for tag in metrics:  # the latest evaluation, in the session's own run, where HParams reads it
+        assert scalars(tmp_path, tag)[-1] == (4, pytest.approx(final[tag.split("/")[-1]], rel=1e-6))
 
 
 def test_an_unwritable_logdir_is_a_clear_error_before_training(tmp_path):
@@ -105,7 +198,7 @@ def test_logs_are_flushed_when_training_fails(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(make_batches(5), epochs=1)
     # Read at once, with no close: fit_end flushed the file.
-    assert [step for step, _ in scalars(tmp_path, "train/loss")] == [1, 2, 3]
+    assert [step for step, _ in scalars(tmp_path, "loss", "train")] == [1, 2, 3]
 
 
 def test_a_failing_writer_stops_training_with_a_clear_error(tmp_path, monkeypatch):
@@ -164,7 +257,7 @@ def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):
     tensorboard = TensorBoard(tmp_path, every=Every(steps=1))
     sgd_trainer(callbacks=[Window(), tensorboard]).fit(make_batches(4), epochs=2)
     assert training_thread_reads == []
-    assert len(scalars(tmp_path, "train/loss")) == 8
+    assert len(scalars(tmp_path, "loss", "train")) == 8
 
 
 def _free_port() -> int:
@@ -196,8 +289,8 @@ def test_the_real_tensorboard_server_serves_the_scalars(tmp_path):
         while time.monotonic() < deadline:
             try:
                 tags = _get_json(f"{base}/tags")
-                if tags.get(".", {}).get("train/loss"):
-                    points = _get_json(f"{base}/scalars?tag=train/loss&run=.")
+                if tags.get("train", {}).get("loss"):
+                    points = _get_json(f"{base}/scalars?tag=loss&run=train")
                     if len(points) == 3:  # it may serve a partly loaded run first
                         break
             except OSError:
@@ -205,8 +298,8 @@ def test_the_real_tensorboard_server_serves_the_scalars(tmp_path):
             if server.poll() is not None:
                 pytest.fail(f"tensorboard exited: {server.stderr.read()[-2000:]}")
             time.sleep(0.5)
-        assert tags is not None and "train/loss" in tags["."], tags
-        points = _get_json(f"{base}/scalars?tag=train/loss&run=.")
+        assert tags is not None and "loss" in tags["train"], tags
+        points = _get_json(f"{base}/scalars?tag=loss&run=train")
         assert [p[1] for p in points] == [1, 2, 3]
         np.testing.assert_allclose([p[2] for p in points], [keep.losses[s] for s in (1, 2, 3)], rtol=1e-6)
     finally:
@@ -218,7 +311,8 @@ def test_a_constant_injected_learning_rate_survives_donation(tmp_path):
     injected = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     flaxhooks.Trainer(MLP(), injected, cross_entropy,
                       callbacks=[TensorBoard(tmp_path, every=Every(steps=1))]).fit(make_batches(4), epochs=2)
-    assert scalars(tmp_path, "train/learning_rate") == [(s, pytest.approx(0.1)) for s in range(1, 9)]
+    logged = scalars(tmp_path, "optimizer/learning_rate", "train")
+    assert logged == [(s, pytest.approx(0.1)) for s in range(1, 9)]
 
 
 def test_several_fits_read_back_in_order(tmp_path):
@@ -226,7 +320,7 @@ def test_several_fits_read_back_in_order(tmp_path):
     trainer = sgd_trainer(callbacks=[tensorboard])
     for epochs in (1, 2, 3):  # each fit closes its file; quick fits share a second
         trainer.fit(make_batches(2), epochs=epochs)
-    assert [step for step, _ in scalars(tmp_path, "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in scalars(tmp_path, "loss", "train")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_non_finite_scalars_are_written(tmp_path):
@@ -257,4 +351,4 @@ def test_many_fits_leave_no_threads_or_open_files_behind(tmp_path):
         fit(i)
     assert {t.name for t in threading.enumerate()} <= threads
     assert len(os.listdir("/proc/self/fd")) <= files
-    assert scalars(tmp_path / "tensorboard-5", "eval/loss")[0][0] == 3
+    assert scalars(tmp_path / "tensorboard-5", "loss", "eval")[0][0] == 3

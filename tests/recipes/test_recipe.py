@@ -29,6 +29,21 @@ def test_help_lists_every_option():
     assert "--workdir" in result.stdout
 
 
+def test_help_gives_each_default_once_and_never_breaks_a_name_or_a_default():
+    result = _run_recipe("--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    options = re.split(r"\n(?=  -)", text.split("\noptions:\n")[1])
+    assert len(options) == len(dataclasses.fields(mnist.Config)) + 2  # with --help and --workdir
+    for option in options:
+        assert option.count("(default") <= 1, option
+    assert "(default: None)" not in text
+    assert "(default: runs/mnist)" in text and "(default: 10)" in text
+    assert "(default: --download)" in text and "(default: --no-resume)" in text
+    assert not re.search(r"\(default:\s*\n", text)  # a default stays on its value's line
+    assert not re.search(r"\w-\n", text)  # no name broken at a hyphen (--num-\nprocesses)
+
+
 def test_parse_config_reads_every_option():
     config, workdir = mnist.parse_config(
         ["--epochs", "2", "--batch-size", "64", "--learning-rate", "0.05", "--no-download",
@@ -38,20 +53,26 @@ def test_parse_config_reads_every_option():
     assert (config.download, config.cpu_devices, config.data_dir, workdir) == (False, 2, "/d", "/tmp/x")
 
 
-def test_one_epoch_smoke(tmp_path):
+def test_one_epoch_smoke(tmp_path, capsys):
     config = mnist.Config(epochs=1, download=False, log_every=10, stats_every=10)
     result = mnist.train_and_evaluate(config, tmp_path)
+    assert re.search(r"training on .*, 1 epoch of 31 steps, ", capsys.readouterr().out)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert {"train/loss", "test/accuracy"} <= set(events.Tags()["scalars"])
+    def read(run):
+        events = EventAccumulator(str(tmp_path / "tensorboard" / run))
+        events.Reload()
+        return events
+
+    assert {"loss", "accuracy"} <= set(read("train").Tags()["scalars"])
+    assert {"loss", "accuracy"} <= set(read("eval").Tags()["scalars"])
+    events = read(".")
     assert "model_summary/text_summary" in events.Tags()["tensors"]
-    # Per-layer curves of both kinds, every 10 steps.
-    for tag in ("activations/Conv_0/std", "activations/Conv_1_relu/zero_fraction",
-                "activation_grads/Dense_1/l2", "activation_grads/Conv_0/mean"):
+    # Per-layer curves of the three kinds, every 10 steps.
+    for tag in ("stats/activations/Conv_0/std", "stats/activations/Conv_1_relu/zero_fraction",
+                "stats/activation_grads/Dense_1/rms", "stats/params/Conv_0/update_ratio"):
         assert [e.step for e in events.Scalars(tag)] == [10, 20, 30], tag
-    assert "activations/Dense_0_relu/histogram" in events.Tags()["histograms"]
+    assert "stats/activations/Dense_0_relu/histogram" in events.Tags()["histograms"]
     assert result["examples"] == 1000  # every held-out digit of the bundled sample
     assert result["steps"] == 4000 // 128
     assert result["accuracy"] > 0.6  # one epoch; the 96% target is checked below

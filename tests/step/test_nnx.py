@@ -187,7 +187,7 @@ def _reference_values(model: Twice, x: np.ndarray) -> dict[str, np.ndarray]:
 def test_activation_statistics_equal_numpy_in_call_order(compiles):
     model = Twice(nnx.Rngs(0))
     data = vectors(32)
-    stats = flaxhooks.ActivationStats(every=1)
+    stats = flaxhooks.ActivationStats(every=1, stats="all")  # every statistic of every value
     state = trainer(nnx.clone(model), callbacks=[stats]).fit([data], steps=1)
     assert int(state.step) == 1
     want = _reference_values(model, data["image"])
@@ -205,7 +205,7 @@ def test_activation_statistics_equal_numpy_in_call_order(compiles):
 def test_gradients_of_intermediates_equal_jax_grad_by_hand(devices):
     model = Twice(nnx.Rngs(0))
     data = vectors(32)
-    grads = flaxhooks.ActivationGradStats(every=1)
+    grads = flaxhooks.ActivationGradStats(every=1, stats="all")
     trainer(nnx.clone(model), callbacks=[grads], devices=devices).fit([data], steps=1)
     x, labels = jnp.asarray(data["image"]), {"label": data["label"]}
     first = model.shared(x)
@@ -293,7 +293,7 @@ def test_scan_stacks_warn_that_their_layers_are_seen_through_the_stack():
     expected = r"\['Block', 'Linear'\] ran inside a JAX or NNX transform .* by 'the model' \(ScanStack\)"
     with pytest.warns(UserWarning, match=expected):
         trainer(ScanStack(nnx.Rngs(0)), [stats]).fit(batches(vectors(32), 16), epochs=1)
-    assert stats.latest.names == ("head", "output")
+    assert stats.latest.names == ("head",)  # the model's output is head's: logged once
 
 
 def test_summary_counts_parameters_only_and_is_plain_text():
@@ -327,8 +327,8 @@ def test_the_recipes_nnx_cnn_trains_as_its_linen_cnn_from_the_same_weights():
         for leaf in ("kernel", "bias"):
             np.testing.assert_allclose(np.asarray(ours.params[new][leaf]),
                                        np.asarray(theirs.params[old][leaf]), rtol=1e-5, atol=1e-6)
-    assert stats.latest.names == (
-        "conv_0", "conv_1", "dense_0", "dense_1", "output",
+    assert stats.latest.names == (  # the model's output is dense_1's: logged once
+        "conv_0", "conv_1", "dense_0", "dense_1",
         "conv_0_relu", "conv_1_relu", "dense_0_relu",
     )
 
@@ -387,7 +387,7 @@ def test_raw_jax_transforms_the_models_own_keys_and_merged_filters():
         trainer(model, [linear, named, grads]).fit(batches(vectors(48), 16), epochs=1)
     assert linear.latest.names == ("head",)  # inner's outputs stay inside jax.vmap
     assert named.latest.names == ("head",)  # a path pattern merged with a type filter
-    assert grads.latest.names == ("head", "output", "noisy")
+    assert grads.latest.names == ("head", "noisy")  # the model's output is head's: logged once
     key = jax.random.key(0)
     for _ in range(3):  # the model's own key advanced once per step, not reset
         _, key = jax.random.split(key)

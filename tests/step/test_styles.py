@@ -142,7 +142,7 @@ def test_method_form_scan_logs_as_the_class_form_reduced_over_time():
 
 def test_recurrence_statistics_cover_every_time_step():
     model = RNNClassifier(LOGGED)
-    stats = flaxhooks.ActivationStats(every=1, capture=nn.Dense)
+    stats = flaxhooks.ActivationStats(every=1, capture=nn.Dense, stats=("mean", "rms"))
     trainer = flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, callbacks=[stats])
     state = trainer.init(SEQUENCE)
     trainer.fit([SEQUENCE], steps=1, state=state)
