@@ -140,9 +140,7 @@ class TensorBoard(Callback):
         """The training steps since the last log, summed on the host (waits for the latest step)."""
         if self._latest_totals is None:
             return self._carried
-        start, end = jax.device_get((device0_copy(self._window_start), device0_copy(self._latest_totals)))
-        start = None if start is None else jax.tree.map(lambda x: x[0], start)
-        return combine_windows(self._carried, window_sums(start, jax.tree.map(lambda x: x[0], end)))
+        return _window(self._carried, self._window_start, self._latest_totals)
 
     # -- the fit's writer ------------------------------------------------------
 
@@ -238,10 +236,7 @@ class TensorBoard(Callback):
             return
 
         def window() -> dict[str, Any]:
-            host_start, host_end = jax.device_get((device0_copy(start), device0_copy(end)))
-            first = None if host_start is None else jax.tree.map(lambda x: x[0], host_start)
-            summed = combine_windows(carried, window_sums(first, jax.tree.map(lambda x: x[0], host_end)))
-            return {**_tags(window_means(summed)), **extra}
+            return {**_tags(window_means(_window(carried, start, end))), **extra}
 
         self.writer.scalars(window, loop.step, run=self.TRAIN_RUN)
 
@@ -277,6 +272,13 @@ class TensorBoard(Callback):
             writer.scalars(result.metrics, result.step, run=result.name)
         finally:
             writer.close()
+
+
+def _window(carried: Mapping[str, Any] | None, start: Totals | None, end: Totals) -> dict[str, Any]:
+    """The steps between two replicated totals (``start`` None: the fit's
+    start), on the host, after what an earlier fit or run ``carried`` over."""
+    first, last = jax.tree.map(lambda x: x[0], jax.device_get((device0_copy(start), device0_copy(end))))
+    return combine_windows(carried, window_sums(first, last))
 
 
 def _tags(metrics: Mapping[str, Any]) -> dict[str, Any]:
