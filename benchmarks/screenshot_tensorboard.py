@@ -13,6 +13,8 @@ What it does
         benchmarks/tensorboard.png                  the opened page
         benchmarks/tensorboard_custom_scalars.png   #custom_scalars
         benchmarks/tensorboard_hparams.png          #hparams
+        benchmarks/tensorboard_layers.png           Time Series filtered to the per-layer
+                                                    charts: a line per layer, log10 scales
 
     The server loads the whole logdir before it answers. Each page opens in
     a fresh headless Chromium driven over the DevTools protocol
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -56,11 +59,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Screenshot file name -> the page's URL fragment ("" is the page TensorBoard opens on).
+#: The per-layer statistics' tags (one run per layer draws a line on each), not their histograms or counters.
+LAYER_TAGS = "^stats/(activations|activation_grads|params)/(mean|zero_fraction|log10_[a-z_]+)$"
+#: Screenshot file name -> the page's URL after the server's address ("" is the page TensorBoard opens on).
 PAGES = {
     "tensorboard.png": "",
     "tensorboard_custom_scalars.png": "#custom_scalars",
     "tensorboard_hparams.png": "#hparams",
+    # Time Series showing only the per-layer charts (its tag filter, as a person types it).
+    "tensorboard_layers.png": "?" + urllib.parse.urlencode({"tagFilter": LAYER_TAGS}) + "#timeseries",
 }
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

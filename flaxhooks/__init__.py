@@ -37,6 +37,7 @@ from flaxhooks.core import (
     CallbackError,
     Event,
     Every,
+    FitPlan,
     Loop,
     PeerLost,
     PeerTimeout,
@@ -44,6 +45,7 @@ from flaxhooks.core import (
     StopTraining,
     Trainer,
     TrainingInterrupted,
+    run_directory,
 )
 from flaxhooks.data import (
     ArrayLoader,
@@ -77,6 +79,7 @@ __all__ = [
     "Evaluate",
     "Event",
     "Every",
+    "FitPlan",
     "InstrumentedCallback",
     "LogdirError",
     "LossAccuracy",
@@ -99,8 +102,9 @@ __all__ = [
     "Trainer",
     "TrainingInterrupted",
     "device0_copy",
+    "run_directory",
     "select_modules",
     "use_cpu_devices",
 ]
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

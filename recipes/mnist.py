@@ -6,12 +6,16 @@ recipe splits the CPU into one XLA device per core (``--cpu-devices`` or an
 
 Full MNIST is used when it can be found or downloaded; otherwise the recipe
 says so and trains on the real MNIST sample bundled in ``recipes/data``.
+
+Each run writes into a directory of its own, ``runs/mnist/<the time it
+started>`` (``--workdir`` names another); ``--resume`` goes on with the latest.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import textwrap
@@ -48,7 +52,7 @@ class Config:
 
 
 _HELP = {
-    "api": "the Flax API the CNN is written with, linen or nnx: the same network either way",
+    "api": "the Flax API the CNN is written with: the same network either way",
     "epochs": "passes over the training set",
     "batch_size": "global batch size, split over the devices",
     "eval_batch_size": "evaluation batch size; the last, smaller batch is padded, not dropped",
@@ -69,13 +73,28 @@ _HELP = {
     "checkpoint_every": "save a checkpoint every this many steps, besides each epoch's end and the "
                         "end of training; 0 for only those",
     "keep_checkpoints": "how many of the latest checkpoints to keep",
-    "resume": "go on from the latest checkpoint in the workdir, or start afresh if there is none",
+    "resume": "go on with the latest run under runs/mnist (or the --workdir given) from its latest "
+              "checkpoint; a new run if there is none",
     "coordinator": "several processes: the address (host:port) of process 0, where JAX's coordination "
                    "service runs, with --num-processes and --process-id; or 'auto' to let JAX detect "
                    "all three (SLURM, Cloud TPU, ...)",
     "num_processes": "several processes: how many take part",
     "process_id": "several processes: this one's index, from 0",
 }
+
+#: Options that take one of a few values, and the least value of numeric ones.
+_CHOICES = {"api": ("linen", "nnx")}
+_AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate": 0.0, "log_every": 1,
+             "stats_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1, "cpu_devices": 1,
+             "num_processes": 1, "process_id": 0}
+
+#: Where runs go unless --workdir names a directory: one directory each, named by its start.
+RUNS = Path("runs/mnist")
+
+#: The file in a run's directory that holds the options it was started with.
+OPTIONS = "options.json"
+#: Options that say where and how a run is placed, not what it is: a resumed run may change them.
+_PLACEMENT = ("cpu_devices", "coordinator", "num_processes", "process_id", "resume")
 
 #: The settings runs are compared by in TensorBoard's HParams tab (with the
 #: data and the model's size); the rest (paths, logging, placement) are not results.
@@ -110,11 +129,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         ``workdir/tensorboard``: the ``train`` and ``eval`` sub-runs (loss,
         accuracy, the optimizer's gradient norm and update ratio, as means
         over each logging window), the model summary, the hyperparameters,
-        and every ``stats_every`` steps per-layer statistics
-        (``stats/activations/...``: each module's output and the post-ReLU
-        values the CNN sows; ``stats/activation_grads/...``;
-        ``stats/params/...``), one Custom Scalars chart per statistic.
+        and every ``stats_every`` steps per-layer statistics, one run per
+        layer (``layers/Conv_0``, ``layers/Conv_0_relu`` for the post-ReLU
+        values the CNN sows, ...) with one tag per statistic
+        (``stats/activations/mean``, ``stats/activation_grads/log10_rms``,
+        ``stats/params/log10_update_ratio``, ...), one chart per statistic.
         ``config.profile`` traces steps 10 to 12 for TensorBoard's Profile tab.
+        The options go to ``workdir/options.json`` once the run is accepted.
+        Errors are raised as they are (``main`` turns refusals into one line).
     """
     import jax
     import optax
@@ -129,11 +151,11 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         raise ValueError(f"--api must be one of {sorted(models)}, got {config.api!r}")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     logdir = str(Path(workdir) / "tensorboard")
-    # Says in one logged line why it fell back to the bundled sample, if it did.
-    data = mnist_data.load_mnist(config.data_dir, config.cache_dir, download=config.download)
+    # Why it fell back to the bundled sample, if it did, is said once the run is accepted.
+    data = mnist_data.load_mnist(config.data_dir, config.cache_dir, download=config.download, warn=False)
     processes = jax.process_count()
     if config.batch_size % processes:
-        raise ValueError(f"--batch-size {config.batch_size} does not divide over {processes} processes")
+        raise flaxhooks.BatchError(f"the global batch does not divide over {processes} processes")
     # Each process takes its own share of every global batch.
     train = flaxhooks.ArrayLoader(
         {"image": _images(data.train_images), "label": data.train_labels},
@@ -142,7 +164,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
     evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="eval")
+    lines: list[str] = []  # what runs, said once the Trainer has accepted the run
     callbacks: list[flaxhooks.Callback] = [
+        _run_start(config, workdir, lines),
         evaluation,
         flaxhooks.Summary(depth=1),
         flaxhooks.Progress(every=config.log_every),
@@ -174,11 +198,12 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
     devices = counted(jax.device_count(), f"{trainer.devices[0].platform.upper()} device")
-    say(
-        f"training on {len(data.train_labels)} {data.source} MNIST digits, {devices}{where}, "
-        f"{counted(config.epochs, 'epoch')} of {counted(len(train), 'step')}, the CNN in Flax {config.api}",
-        flush=True,
-    )
+    lines += [
+        *([data.note] if data.source != "full" else []),
+        f"training the Flax {config.api} CNN on {len(data.train_labels)} {data.source} MNIST digits: "
+        f"{counted(config.epochs, 'epoch')} of {counted(len(train), 'step')}",
+        f"{devices}{where}; run directory: {workdir}",
+    ]
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
     final = evaluation.result  # the evaluation at the last epoch's end
     assert final is not None and final.step == int(state.step)
@@ -187,16 +212,91 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         f"({final.examples} {data.source} MNIST test digits, step {int(state.step)})",
         flush=True,
     )
-    say(f"view the run: tensorboard --logdir {logdir}", flush=True)
+    say(_viewing(logdir), flush=True)
     return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
-    """Builds the Config and workdir from command-line arguments.
+def saved_options(workdir: str | Path) -> dict[str, Any] | None:
+    """The options a run in ``workdir`` was started with (None: none saved)."""
+    path = Path(workdir) / OPTIONS
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def resumed_config(config: Config, given: set[str], workdir: str | Path) -> Config:
+    """``config`` for going on with the run in ``workdir``: the options it was
+    started with, except those the command line sets itself."""
+    saved = saved_options(workdir) or {}
+    fields = {field.name for field in dataclasses.fields(Config)}
+    kept = {name: v for name, v in saved.items() if name in fields and name not in given | set(_PLACEMENT)}
+    return dataclasses.replace(config, **kept)
+
+
+def _run_start(config: Config, workdir: str | Path, lines: Sequence[str]) -> Any:
+    """A callback that, once the Trainer has accepted the run (every check
+    before anything is written passed), says what runs (``lines``) and saves
+    the options it runs with into its directory."""
+    import flaxhooks  # here: importing the recipe for --help stays quick
+
+    class RunStart(flaxhooks.Callback):
+        process_zero_only = True
+
+        def on_fit_start(self, loop: flaxhooks.Loop) -> None:
+            print("\n".join(lines), flush=True)
+            options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PLACEMENT}
+            temporary = Path(workdir) / (OPTIONS + ".tmp")
+            temporary.write_text(json.dumps(options, indent=1) + "\n")
+            temporary.replace(Path(workdir) / OPTIONS)
+
+    return RunStart()
+
+
+def _viewing(logdir: str) -> str:
+    """The command that views the run (and every run of the recipe), installing TensorBoard if missing."""
+    import importlib.util
+
+    command = f"tensorboard --logdir {logdir}"
+    if importlib.util.find_spec("tensorboard") is None:
+        command = f'pip install "flaxhooks[tensorboard]" && {command}'
+    runs = Path(logdir).parent.parent
+    every = f"\nor every run side by side: tensorboard --logdir {runs}" if runs == RUNS else ""
+    return f"view this run: {command}{every}"
+
+
+def _at_least(kind: type, least: float) -> Any:
+    """An argparse type: ``kind``, refused below ``least`` with a usage error."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
+    """Builds the Config and workdir (None: a new run directory) from command-line arguments."""
+    args = vars(_parser().parse_args(argv))
+    workdir = args.pop("workdir")
+    return Config(**args), workdir
+
+
+def given_options(argv: Sequence[str] | None = None) -> set[str]:
+    """The Config fields the command line sets itself (the rest take their defaults)."""
+    unset = object()  # argparse sets defaults only on what the namespace lacks
+    names = [field.name for field in dataclasses.fields(Config)]
+    parsed = _parser().parse_args(argv, argparse.Namespace(**dict.fromkeys(names, unset)))
+    return {name for name in names if getattr(parsed, name) is not unset}
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one option per Config field, and ``--workdir``.
 
     Each option's help ends with its default, once: unless it has none or its
     text already says it (``BooleanOptionalAction`` adds one of its own on
-    some Python versions; it is replaced).
+    some Python versions; it is replaced). A usage error shows a one-line
+    usage, then the error.
     """
 
     class Formatter(argparse.HelpFormatter):
@@ -216,22 +316,25 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str]:
 
     parser = argparse.ArgumentParser(
         prog="python -m recipes.mnist", description=__doc__.split("\n\n")[0], formatter_class=Formatter,
+        usage="%(prog)s [options] (see --help)",
     )
-    parser.add_argument("--workdir", default="runs/mnist", metavar="DIR",
-                        help=with_default("where the run writes its files", "--workdir", "runs/mnist"))
-    metavars = {int: "N", float: "X", "data_dir": "DIR", "cache_dir": "DIR", "coordinator": "ADDRESS"}
+    parser.add_argument("--workdir", default=None, metavar="DIR", help=(
+        f"where the run writes its files (default: a new directory under {RUNS} named by the time the run "
+        "starts; with --resume, the latest there)"))
+    metavars = {"data_dir": "DIR", "cache_dir": "DIR", "coordinator": "ADDRESS"}
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
         if field.type == "bool":
             action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
+            metavar = {int: "N", float: "X"}.get(kind) or metavars.get(field.name)
+            if field.name in _AT_LEAST:
+                kind = _at_least(kind, _AT_LEAST[field.name])
             action = parser.add_argument(flag, type=kind, default=field.default,
-                                         metavar=metavars.get(kind) or metavars.get(field.name))
+                                         choices=_CHOICES.get(field.name), metavar=metavar)
         action.help = with_default(_HELP[field.name], flag, field.default)
-    args = vars(parser.parse_args(argv))
-    workdir = args.pop("workdir")
-    return Config(**args), workdir
+    return parser
 
 
 def _join_processes(config: Config) -> None:
@@ -247,22 +350,77 @@ def _join_processes(config: Config) -> None:
         jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
 
 
+def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | None:
+    """What to tell a person whose run was refused, in one line naming the
+    option to change; None when ``error`` is not a refusal (a fault: its
+    traceback is what helps)."""
+    import flaxhooks
+    from flaxhooks.callbacks import CheckpointConflictError, CheckpointError, CheckpointMismatchError
+
+    cause: BaseException | None = error
+    while isinstance(cause, flaxhooks.ProcessError):  # several processes: the refusal behind it
+        cause = cause.__cause__
+    if isinstance(cause, CheckpointConflictError):
+        return (f"{workdir} holds another run (checkpoints up to step {max(cause.steps)}): "
+                "add --resume to go on with it, or leave --workdir out to start a new run in a directory "
+                "of its own")
+    if isinstance(cause, CheckpointMismatchError):
+        started = (saved_options(workdir) or {}).get("api")
+        if started is not None and started != config.api:
+            return (f"the run in {workdir} was started with --api {started}: leave --api out to go on with "
+                    "it, or leave --resume out to start a new run")
+        return (f"the checkpoint in {workdir} does not fit this model: the model changed since it was "
+                "saved; resume it with the options it was started with, or leave --resume out to start a "
+                "new run")
+    if isinstance(cause, (CheckpointError, flaxhooks.LogdirError)):
+        return f"{cause} (--workdir {workdir})"
+    if isinstance(cause, flaxhooks.BatchError):
+        return f"--batch-size {config.batch_size}: {cause}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the recipe from the command line; a refused run is one line on
+    stderr and exit status 2, as a usage error."""
     config, workdir = parse_config(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flaxhooks").setLevel(logging.INFO)
     import flaxhooks  # JAX's backends start only when first used, after this
+    from flaxhooks.core import latest_run
 
-    flaxhooks.use_cpu_devices(config.cpu_devices)
-    if config.coordinator or config.num_processes or config.process_id is not None:
+    several = bool(config.coordinator or config.num_processes or config.process_id is not None)
+    flaxhooks.use_cpu_devices(config.cpu_devices, across_processes=several)
+    if several:
         _join_processes(config)
+    if workdir is None and config.resume and latest_run(RUNS) is None and (RUNS / "checkpoints").is_dir():
+        workdir = str(RUNS)  # a run of flaxhooks 0.5, which wrote into runs/mnist itself
+    new = workdir is None and not (config.resume and latest_run(RUNS) is not None)
+    run = flaxhooks.run_directory(RUNS, resume=config.resume) if workdir is None else Path(workdir)
+    if config.resume:
+        config = resumed_config(config, given_options(argv), run)
     try:
-        train_and_evaluate(config, workdir)
+        train_and_evaluate(config, run)
     except flaxhooks.TrainingInterrupted as interrupted:
-        print(f"{interrupted}; checkpoint saved: continue with\n"
-              f"  python -m recipes.mnist --workdir {workdir} --resume", flush=True)
+        print(f"to go on from step {interrupted.step}:\n  python -m recipes.mnist --workdir {run} --resume",
+              flush=True)
         return 128 + interrupted.signal  # as a shell reports a signal
+    except Exception as error:
+        message = refusal(error, run, config)
+        if message is None:
+            raise
+        if new:
+            _remove_if_empty(run)  # a run that never started leaves no directory to resume
+        print(f"python -m recipes.mnist: error: {message}", file=sys.stderr, flush=True)
+        return 2
     return 0
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Removes ``directory`` if it holds no file, only (empty) directories."""
+    import shutil
+
+    if directory.is_dir() and not any(path.is_file() for path in directory.rglob("*")):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

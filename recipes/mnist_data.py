@@ -22,9 +22,11 @@ import hashlib
 import http.client
 import logging
 import os
+import socket
 import struct
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
 from collections.abc import Sequence
@@ -130,7 +132,16 @@ _IDX_DTYPES = {
 
 
 class MnistUnavailable(Exception):
-    """Full MNIST could not be found locally nor downloaded and verified."""
+    """Full MNIST could not be found locally nor downloaded and verified.
+
+    Attributes:
+        reason: why, in a few words a person reads at a glance (``no network``);
+            the message gives every detail.
+    """
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: == on arrays is elementwise, not a bool
@@ -238,17 +249,44 @@ def fetch(
     found: dict[str, Path] = {}
     for spec in files:
         problems: list[str] = []
+        failures: list[_Failure] = []
         path = _find_local(spec, data_dir, cache, problems)
         if path is None and download:
-            path = _download_from_mirrors(spec, cache, mirrors, timeout, dead_mirrors, problems)
+            path = _download_from_mirrors(spec, cache, mirrors, timeout, dead_mirrors, problems, failures)
         if path is None:
             if not download:
                 problems.append("not found locally and download=False")
-            raise MnistUnavailable(_one_line(f"{spec.name}: " + "; ".join(problems)))
+            raise MnistUnavailable(_one_line(f"{spec.name}: " + "; ".join(problems)),
+                                   _reason(spec, failures, download))
         if problems:
             _log.warning(_one_line(f"using {path} after: " + "; ".join(problems)))
         found[spec.name] = path
     return found
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a mirror did not give a file: ``kind`` is ``offline`` (the host's
+    name did not resolve), ``unreachable``, ``http`` or ``corrupt``."""
+
+    kind: str
+    url: str
+
+
+def _reason(spec: RemoteFile, failures: Sequence[_Failure], download: bool) -> str:
+    """Why ``spec`` could not be had, in a few words."""
+    if not download:
+        return "not found locally, and downloading is off"
+    if not failures:
+        return "no mirror to download from"
+    kinds = {failure.kind for failure in failures}
+    if kinds == {"offline"}:
+        return "no network"
+    if kinds <= {"offline", "unreachable"}:
+        hosts = sorted({urllib.parse.urlsplit(failure.url).hostname or failure.url for failure in failures})
+        return f"cannot reach {', '.join(hosts)}"
+    return f"the download of {spec.name} failed its checks" if "corrupt" in kinds else (
+        f"the mirrors do not serve {spec.name}")
 
 
 def load_mnist(
@@ -259,11 +297,13 @@ def load_mnist(
     mirrors: Sequence[str] = DEFAULT_MIRRORS,
     timeout: float = DEFAULT_TIMEOUT,
     files: Sequence[RemoteFile] = MNIST_FILES,
+    warn: bool = True,
 ) -> MnistData:
     """Load full MNIST, falling back to the bundled sample when it cannot be had.
 
-    On fallback, one warning line on this module's logger says why, and the
-    same line is returned as ``note``.
+    On fallback, one short warning line on this module's logger says why
+    (``no network``; every detail goes to its debug log), and the same line
+    is returned as ``note``.
 
     Args:
         data_dir: Optional directory already holding the four MNIST files.
@@ -273,6 +313,7 @@ def load_mnist(
         timeout: Seconds a single connect or read may block.
         files: The four files in the order train images, train labels, test
             images, test labels; tests pass small fixture files here.
+        warn: Log the fallback's line (else only return it as ``note``).
 
     Returns:
         Full MNIST with ``source == "full"``, or the bundled sample with
@@ -294,8 +335,10 @@ def load_mnist(
         )
     except MnistUnavailable as e:
         sample = load_bundled_sample()
-        note = _one_line(f"full MNIST unavailable ({e}); using the {sample.note}")
-        _log.warning(note)
+        _log.debug("full MNIST unavailable: %s", e)  # every detail, for whoever asks for them
+        note = f"full MNIST unavailable ({e.reason}); using the bundled sample"
+        if warn:
+            _log.warning(note)
         return dataclasses.replace(sample, note=note)
     train_x, train_y, test_x, test_y = (read_idx(paths[spec.name]) for spec in files)
     note = f"full MNIST: {len(train_y)} train / {len(test_y)} test digits"
@@ -377,6 +420,7 @@ def _download_from_mirrors(
     timeout: float,
     dead_mirrors: set[str],
     problems: list[str],
+    failures: list[_Failure],
 ) -> Path | None:
     """Download ``spec`` into ``cache`` from the first mirror that serves it intact."""
     dest = cache / spec.name
@@ -394,11 +438,14 @@ def _download_from_mirrors(
             return dest
         except (_BadDownload, urllib.error.HTTPError) as e:
             problems.append(f"{url}: {e}")
+            failures.append(_Failure("corrupt" if isinstance(e, _BadDownload) else "http", url))
         except (OSError, http.client.HTTPException) as e:
             # Unreachable or dropped connection: don't wait on it for every file.
             dead_mirrors.add(mirror)
             reason = e.reason if isinstance(e, urllib.error.URLError) else e
             problems.append(f"{url}: {type(reason).__name__}: {reason}")
+            offline = isinstance(reason, socket.gaierror)  # the name did not resolve
+            failures.append(_Failure("offline" if offline else "unreachable", url))
     if not mirrors:
         problems.append("no mirrors given")
     return None

@@ -8,7 +8,14 @@ from flaxhooks.callbacks._activations import (
     ParamStats,
     TapStats,
 )
-from flaxhooks.callbacks._checkpoint import Checkpoint, CheckpointError, CheckpointWarning, Restored
+from flaxhooks.callbacks._checkpoint import (
+    Checkpoint,
+    CheckpointConflictError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    Restored,
+)
 from flaxhooks.callbacks._console import ConsoleLog
 from flaxhooks.callbacks._evaluate import EarlyStopping, Evaluate
 from flaxhooks.callbacks._profile import Profile
@@ -20,7 +27,9 @@ __all__ = [
     "ActivationGradStats",
     "ActivationStats",
     "Checkpoint",
+    "CheckpointConflictError",
     "CheckpointError",
+    "CheckpointMismatchError",
     "CheckpointWarning",
     "ConsoleLog",
     "EarlyStopping",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core import Callback, Every, Loop, NonFiniteError, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, NonFiniteError, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
@@ -84,7 +85,7 @@ class InstrumentedCallback(Callback):
         """This callback's result of the step just dispatched (``loop.step``)."""
         raise NotImplementedError
 
-    def on_fit_start(self, loop: Loop) -> None:
+    def check_fit(self, plan: FitPlan) -> None:
         if jax.process_count() > 1 and self.every.seconds is not None:
             raise ValueError(
                 f"{self!r} is due by time, which differs between processes; every process must run "
@@ -129,6 +130,42 @@ def tag(prefix: str, *parts: str) -> str:
     """A statistic's TensorBoard tag, under the ``stats/`` group (which sorts
     after the training and evaluation charts): ``stats/<prefix>/<parts...>``."""
     return "/".join(("stats", prefix, *parts))
+
+
+#: Statistics that span orders of magnitude across layers (a vanishing
+#: gradient is 1,000 times smaller than its neighbour's): TensorBoard gets
+#: their log10, so a chart on its default linear axis shows every layer.
+LOG_SCALE = frozenset({"std", "rms", "l2", "grad_norm", "update_ratio"})
+
+
+def layer_run(name: str) -> str:
+    """The TensorBoard run of one layer's statistics (``layers/<name>``): each
+    layer is a line of its own colour, named in the legend, on every chart."""
+    return f"layers/{name}"
+
+
+def stat_tag(prefix: str, stat: str) -> str:
+    """The tag of a per-layer statistic in its layer's run, e.g.
+    ``stats/activation_grads/log10_rms`` (:data:`LOG_SCALE` statistics as log10).
+
+    Example:
+        >>> stat_tag("activations", "mean"), stat_tag("activation_grads", "rms")
+        ('stats/activations/mean', 'stats/activation_grads/log10_rms')
+    """
+    return tag(prefix, f"log10_{stat}" if stat in LOG_SCALE else stat)
+
+
+def chart_title(stat: str, subject: str = "") -> str:
+    """A chart's title: ``gradient rms (log10)``."""
+    return f"{subject}{_TITLES.get(stat, stat)}{' (log10)' if stat in LOG_SCALE else ''}"
+
+
+_DEPRECATED_TAGS = (
+    "{name}(legacy_tags=True) also writes the per-layer tags of flaxhooks 0.5, "
+    "stats/{prefix}/<layer>/<statistic> in the main run, linear; they go in 0.7. Chart the tag "
+    "stats/{prefix}/<statistic> (log10_<statistic> for std, rms, l2, norms and ratios) of the runs "
+    "layers/<layer> instead: one line per layer."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +242,8 @@ def _choose(stats: StatsSpec, valid: Sequence[str], default: Sequence[str]) -> _
     return _Choice(check_stats(stats, valid))
 
 
-_TITLES = {"zero_fraction": "zero fraction", "nonfinite": "non-finite entries", "l2": "l2 norm"}
+_TITLES = {"zero_fraction": "zero fraction", "nonfinite": "non-finite entries", "l2": "l2 norm",
+           "grad_norm": "gradient norm", "update_ratio": "update ratio"}
 
 
 class _TapStatistics(InstrumentedCallback):
@@ -228,6 +266,7 @@ class _TapStatistics(InstrumentedCallback):
         if_nonfinite: str,
         prefix: str,
         stats: StatsSpec,
+        legacy_tags: bool,
     ):
         if if_nonfinite not in ("stop", "raise", "warn"):
             raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
@@ -242,6 +281,7 @@ class _TapStatistics(InstrumentedCallback):
         self.count_nonfinite = count_nonfinite
         self.if_nonfinite = if_nonfinite
         self.prefix = prefix
+        self.legacy_tags = _legacy_tags(legacy_tags, type(self).__name__, prefix, constructors=2)
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
         #: Every value the taps found (with a model output that repeats a module's), in execution order.
@@ -294,24 +334,21 @@ class _TapStatistics(InstrumentedCallback):
         return "no tapped values"
 
     def charts(self, latest: TapStats) -> dict[str, list[str]]:
-        """One chart per statistic, a line per value in execution order:
-        ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars)."""
+        """One chart per statistic, ``{title: [tag]}`` (TensorBoard's Custom
+        Scalars): its tag in every layer's run, a line per layer."""
         key = (latest.names, latest.logged)
         if self._charts[0] != key:
             found = {}
             for stat in self.stats:
-                title = f"{self.subject}{_TITLES.get(stat, stat)}"
+                title = chart_title(stat, self.subject)
                 if stat == "zero_fraction" and self.choice.zero_fraction_where_relu:
                     title += " (ReLU outputs)"
-                tags = [tag(self.prefix, name, stat)
-                        for i, name in enumerate(latest.names) if stat in latest.statistics(i)]
-                if tags:
-                    found[title] = tags
+                if any(stat in latest.statistics(i) for i in range(len(latest.names))):
+                    found[title] = [stat_tag(self.prefix, stat)]
             self._charts = (key, found)
         return self._charts[1]
 
     def on_fit_start(self, loop: Loop) -> None:
-        super().on_fit_start(loop)
         self._unchecked.clear()
         self._taken.clear()
 
@@ -338,7 +375,7 @@ class _TapStatistics(InstrumentedCallback):
         # The writer ignores an unchanged declaration; each fit opens a new one.
         loop.writers.charts(self.chart_category, self.charts(latest), step)
         # Read on the writer's thread: step outputs are never donated.
-        loop.writers.scalars(lambda: _scalars(latest, self.prefix), step)
+        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix, self.legacy_tags), step)
         if self.bins:
             loop.writers.histograms(lambda: _histograms(latest, self.prefix, self.bins), step)
 
@@ -378,7 +415,7 @@ class _TapStatistics(InstrumentedCallback):
                 how_many = f"{int(count)} {how_many}"
             message = (
                 f"non-finite values at step {step}: the first module, in execution order, whose "
-                f"{what} went non-finite is {module!r} ({tag(self.prefix, stats.names[first])} has "
+                f"{what} went non-finite is {module!r} ({layer_run(stats.names[first])} in TensorBoard has "
                 f"{how_many}); loss = {loss_value}"
             )
         else:
@@ -406,20 +443,27 @@ def _nonfinite(stats: TapStats) -> np.ndarray:
     return stats.table()[:, stats.columns.index("nonfinite")]
 
 
-def _scalars(stats: TapStats, prefix: str) -> dict[str, float]:
-    """One step's statistics as ``{stats/prefix/name/statistic: value}``, and
-    ``stats/prefix/nonfinite``: how many values had NaN or infinite entries
-    (how many entries, when they are counted). Reads the values."""
+def _layer_scalars(stats: TapStats, prefix: str, legacy: bool = False) -> dict[str, dict[str, float]]:
+    """One step's statistics by run (reads the values): ``{layers/<name>:
+    {stat_tag: value}}``, and in the main run ``stats/<prefix>/nonfinite``
+    (how many values had NaN or infinite entries, or how many entries when
+    counted) where the table has that column. ``legacy`` adds the 0.5 tags
+    ``stats/<prefix>/<name>/<statistic>`` (linear) to the main run."""
     table = stats.table()
     column = {c: i for i, c in enumerate(stats.columns)}
-    found = {
-        tag(prefix, name, c): table[i, column[c]]
-        for i, name in enumerate(stats.names)
-        for c in stats.statistics(i)
-    }
-    flags = table[:, column["nonfinite"]]
-    found[tag(prefix, "nonfinite")] = float(np.where(np.isnan(flags), 1.0, flags).sum())
-    return found
+    runs: dict[str, dict[str, float]] = {}
+    main: dict[str, float] = {}
+    with np.errstate(divide="ignore", invalid="ignore"):  # log10(0) is -inf: a dead layer shows
+        for i, name in enumerate(stats.names):
+            row = {c: float(table[i, column[c]]) for c in stats.statistics(i)}
+            runs[layer_run(name)] = {stat_tag(prefix, c): float(np.log10(v)) if c in LOG_SCALE else v
+                                     for c, v in row.items()}
+            if legacy:
+                main.update({tag(prefix, name, c): v for c, v in row.items()})
+    if "nonfinite" in column:
+        flags = table[:, column["nonfinite"]]
+        main[tag(prefix, "nonfinite")] = float(np.where(np.isnan(flags), 1.0, flags).sum())
+    return {**runs, "": main} if main else runs
 
 
 def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]:
@@ -468,14 +512,18 @@ class ActivationStats(_TapStatistics):
     one small array per step leaves the devices. Histograms of the finite
     entries are optional.
 
-    TensorBoard tags are ``stats/<prefix>/<value>/<statistic>``, plus
-    ``stats/<prefix>/nonfinite``: how many values had NaN or infinite entries
-    at that step. A value with such entries gets NaN statistics unless
-    ``count_nonfinite=True``, which counts the entries (then the counter sums
-    them) and leaves them out of the other statistics, at the price of a
-    separate masked pass. The Custom Scalars tab draws one chart per
-    statistic with a line per value, in execution order (category
-    ``activations``). The latest figures are :attr:`latest` and
+    In TensorBoard each value is a run of its own, ``layers/<value>``, with
+    the tags ``stats/<prefix>/<statistic>``: a chart of a statistic draws
+    every layer as a line of its own colour, named in the legend. ``std``
+    and ``rms`` are written as their log10 (``log10_std``), so a layer 1,000
+    times smaller than its neighbour shows on TensorBoard's linear axis. The
+    main run has ``stats/<prefix>/nonfinite``: how many values had NaN or
+    infinite entries at that step. A value with such entries gets NaN
+    statistics unless ``count_nonfinite=True``, which counts the entries
+    (then the counter sums them) and leaves them out of the other
+    statistics, at the price of a separate masked pass. The Custom Scalars
+    tab draws one chart per statistic (category ``activations``). The latest
+    figures (not logarithms) are :attr:`latest` and
     ``loop.published["activations"]``.
 
     If the loss or any value is NaN or infinite, training stops, naming the
@@ -497,6 +545,9 @@ class ActivationStats(_TapStatistics):
             whose iterations share parameters) apart, instead of one value
             over all of them; scans over layers are always logged per layer.
         stats: None (the defaults above), ``"all"``, or statistic names.
+        legacy_tags: also write flaxhooks 0.5's tags,
+            ``stats/<prefix>/<value>/<statistic>`` in the main run, linear
+            (deprecated: they go in 0.7).
 
     Raises:
         ValueError: ``stats`` names an unknown statistic (the message lists them).
@@ -531,10 +582,12 @@ class ActivationStats(_TapStatistics):
         prefix: str = "activations",
         split_steps: bool = False,
         stats: StatsSpec = None,
+        legacy_tags: bool = False,
     ):
         taps = Taps(collections=tuple(collections), capture=as_module_filter(capture),
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats,
+                         legacy_tags)
 
     def _nothing_found(self) -> str:
         return (
@@ -557,10 +610,12 @@ class ActivationGradStats(_TapStatistics):
 
     By default each value logs its ``rms`` (its ``std`` too when the mean is
     about 0, and its ``l2`` norm up to a constant); ``stats`` chooses among
-    those of :class:`ActivationStats` plus ``l2``, or ``"all"``. Tags
-    ``stats/<prefix>/<value>/<statistic>`` and the counter
-    ``stats/<prefix>/nonfinite``; charts in the category ``activation
-    gradients``; the latest figures in ``loop.published["activation_grads"]``.
+    those of :class:`ActivationStats` plus ``l2``, or ``"all"``. Runs
+    ``layers/<value>`` with tags ``stats/<prefix>/<statistic>`` (``rms``,
+    ``std`` and ``l2`` as their log10: ``log10_rms``, where a vanishing
+    gradient shows), the counter ``stats/<prefix>/nonfinite``; charts in
+    the category ``activation gradients``; the latest figures in
+    ``loop.published["activation_grads"]``.
     The model's own output is left out when it is the very output of a module.
 
     Args:
@@ -571,7 +626,7 @@ class ActivationGradStats(_TapStatistics):
         model_perturbations: also log the model's own ``perturb`` sites.
         histograms, bins, count_nonfinite, if_nonfinite: as for :class:`ActivationStats`.
         prefix: the tag prefix and published topic.
-        split_steps: as for :class:`ActivationStats`.
+        split_steps, legacy_tags: as for :class:`ActivationStats`.
         stats: None (``rms``), ``"all"``, or statistic names.
 
     Raises:
@@ -605,10 +660,12 @@ class ActivationGradStats(_TapStatistics):
         prefix: str = "activation_grads",
         split_steps: bool = False,
         stats: StatsSpec = None,
+        legacy_tags: bool = False,
     ):
         taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations,
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats,
+                         legacy_tags)
 
     def _nothing_found(self) -> str:
         return "the model has no perturb sites and perturb selects no module"
@@ -629,13 +686,17 @@ class ParamStats(InstrumentedCallback):
     device shares, and read on the writer's thread. The whole model's
     figures are step metrics already (``grad_norm``, ``update_ratio``).
 
-    Tags ``stats/<prefix>/<module>/grad_norm`` and ``.../update_ratio``;
-    charts in the category ``parameters``; the latest figures in
-    :attr:`latest` and ``loop.published[prefix]`` (a :class:`TapStats`).
+    Runs ``layers/<module>`` with the tags ``stats/<prefix>/log10_grad_norm``
+    and ``.../log10_update_ratio`` (their log10: the ratios of layers that
+    learn at rates 1,000 times apart show on one chart); charts in the
+    category ``parameters``; the latest figures in :attr:`latest` and
+    ``loop.published[prefix]`` (a :class:`TapStats`).
 
     Args:
         every: when to log (steps, or an :class:`Every`).
         prefix: the tag prefix and published topic.
+        legacy_tags: also write flaxhooks 0.5's tags ``stats/<prefix>/<module>/grad_norm``
+            and ``.../update_ratio`` in the main run (deprecated: they go in 0.7).
 
     Example:
         >>> import flaxhooks
@@ -645,9 +706,10 @@ class ParamStats(InstrumentedCallback):
 
     taps = Taps()
 
-    def __init__(self, every: Every | int = 100, *, prefix: str = "params"):
+    def __init__(self, every: Every | int = 100, *, prefix: str = "params", legacy_tags: bool = False):
         self.every = as_every(every)
         self.prefix = prefix
+        self.legacy_tags = _legacy_tags(legacy_tags, type(self).__name__, prefix)
         self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
         #: The modules, in natural order of their names (found while the step is traced).
         self.names: tuple[str, ...] = ()
@@ -662,12 +724,10 @@ class ParamStats(InstrumentedCallback):
         return table
 
     def charts(self) -> dict[str, list[str]]:
-        """A chart of each figure with a line per module: ``{title: [tag, ...]}``."""
+        """A chart of each figure, its tag in every module's run: ``{title: [tag]}``."""
         if self._charts[0] != self.names:
-            titles = {"grad_norm": "gradient norm", "update_ratio": "update ratio"}
-            self._charts = (self.names, {
-                titles[stat]: [tag(self.prefix, name, stat) for name in self.names] for stat in PARAM_STATS
-            })
+            charts = {chart_title(stat): [stat_tag(self.prefix, stat)] for stat in PARAM_STATS}
+            self._charts = (self.names, charts)
         return self._charts[1]
 
     def take(self, loop: Loop, result: Any) -> None:
@@ -677,13 +737,16 @@ class ParamStats(InstrumentedCallback):
         self.latest = latest
         loop.publish(self.prefix, latest)
         loop.writers.charts(self.chart_category, self.charts(), step)
-        loop.writers.scalars(lambda: _scalars_of(latest, self.prefix), step)
+        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix, self.legacy_tags), step)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(every={self.every!r})"
 
 
-def _scalars_of(stats: TapStats, prefix: str) -> dict[str, float]:
-    """``{stats/prefix/name/column: value}`` for every cell (reads the values)."""
-    return {tag(prefix, name, column): value
-            for name, row in stats.to_dict().items() for column, value in row.items()}
+def _legacy_tags(wanted: bool, name: str, prefix: str, constructors: int = 1) -> bool:
+    """``legacy_tags``: warns, at the user's line (``constructors`` frames up),
+    that the 0.5 tags it asks for are deprecated."""
+    if wanted:
+        warnings.warn(_DEPRECATED_TAGS.format(name=name, prefix=prefix), DeprecationWarning,
+                      stacklevel=2 + constructors)
+    return wanted

@@ -23,6 +23,7 @@ from flaxhooks.data import unreplicate
 from flaxhooks.writers import check_writable
 
 if TYPE_CHECKING:
+    from flaxhooks.core import FitPlan
     from flaxhooks.step import TrainState
 
 _log = logging.getLogger("flaxhooks")
@@ -33,6 +34,42 @@ FORMAT = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, read, or used for this model."""
+
+
+class CheckpointConflictError(CheckpointError):
+    """A fresh run's checkpoint directory holds another run's later checkpoints.
+
+    Attributes:
+        directory: the checkpoint directory.
+        steps: the steps of the other run's checkpoints after this run's start.
+        start: the step this run starts from.
+    """
+
+    def __init__(self, directory: str, steps: Sequence[int], start: int):
+        self.directory, self.steps, self.start = directory, list(steps), start
+        super().__init__(
+            f"{directory!r} holds checkpoints of another run (steps {self.steps}) beyond this run's start at "
+            f"step {start}: pass resume=True to go on from them, or use another directory"
+        )
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint holds a train state of another shape than this model and
+    optimizer make: the model or the optimizer changed since it was saved.
+
+    Attributes:
+        path: the checkpoint read.
+        difference: what differs, e.g. ``.params['Dense_0']['kernel'] is
+            float32[32, 10] there and float32[64, 10] here``.
+    """
+
+    def __init__(self, path: str, difference: str):
+        self.path, self.difference = path, difference
+        super().__init__(
+            f"the checkpoint {path!r} does not fit this model and optimizer: {difference}. The model or "
+            "the optimizer changed since it was saved: train this one in another directory, or resume "
+            "with the ones that saved it"
+        )
 
 
 class CheckpointWarning(UserWarning):
@@ -59,6 +96,12 @@ def callback_keys(callbacks: Sequence[Callback]) -> dict[str, Callback]:
         seen[name] = count + 1
         keys[name if count == 0 else f"{name}#{count}"] = callback
     return keys
+
+
+def _shown(path: str) -> str:
+    """``path`` as a person typed it: relative to the working directory when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _checksum(array: np.ndarray) -> int:
@@ -97,17 +140,13 @@ class Restored:
         missing = [p for p in paths if p not in self.leaves]
         unexpected = sorted(set(self.leaves) - set(paths))
         if missing or unexpected:
-            raise CheckpointError(
-                f"the checkpoint {self.path!r} does not fit this model and optimizer: "
-                f"it lacks {missing[:3]} and has {unexpected[:3]} that the train state does not"
-            )
+            raise CheckpointMismatchError(self.path, _leaf_difference(missing, unexpected))
         for path, (_, leaf) in zip(paths, flat, strict=True):
             saved = self.leaves[path]
             if saved.shape != jnp.shape(leaf) or saved.dtype != jnp.result_type(leaf):
-                raise CheckpointError(
-                    f"the checkpoint {self.path!r} holds {path} as {saved.dtype}{list(saved.shape)}; "
-                    f"this train state has {jnp.result_type(leaf)}{list(jnp.shape(leaf))}"
-                )
+                raise CheckpointMismatchError(self.path, (
+                    f"{path} is {saved.dtype}{list(saved.shape)} there and "
+                    f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))} here"))
         return jax.tree_util.tree_unflatten(treedef, [self.leaves[p] for p in paths])
 
     def load_callbacks(self, callbacks: Sequence[Callback]) -> None:
@@ -124,6 +163,17 @@ class Restored:
                 raise CheckpointError(
                     f"{callback!r} cannot load its state from {self.path!r}: {type(error).__name__}: {error}"
                 ) from error
+
+
+def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """What a checkpoint lacks and holds beyond a train state, a few of each."""
+    def few(paths: Sequence[str]) -> str:
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        return ", ".join(paths[:3]) + more
+
+    parts = ([f"this train state has {few(missing)}, which it lacks"] if missing else []) + (
+        [f"it holds {few(unexpected)}, which this train state lacks"] if unexpected else [])
+    return "; ".join(parts)
 
 
 def _this_process_only() -> Any:
@@ -350,31 +400,29 @@ class Checkpoint(Callback):
 
     # -- writing -------------------------------------------------------------
 
+    def check_fit(self, plan: FitPlan) -> None:
+        """Refuses a directory that cannot be written, or that holds another
+        run's checkpoints beyond this run's start (on every process: none goes
+        on alone); checkpoints a resume found unreadable are not another run's."""
+        if jax.process_index() == 0:
+            check_writable(self.directory, "checkpoints", CheckpointError)
+        later = [s for s in self.saved_steps() if s > plan.step]
+        if later and plan.resumed_from != plan.step:
+            raise CheckpointConflictError(self.directory, later, plan.step)
+
     def on_fit_start(self, loop: Loop) -> None:
         self._due = False
         self._boundary = loop.step
-        if jax.process_index() == 0:
-            check_writable(self.directory, "checkpoints", CheckpointError)
-        self._set_aside_later_steps(loop)
+        self._set_aside_unreadable(loop.step)
         self._saved_step = loop.step if loop.step in self.saved_steps() else None
         self._writer = None  # opened afresh: its list of steps may be stale
 
-    def _set_aside_later_steps(self, loop: Loop) -> None:
-        """Checkpoints after the step training starts from are either
-        unreadable ones a resume skipped, set aside as ``unreadable-<step>``,
-        or another run's, which this run must not mix with its own."""
-        step = loop.step
-        later = [s for s in self.saved_steps() if s > step]
-        if not later:
-            return
-        if loop.resumed_from != step:  # on every process: none goes on alone
-            raise CheckpointError(
-                f"{self.directory!r} holds checkpoints of another run (steps {later}) beyond this run's "
-                f"start at step {step}: pass resume=True to go on from them, or use another directory"
-            )
+    def _set_aside_unreadable(self, step: int) -> None:
+        """Checkpoints after a resumed run's start are ones the resume could not
+        read (:meth:`check_fit` refused any other): set aside as ``unreadable-<step>``."""
         if jax.process_index() != 0:
             return
-        for unreadable in later:
+        for unreadable in [s for s in self.saved_steps() if s > step]:
             aside = os.path.join(self.directory, f"unreadable-{unreadable}-{time.time_ns()}")
             os.replace(os.path.join(self.directory, str(unreadable)), aside)
             _log.warning("set the unreadable checkpoint at step %d aside as %s", unreadable, aside)
@@ -561,5 +609,5 @@ class Checkpoint(Callback):
             state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
         ), force=True)
         self._writer.wait_until_finished()
-        _log.info("saved checkpoint at step %d to %s", step, self.directory)
+        _log.info("saved checkpoint at step %d to %s", step, _shown(self.directory))
 

@@ -186,8 +186,8 @@ class _WarningPrinter:
 
 
 class ConsoleLog(Callback):
-    """Prints the step, epoch, steps/s and the latest metrics when due, and
-    every evaluation's results.
+    """Prints the step, epoch, steps/s and the latest metrics when due,
+    every evaluation's results, and why training stopped if it stopped early.
 
     Metrics reach the host only on the steps it prints, and at each epoch's
     end. Process 0 only.
@@ -240,3 +240,7 @@ class ConsoleLog(Callback):
         if loop.exception is None and loop.metrics is not None:
             metrics = format_metrics(loop.host_metrics())
             self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if loop.stop_reason:  # the loop says why it stopped only at debug level: callbacks tell people
+            self._print(f"training stopped at step {loop.step}: {loop.stop_reason}")

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from flaxhooks.core import Callback, Every, Loop, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every
 from flaxhooks.eval import EvalResult, Metrics
 
 
@@ -59,16 +59,19 @@ class Evaluate(Callback):
     def __repr__(self) -> str:
         return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
 
-    def on_fit_start(self, loop: Loop) -> None:
+    def check_fit(self, plan: FitPlan) -> None:
+        """Refuses, before the train step compiles, an eval set that cannot be
+        evaluated (checked on abstract values), and a schedule by time on
+        several processes."""
         if jax.process_count() > 1 and self.every is not None and self.every.seconds is not None:
             raise ValueError(
                 f"{self!r} is due by time, which differs between processes; every process must "
                 "evaluate at the same steps: use Every(steps=N)"
             )
+        plan.check_evaluation(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name)
+
+    def on_fit_start(self, loop: Loop) -> None:
         self._evaluated_step = None  # a new fit: evaluate even at a step seen before
-        # Before the train step compiles: an eval set that cannot be evaluated fails now, not after an epoch.
-        assert loop.evaluate is not None, "set by Trainer.fit"
-        loop.evaluate(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name, check=True)
 
     def on_step_end(self, loop: Loop) -> None:
         if self.every is not None and self.every(loop.step):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from flaxhooks.callbacks._tensorboard import TensorBoard
-from flaxhooks.core import Callback, Loop
+from flaxhooks.core import Callback, FitPlan, Loop
 from flaxhooks.writers import check_writable
 
 _log = logging.getLogger("flaxhooks")
@@ -123,9 +124,11 @@ class Profile(Callback):
     def __repr__(self) -> str:
         return f"Profile({self.logdir!r}, steps={self.steps!r})"
 
-    def on_fit_start(self, loop: Loop) -> None:
+    def check_fit(self, plan: FitPlan) -> None:
         if self.logdir is None:
-            self.logdir = _tensorboard_logdir(loop)
+            self.logdir = _tensorboard_logdir(plan.callbacks)
+
+    def on_fit_start(self, loop: Loop) -> None:
         if isinstance(self.steps, int):
             first = loop.step + self.warmup + 1
             self._span = (first, first + self.steps - 1)
@@ -239,8 +242,8 @@ def _checked_steps(steps: Any) -> int | tuple[int, int]:
     return start, stop
 
 
-def _tensorboard_logdir(loop: Loop) -> str:
-    for callback in loop.callbacks:
+def _tensorboard_logdir(callbacks: Sequence[Any]) -> str:
+    for callback in callbacks:
         if isinstance(callback, TensorBoard):
             return callback.logdir
     raise ValueError(

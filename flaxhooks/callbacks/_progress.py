@@ -18,7 +18,7 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from flaxhooks.callbacks._console import TerminalRedirect, counted, format_metrics, metric_texts, print_line
-from flaxhooks.core import Callback, Every, Rate, as_every
+from flaxhooks.core import Callback, Every, as_every
 from flaxhooks.data import host_scalars
 
 if TYPE_CHECKING:
@@ -68,10 +68,13 @@ class Progress(Callback):
     where their handlers send them.
 
     At ``fit_end``, which runs also after an error or a KeyboardInterrupt, the
-    bar is stopped first (the terminal gets its cursor back), then one summary
-    line is printed: where training ended (and why it stopped early), how
-    fast, and the last step's metrics (the last settled step's after an
-    error). With ``quiet=True`` that summary line is the only output.
+    bar is stopped first (the terminal gets its cursor back), then a summary
+    is printed: where training ended (and why it stopped early), how fast,
+    and the last step's metrics (the last settled step's after an error). On
+    a terminal it is broken between fields to the terminal's width, never
+    inside one; elsewhere it is one line. With ``quiet=True`` the summary is
+    the only output. The bar, the plain lines and the summary give one rate:
+    steps per second since the first step ended (the compilation left out).
 
     The bar's total is ``max_steps``, else ``max_epochs * steps_per_epoch``
     when the data has a length (the smaller one when both are known), else the
@@ -120,7 +123,8 @@ class Progress(Callback):
         self._first_step_pending = False
         self._next_refresh = 0.0
         self._start = (0, 0.0)  # (step, time) at fit_start
-        self._rate = Rate(clock)  # between plain lines
+        self._first: tuple[int, float] | None = None  # (step, time) once the first step ended
+        self._ended: float | None = None  # the time the fit ended
         self._total: int | None = None
         self._metrics: dict[str, float] = {}
         self._metrics_step: int | None = None
@@ -135,7 +139,7 @@ class Progress(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         now = self._clock()
         self._start = (loop.step, now)
-        self._rate.start(loop.step)
+        self._first, self._ended = None, None
         self._next_refresh = now
         self._total = _total(loop)
         self._metrics, self._metrics_step, self._eval = {}, None, ""
@@ -182,6 +186,7 @@ class Progress(Callback):
             self._refresh_bar(loop)
 
     def on_fit_end(self, loop: Loop) -> None:
+        self._ended = self._clock()  # the bar's last frame and the summary give the same times and rate
         try:
             # The last step's own metrics (training is over: waiting for it costs nothing), so a
             # run stopped for a NaN shows it; after an error, only a settled step's.
@@ -199,7 +204,7 @@ class Progress(Callback):
     def _first_step_done(self, loop: Loop) -> None:
         """Ends the compiling phase: its spinner gives way to a line and the bar."""
         self._first_step_pending = False
-        self._rate.start(loop.step)  # plain lines' rates leave the compilation out
+        self._first = (loop.step, self._clock())  # rates leave the compilation out
         if self.quiet:
             return
         seconds = self._clock() - self._start[1]
@@ -250,13 +255,14 @@ class Progress(Callback):
     def _bar_fields(self, task: Task) -> list[_Field]:
         """What the bar shows after the bar itself, each with its priority."""
         total = "?" if task.total is None else str(int(task.total))
-        speed = task.speed
+        speed = self._speed(int(task.completed))
         fields = [
             _Field(f"{int(task.completed)}/{total}", keep=(6, 0), style="progress.download"),
             _Field("? steps/s" if speed is None else f"{speed:.1f} steps/s", keep=(4, 0),
                    style="progress.data.speed"),
-            _Field(_clock_text(self._clock() - self._start[1]), keep=(2, 0), style="progress.elapsed"),
-            _Field(f"ETA {_clock_text(task.time_remaining)}", keep=(3, 0), style="progress.remaining"),
+            _Field(_clock_text(self._now() - self._start[1]), keep=(2, 0), style="progress.elapsed"),
+            _Field(f"ETA {_clock_text(self._eta(int(task.completed)))}", keep=(3, 0),
+                   style="progress.remaining"),
         ]
         metrics: list[str] = task.fields.get("metrics", [])
         for index, text in enumerate(metrics):
@@ -272,8 +278,8 @@ class Progress(Callback):
         """Brings the settled step's metrics to the host, once per settled step
         (or, with ``last``, the latest step's, waiting for it)."""
         step, metrics = (loop.step, loop.metrics) if last else (loop.settled_step, loop.settled_metrics)
-        if step is None or metrics is None or step == self._metrics_step:
-            return
+        if step is None or metrics is None or (self._metrics_step is not None and step <= self._metrics_step):
+            return  # never back to an older step's metrics than those shown
         self._metrics = host_scalars(metrics)
         self._metrics_step = step
 
@@ -299,19 +305,36 @@ class Progress(Callback):
             return ""
         return f"  {format_metrics(self._metrics)} (step {self._metrics_step})"
 
+    def _speed(self, step: int) -> float | None:
+        """Steps per second since the first step ended (the compilation left
+        out): the one rate the bar, the plain lines and the summary show."""
+        if self._first is None:
+            return None
+        elapsed = self._now() - self._first[1]
+        return (step - self._first[0]) / elapsed if elapsed > 0 and step > self._first[0] else None
+
+    def _now(self) -> float:
+        return self._clock() if self._ended is None else self._ended
+
+    def _eta(self, step: int) -> float | None:
+        speed = self._speed(step)
+        return None if self._total is None or not speed else max(self._total - step, 0) / speed
+
     def _plain_line(self, loop: Loop) -> str:
         self._pull(loop)
-        rate = self._rate(loop.step)
+        speed, eta = self._speed(loop.step), self._eta(loop.step)
         line = f"{self._position(loop)}{self._metrics_text()}"
-        if rate is not None:
-            line += f"  {rate:.1f} steps/s"
-            if self._total is not None and rate > 0:
-                line += f"  ETA {_duration(max(self._total - loop.step, 0) / rate)}"
+        if speed is not None:
+            line += f"  {speed:.1f} steps/s"
+        if eta is not None:
+            line += f"  ETA {_duration(eta)}"
         return line
 
     def _summary(self, loop: Loop) -> str:
+        """Where training ended (and why, if early), how fast, and the last
+        metrics: one line off a terminal; on one, broken between fields to
+        the terminal's width, never inside one."""
         start_step, start = self._start
-        elapsed = self._clock() - start
         steps = loop.step - start_step
         if loop.exception is not None:
             how = f"stopped by {type(loop.exception).__name__} at"
@@ -319,12 +342,18 @@ class Progress(Callback):
             how = f"stopped ({loop.stop_reason}) at"
         else:
             how = "done:"
-        rate = f", {steps / elapsed:.1f} steps/s" if elapsed > 0 and steps else ""
-        line = f"{how} {self._position(loop)}  ({counted(steps, 'step')} in {_duration(elapsed)}{rate})"
-        line += self._metrics_text()
+        speed = self._speed(loop.step)
+        rate = f", {speed:.1f} steps/s" if speed is not None else ""
+        fields = [f"{how} {self._position(loop)}",
+                  f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
+        if self._metrics_step is not None:
+            texts = metric_texts(self._metrics)
+            fields += [*texts[:-1], f"{texts[-1]} (step {self._metrics_step})"] if texts else []
         if self._eval:
-            line += f"  | {self._eval}"
-        return line
+            fields.append(f"| {self._eval}")
+        if not self.console.is_terminal:
+            return "  ".join(fields)
+        return "\n".join(_wrap_fields(fields, self.console.width - 1))
 
     def _print(self, text: str) -> None:
         print_line(self.console, text)
@@ -423,6 +452,23 @@ class _OneLineProgress(_RichProgress):
     def get_renderables(self) -> Iterable[RenderableType]:
         for task in self.tasks:
             yield _OneLine(functools.partial(self._line, task))
+
+
+def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[str]:
+    """``fields`` two spaces apart, in lines no wider than ``width``, broken
+    only between fields (a field wider than a line gets one of its own).
+
+    Example:
+        >>> _wrap_fields(["done: step 8/8", "loss 0.1", "accuracy 0.9"], 26)
+        ['done: step 8/8  loss 0.1', '  accuracy 0.9']
+    """
+    lines: list[str] = []
+    for field in fields:
+        if lines and cell_len(lines[-1]) + 2 + cell_len(field) <= width:
+            lines[-1] += "  " + field
+        else:  # a field that starts a line needs no separator of its own ("| eval ...")
+            lines.append(field if not lines else indent + field.removeprefix("| "))
+    return lines
 
 
 def _total(loop: Loop) -> int | None:

@@ -55,7 +55,9 @@ class Summary(Callback):
             ``console_kwargs``, writing to stdout).
 
     Attributes:
-        table: the rendered table as plain text, once printed (else None).
+        table: the rendered table as plain text, once printed (else None),
+            with a line saying the shapes are one device's share when the
+            batch is split over several.
         parameters: the number of scalars in the model's ``params``, counted
             from the train state (else None).
 
@@ -136,12 +138,26 @@ class Summary(Callback):
 
                 self.console = Console(**self.console_kwargs)
             rendered = Text.from_ansi(self.render(loop))
+            rendered.rstrip()  # the note below sits right under the table
             # Replicated leaves carry a leading device axis; shapes only, no transfer.
             self.parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
-            self.table = rendered.plain
+            shapes = _per_device_note(loop.spec)
+            self.table = rendered.plain.rstrip() + (f"\n{shapes}" if shapes else "")
             self.console.print(rendered, soft_wrap=True)  # as rendered: never wrapped again
+            if shapes:
+                self.console.print(shapes, markup=False, highlight=False, soft_wrap=True)
         if loop.resumed_from:  # the resumed run's first part wrote it
             self._written = True
         if loop.writers and not self._written:
             loop.writers.text(self.tag, f"```\n{self.table.rstrip()}\n```", loop.step)
             self._written = True
+
+
+def _per_device_note(spec: Any) -> str:
+    """What the table's shapes are, when the batch is split over devices."""
+    processes = jax.process_count()  # each process's batch is its share of the global one
+    if spec is None or spec.num_devices * processes == 1:
+        return ""
+    share = spec.batch_size // spec.num_devices
+    return (f"Shapes per device: {share} of the global batch of {spec.batch_size * processes}, split over "
+            f"{spec.num_devices * processes} devices.")

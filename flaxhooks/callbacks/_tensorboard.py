@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxhooks.core import Callback, Every, Loop, Rate, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, Rate, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
@@ -51,7 +51,8 @@ class TensorBoard(Callback):
       ``throughput/steps_per_s``;
     - a Custom Scalars layout whose first category holds these charts, train
       and eval together; the statistics callbacks add theirs after it (one
-      chart per statistic, one line per layer);
+      chart per statistic, a line per layer: each layer is a run of its own,
+      ``layers/<layer>``);
     - the hyperparameters in the Text tab, and in the HParams tab as the main
       run's session, with the model's parameter count, linked to the final
       evaluation metrics (read from the evaluation sub-runs).
@@ -69,8 +70,12 @@ class TensorBoard(Callback):
     every callback writes through it with ``loop.writers`` (on process 0; the
     callback is not registered on others).
 
+    A fresh run started where another run's events are gets one warning:
+    its curves would be drawn over theirs (use :func:`flaxhooks.run_directory`).
+
     Args:
-        logdir: the run directory; checked for writing at once.
+        logdir: the run directory; checked for writing at once, and again
+            before a fit writes anything.
         every: when to write training scalars (default every 50 steps).
         hparams: the run's hyperparameters (numbers, strings, booleans),
             compared across runs in the HParams tab: name the ones that
@@ -119,6 +124,7 @@ class TensorBoard(Callback):
         self._carried: dict[str, Any] | None = None
         self._latest_totals: Totals | None = None
         self._charted: set[str] = set()  # the tags of the training category
+        self._fits = 0  # fits this callback has written
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
@@ -142,11 +148,21 @@ class TensorBoard(Callback):
             return self._carried
         return _window(self._carried, self._window_start, self._latest_totals)
 
+    def check_fit(self, plan: FitPlan) -> None:
+        """Refuses a log directory that cannot be written, before anything is."""
+        check_writable(self.logdir)
+
     # -- the fit's writer ------------------------------------------------------
 
     def open_writer(self, loop: Loop) -> SummaryWriterThread:
         """Opens the writer of a fit (called by the Trainer before ``fit_start``)."""
         check_writable(self.logdir)
+        if loop.resumed_from is None and loop.step == 0 and not self._fits and _holds_events(self.logdir):
+            # A fresh run (the fit accepted: said now, not for a run that is refused).
+            _log.warning(
+                "TensorBoard: %s already holds another run's events, and this run's curves will be drawn "
+                "over them: give each run a directory of its own (flaxhooks.run_directory)", self.logdir)
+        self._fits += 1
         self.close()  # a fit that never reached its end (killed between fits)
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
@@ -272,6 +288,11 @@ class TensorBoard(Callback):
             writer.scalars(result.metrics, result.step, run=result.name)
         finally:
             writer.close()
+
+
+def _holds_events(logdir: str) -> bool:
+    """Whether ``logdir`` or a run under it has an event file."""
+    return any("tfevents" in name for _, _, names in os.walk(logdir) for name in names)
 
 
 def _window(carried: Mapping[str, Any] | None, start: Totals | None, end: Totals) -> dict[str, Any]:

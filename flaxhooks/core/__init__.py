@@ -6,8 +6,10 @@ from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, St
 from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._plan import FitPlan
 from flaxhooks.core._processes import PeerLost, PeerTimeout, ProcessError
 from flaxhooks.core._restore import Restorer, SavedRun
+from flaxhooks.core._runs import latest_run, run_directory
 from flaxhooks.core._schedule import Every, Rate, as_every
 from flaxhooks.core._signals import TrainingInterrupted
 from flaxhooks.core._trainer import Trainer
@@ -20,6 +22,7 @@ __all__ = [
     "Event",
     "Every",
     "Fit",
+    "FitPlan",
     "HookBus",
     "Loop",
     "PeerLost",
@@ -35,4 +38,6 @@ __all__ = [
     "TrainingInterrupted",
     "as_every",
     "handlers_of",
+    "latest_run",
+    "run_directory",
 ]

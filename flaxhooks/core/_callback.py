@@ -10,6 +10,7 @@ from flaxhooks.core._events import EVENTS
 
 if TYPE_CHECKING:
     from flaxhooks.core._loop import Loop
+    from flaxhooks.core._plan import FitPlan
 
 
 class NonFiniteError(FloatingPointError):
@@ -63,6 +64,10 @@ class Callback:
     single argument, the :class:`~flaxhooks.Loop`. Handlers run in ascending
     ``order`` (ties keep registration order).
 
+    A callback that can refuse a fit (a directory holding another run, data
+    that cannot be evaluated) does it in :meth:`check_fit`, which runs before
+    anything is written or compiled.
+
     A callback that holds state a resumed run needs (counters, best values,
     logging positions) returns it from :meth:`state_dict` and takes it back
     in :meth:`load_state_dict`; :class:`~flaxhooks.Checkpoint` saves it with
@@ -94,6 +99,17 @@ class Callback:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def check_fit(self, plan: FitPlan) -> None:
+        """Refuses the fit ``plan`` describes by raising, before anything of it
+        is written (logs, summaries, checkpoints) or compiled.
+
+        Runs on every process the callback is registered on, after the data's
+        first batch and the checkpoint to resume are read; the error reaches
+        the caller of ``fit`` as it is (on several processes, on every
+        process), so it should name the cause and the fix. The default does
+        nothing.
+        """
 
     def state_dict(self) -> dict[str, Any] | None:
         """What a resumed run must get back, as JSON-serializable values.

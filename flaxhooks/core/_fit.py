@@ -66,8 +66,8 @@ class Fit:
         finally:
             loop.writers = Writers()
             _closed(Writers.close(writer_callbacks, loop), loop)
-        if loop.stop_reason:
-            _log.info("training stopped at step %d: %s", loop.step, loop.stop_reason)
+        if loop.stop_reason:  # Progress and ConsoleLog say it to people
+            _log.debug("training stopped at step %d: %s", loop.step, loop.stop_reason)
 
     def _epoch(self, source: DataSource, host: Iterator[HostBatch]) -> None:
         loop, bus, stops = self.loop, self.bus, self.stops
@@ -96,7 +96,8 @@ class Fit:
         loop.epoch_done = completed or loop.epoch_step == loop.steps_per_epoch
         if loop.step == steps_before and not loop.should_stop:
             if not source.one_shot:
-                stops.defer(loop, EmptyDataError(f"epoch {loop.epoch} of the training data yielded no batch"))
+                empty = EmptyDataError(f"epoch {loop.epoch + 1} of the training data yielded no batch")
+                stops.defer(loop, empty)
             else:
                 loop.stop("the data iterator is exhausted")
 

@@ -25,7 +25,9 @@ class Loop:
         state: the replicated train state after the latest step. The next
             step consumes it (its buffers are donated): copy what you keep.
         step: optimizer steps completed (counting steps of a resumed state).
-        epoch: the current epoch, from 0.
+        epoch: the index of the current epoch, from 0 (as ``data(epoch)``
+            takes it). Whatever a person reads counts epochs from 1, as the
+            progress bar does: print ``loop.epoch + 1``.
         epoch_step: batches taken so far in the current epoch.
         epoch_done: whether the current epoch's data ran out (set before
             ``epoch_end``), as opposed to training stopping inside it.

@@ -57,6 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+
 if TYPE_CHECKING:
     from flaxhooks.core._loop import Loop
 
@@ -788,4 +790,24 @@ def stops_for(timeout: float) -> LocalStops:
     """The agreement a fit needs: local with one process, agreed with several."""
     if jax.process_count() == 1:
         return LocalStops()
+    _warn_of_a_small_cpu_pool()
     return AgreedStops(Peers(timeout))
+
+
+_warned_of_pool: list[bool] = []
+
+
+def _warn_of_a_small_cpu_pool() -> None:
+    """Once: several CPU devices per process, with collectives across processes,
+    on a pool of XLA:CPU threads too small for them can deadlock a step."""
+    devices = jax.local_devices()
+    if _warned_of_pool or devices[0].platform != "cpu" or len(devices) == 1:
+        return
+    pool, needed = cpu_pool_size(len(devices)), cpu_threads_needed(len(devices))
+    if pool < needed:
+        _warned_of_pool.append(True)
+        _log.warning(
+            "XLA's CPU client runs this process's %d devices on a pool of %d threads, too few for "
+            "collectives across processes: a step can deadlock. Set PJRT_NPROC=%d in the environment before "
+            "JAX starts (flaxhooks.use_cpu_devices(..., across_processes=True) does it)",
+            len(devices), pool, needed)

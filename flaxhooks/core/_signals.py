@@ -42,10 +42,9 @@ def stop_on_signals(loop: Loop) -> Iterator[None]:
             raise KeyboardInterrupt
         loop.interrupted = signum
         loop.stop(f"interrupted by {signal.Signals(signum).name}")
-        _log.warning(
-            "%s: stopping at the next step boundary (%d steps done); signal again to stop at once",
-            signal.Signals(signum).name, loop.step,
-        )
+        again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
+        _log.warning("%s: stopping at the next step boundary (%s to stop at once)",
+                     signal.Signals(signum).name, again)
 
     signums = (signal.SIGINT, signal.SIGTERM)
     previous = [signal.signal(signum, handle) for signum in signums]

@@ -18,6 +18,7 @@ from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
 from flaxhooks.core._fit import Fit, Start
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._plan import FitPlan, check_fit
 from flaxhooks.core._processes import stops_for
 from flaxhooks.core._restore import restore_latest
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
@@ -50,9 +51,8 @@ class Trainer:
             modules also get NNX's own switch (``train()`` / ``eval()``).
         eval_model: a Linen model's eval-mode twin (same parameters), for a
             mode set in a config (see the README, "Your model").
-        rng_names: RNG streams a Linen model uses, each given a different key
-            per step and per device, and per batch in evaluation (an NNX
-            module has its own ``nnx.Rngs``).
+        rng_names: RNG streams a Linen model uses, each given a key per step and device, and per
+            batch in evaluation (an NNX module has its own ``nnx.Rngs``).
         seed: seeds initialization and the per-step keys.
         devices: local devices to train on (default: all; leave it out on several processes).
         state_collections: the collections carried from step to step besides ``params``
@@ -141,8 +141,7 @@ class Trainer:
         return plan
 
     def init(self, batch: HostBatch) -> TrainState:
-        """Checks ``batch`` on abstract values (before anything compiles) and
-        builds the initial train state from its layout.
+        """Checks ``batch`` on abstract values, then builds the initial train state for its layout.
 
         Raises:
             BatchError: the batch does not fit the devices, the model or the loss.
@@ -153,9 +152,8 @@ class Trainer:
         self, data: Any, *, batch_size: int | None = None, metrics: Metrics | None = None,
         name: str = "eval", state: TrainState | None = None, check: bool = False,
     ) -> EvalResult | None:
-        """Evaluates every example of ``data`` exactly once, in inference mode.
-
-        Emits ``eval_start`` (an ``EvalStart``) and ``eval_end`` (the :class:`EvalResult` it returns).
+        """Evaluates every example of ``data`` exactly once, in inference mode, emitting
+        ``eval_start`` (an ``EvalStart``) and ``eval_end`` (the :class:`EvalResult` it returns).
 
         Args:
             data: a dict of equal-length arrays, or an iterable of host batches of any sizes.
@@ -243,8 +241,7 @@ class Trainer:
         loop.emit = lambda event, payload=None: self.bus.emit(event, loop, payload)
         if start.restored is not None and start.restored.stop_reason:
             loop.stop(f"the checkpointed run had stopped: {start.restored.stop_reason}")
-        self.bus.defer = stops.defer if stops.several else None
-        self.bus.failure = stops.failed
+        self.bus.defer, self.bus.failure = (stops.defer if stops.several else None), stops.failed
         error: BaseException | None = None
         try:
             with stop_on_signals(loop):
@@ -267,8 +264,7 @@ class Trainer:
         return final
 
     def _prepare(self, source: DataSource, state: TrainState | None, resume: bool) -> Start:
-        """Everything ``fit`` checks before compiling: the save to resume, the
-        position in the data, the first batch, its layout, the state."""
+        """Everything ``fit`` reads and checks before writing or compiling anything."""
         restored = restore_latest(self.callbacks) if resume else None
         last = self._last if state is None and restored is None else None  # continuing the last fit
         if restored is not None:
@@ -278,13 +274,12 @@ class Trainer:
             epoch, skip = source.position(step, last[1] if last else None)
         batches = source.epoch(epoch, skip)
         first = next(batches, None)
-        if first is None:
-            raise EmptyDataError(f"the training data yielded no batch (epoch {epoch}, after {skip} batches)")
+        if first is None:  # epochs are counted from 1 where a person reads them
+            raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
         plan = None
         if restored is not None:
             state = restored.train_state(self._plan(first).abstract)
             restored.load_callbacks(self.callbacks)
-            _log.info("resuming from step %d (%s)", restored.step, restored.path)
         elif state is None and last is None:
             plan = self._plan(first)  # built once every process agrees on it
         else:
@@ -294,6 +289,11 @@ class Trainer:
                               replicated=state is None)
         spec = cast(BatchSpec, self.batch_spec)  # set by _plan or above
         resumed = (restored.step if restored else 0) if resume else None
+        one_device = plan.abstract if plan else state
+        check_fit(self.callbacks, FitPlan.of(step, epoch, resumed, one_device, self._replicated, spec,
+                                             self.model, self.callbacks, self.evaluations))
+        if restored is not None:  # said once nothing refuses the run
+            _log.info("resuming from step %d (%s)", restored.step, restored.path)
         record = {"layout": f"{spec.describe()} over {spec.num_devices} devices", "length": source.length,
                   "start": [step, epoch, skip], "resumed": resumed}
         return Start(record, first, batches, step, epoch, skip, state, plan, restored)

@@ -9,7 +9,15 @@ from flaxhooks.data._batches import (
     HostBatch,
     check_layout,
 )
-from flaxhooks.data._devices import device0_copy, first_replica, host_scalars, unreplicate, use_cpu_devices
+from flaxhooks.data._devices import (
+    cpu_pool_size,
+    cpu_threads_needed,
+    device0_copy,
+    first_replica,
+    host_scalars,
+    unreplicate,
+    use_cpu_devices,
+)
 from flaxhooks.data._pipeline import Data, DataSource, DevicePrefetch
 
 __all__ = [
@@ -22,6 +30,8 @@ __all__ = [
     "EmptyDataError",
     "HostBatch",
     "check_layout",
+    "cpu_pool_size",
+    "cpu_threads_needed",
     "device0_copy",
     "first_replica",
     "host_scalars",

@@ -13,6 +13,10 @@ import numpy as np
 HostBatch = Mapping[str, np.ndarray]
 
 
+#: The batch keys a Trainer passes to the model unless ``input_keys`` names others.
+DEFAULT_INPUT_KEYS = ("image",)
+
+
 class BatchError(ValueError):
     """A batch that the train step cannot take; raised before anything compiles."""
 
@@ -39,9 +43,9 @@ def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np
     """
     if not isinstance(batch, Mapping) or not batch:
         raise BatchError(f"a batch must be a non-empty dict of arrays, got {type(batch).__name__}")
-    for key in required_keys:
-        if key not in batch:
-            raise BatchError(f"batch has no key {key!r} (its keys: {sorted(batch)})")
+    missing = [key for key in required_keys if key not in batch]
+    if missing:
+        raise BatchError(_missing_inputs(missing, tuple(required_keys), sorted(batch)))
     arrays = {key: _as_array(key, value) for key, value in batch.items()}
     first_key = next(iter(arrays))
     size = arrays[first_key].shape[0]
@@ -52,6 +56,17 @@ def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np
                 f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
             )
     return arrays, size
+
+
+def _missing_inputs(missing: Sequence[str], required: tuple[str, ...], keys: Sequence[str]) -> str:
+    """Says which of the model's inputs a batch lacks, and how to name them."""
+    which = "the model's input by default" if required == DEFAULT_INPUT_KEYS else "what the model takes"
+    others = [key for key in keys if key not in required and key not in ("label", "labels")]
+    example = repr(tuple(others)) if 0 < len(others) <= len(required) else "(...)"
+    return (
+        f"the batch has no key {', '.join(map(repr, missing))}, {which} (input_keys={required!r}); its keys "
+        f"are {list(keys)}: pass Trainer(input_keys={example}) to name the keys the model takes"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

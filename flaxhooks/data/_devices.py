@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,15 +13,52 @@ import numpy as np
 _XLA_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def use_cpu_devices(count: int | None = None) -> int | None:
+#: What XLA's CPU client sizes its thread pool by, in this order; else the cores.
+_POOL_SIZE_VARIABLES = ("PJRT_NPROC", "NPROC")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads_needed(devices: int) -> int:
+    """The threads XLA's CPU client needs in its pool to run a computation
+    with collectives across processes on ``devices`` local devices: the
+    launches of the next computation (one per device) can hold pool threads
+    while this one's executions (one per device) wait for each other, so
+    two per device and one spare."""
+    return 2 * devices + 1
+
+
+def cpu_pool_size(devices: int) -> int:
+    """The threads of XLA's CPU client pool: ``PJRT_NPROC``, else ``NPROC``,
+    else the cores; at least one per device."""
+    for name in _POOL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return max(int(value), devices)
+    return max(_cores(), devices)
+
+
+def use_cpu_devices(count: int | None = None, *, across_processes: bool = False) -> int | None:
     """Splits the host CPU into ``count`` XLA devices.
 
     Precedence: an explicit ``count``; else a device count already set in
     ``XLA_FLAGS`` (left untouched); else one device per core. Only the CPU
     platform is affected. Call it before any JAX computation runs.
 
+    With several processes (``across_processes``) and several devices per
+    process, a collective across processes can deadlock XLA's CPU client when
+    its thread pool has only one thread per core (2 cores, 2 devices): the
+    next step's launch takes the thread a device's part of the collective
+    needs. So it also sets ``PJRT_NPROC`` (the pool's size) to
+    :func:`cpu_threads_needed`, unless the environment sets it already. On
+    one process this is not needed, and not done: more threads than cores
+    slow XLA:CPU's own work.
+
     Args:
         count: devices to expose, or None for the default above.
+        across_processes: the devices take part in a run of several processes.
 
     Returns:
         The count it set, or None when XLA_FLAGS decides.
@@ -33,12 +71,17 @@ def use_cpu_devices(count: int | None = None) -> int | None:
         >>> flaxhooks.use_cpu_devices(2)  # doctest: +SKIP
         2
     """
+    if count is not None and count < 1:
+        raise ValueError(f"the CPU device count must be at least 1, got {count}")
+    flagged = re.search(rf"{_XLA_COUNT_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    devices = count or (int(flagged.group(1)) if flagged else _cores())
+    if across_processes and devices > 1 and not any(name in os.environ for name in _POOL_SIZE_VARIABLES):
+        # Read when the CPU client starts, after this (its backends are not running yet).
+        os.environ["PJRT_NPROC"] = str(max(_cores(), cpu_threads_needed(devices)))
     if count is None:
         if _XLA_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
             return None
-        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if count < 1:
-        raise ValueError(f"the CPU device count must be at least 1, got {count}")
+        count = devices
     jax.config.update("jax_num_cpu_devices", int(count))
     return int(count)
 

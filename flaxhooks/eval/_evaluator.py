@@ -223,6 +223,8 @@ class Evaluator:
             The number of classes (the outputs' last axis), if the outputs are
             per-example vectors; labels are checked against it.
         """
+        if self.metrics is LossAccuracy and self.label_key is not None and self.label_key not in arrays:
+            raise BatchError(self._no_labels(arrays))
         devices = len(self.devices)
         per_device = math.ceil(len(next(iter(arrays.values()))) / devices)
         batch = {
@@ -236,6 +238,17 @@ class Evaluator:
         if key not in self._checked:
             self._checked[key] = self._trace(variables, state_per_device, batch, arrays)
         return self._checked[key]
+
+    def _no_labels(self, arrays: Mapping[str, np.ndarray]) -> str:
+        """Says that the batch lacks the labels, and how to name them (or do without)."""
+        default = " (the default)" if self.label_key == "label" else ""
+        others = [key for key in arrays if key not in self.model.input_keys]
+        name = repr(others[0]) if len(others) == 1 else "..."
+        return (
+            f"the metrics read class labels under label_key={self.label_key!r}{default}, which the batch "
+            f"lacks (its keys: {list(arrays)}): pass Trainer(label_key={name}) to name them, or "
+            "label_key=None to evaluate the loss alone"
+        )
 
     def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any],
                arrays: Mapping[str, np.ndarray]) -> int | None:
@@ -265,10 +278,13 @@ class Evaluator:
         try:
             jax.eval_shape(jax.vmap(self.eval_step, axis_name=self.axis), replicated, totals, batch)
         except Exception as error:
+            no_labels = self.label_key is not None and self.label_key not in arrays
+            hint = self._no_labels(arrays) if no_labels else (
+                "the default metrics need array logits and integer labels under label_key; pass metrics= "
+                "for other outputs")
             raise BatchError(
                 f"the loss or metrics cannot evaluate the model's outputs on batches of {layout}: "
-                f"{type(error).__name__}: {error} (the default metrics need array logits and "
-                f"integer labels under label_key; pass metrics= for other outputs)"
+                f"{type(error).__name__}: {error} ({hint})"
             ) from error
         outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
@@ -400,7 +416,7 @@ class Evaluations:
             if isinstance(data, Mapping):
                 evaluator.check_labels(check_layout(data, self.model.input_keys)[0], num_classes)
         except (BatchError, EmptyDataError) as error:
-            raise type(error)(f"evaluation {name!r}: {error}") from error
+            raise type(error)(f"evaluation {name!r}: {error}") from error.__cause__  # named once, not twice
 
     def run(self, state: TrainState, step: int, data: Any, batch_size: int | None,
             metrics: Metrics | None, name: str) -> EvalResult:

@@ -64,7 +64,8 @@ def metrics_over_devices(metrics: Mapping[str, jax.Array], axis: str) -> dict[st
 def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     loss, metrics = split_loss(loss_fn(outputs, batch))
     if jnp.shape(loss) != ():
-        raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+        per_example = " (one per example?): return their mean, e.g. `.mean()`" if jnp.ndim(loss) == 1 else ""
+        raise LossError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}{per_example}")
     return loss, metrics
 
 

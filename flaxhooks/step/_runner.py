@@ -115,7 +115,7 @@ class StepRunner:
             if value.shape[1:] != ():
                 raise LossError(
                     f"loss_fn must return a scalar loss and scalar metrics; {name!r} has shape "
-                    f"{value.shape[1:]}"
+                    f"{value.shape[1:]}: return its mean, e.g. `.mean()`"
                 )
         self.metric_names = tuple(metrics)
         if self.contributors:  # the contributors' own errors, raised as they are

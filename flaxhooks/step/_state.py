@@ -68,8 +68,9 @@ def explained(spec: BatchSpec) -> Iterator[None]:
     """Turns a failure to trace the model or loss on batches of ``spec`` into a BatchError."""
     try:
         yield
-    except (BatchError, LossError):
-        raise
+    except (BatchError, LossError) as error:
+        # Raised again from here, outside JAX's trace: without JAX's frames and its note about them.
+        raise type(error)(*error.args) from error.__cause__
     except KeyError as error:
         raise BatchError(
             f"the model or loss_fn reads batch key {error.args[0]!r}, which the batch "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.writers._service import Histogram, Values
+from flaxhooks.writers._service import Histogram, RunValues, Values
 
 _log = logging.getLogger("flaxhooks")
 
@@ -292,6 +292,21 @@ class SummaryWriterThread:
             write_scalars(writer(run), {
                 prefix + name: np.asarray(value).reshape(-1)[0] for name, value in host.items()
             }, step)
+
+        self._submit(job)
+
+    def run_scalars(self, values: RunValues, step: int) -> None:
+        """Writes scalars into several runs at once, ``{run: {tag: value}}``
+        (or a function returning them, called on the writer thread); device
+        arrays are copied on the device first, as for :meth:`scalars`."""
+        if not callable(values):
+            detached = {run: {tag: _detach(v) for tag, v in tags.items()} for run, tags in values.items()}
+            values = lambda: detached  # noqa: E731
+
+        def job(writer: Callable[[str], Any]) -> None:
+            for run, tags in jax.device_get(dict(values())).items():
+                host = {tag: np.asarray(value).reshape(-1)[0] for tag, value in tags.items()}
+                write_scalars(writer(run), host, step)
 
         self._submit(job)
 

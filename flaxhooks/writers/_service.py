@@ -14,6 +14,8 @@ import numpy as np
 #: Values to write: a mapping, or a function returning one. A function is
 #: called off the training thread (where device values are read), once.
 Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+#: Values of several runs: ``{run: {tag: value}}``, or a function returning that.
+RunValues = Mapping[str, Mapping[str, Any]] | Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,12 @@ class Writer(Protocol):
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes ``prefix + name`` for each value (floats or device arrays),
         in the main run or in the sub-run ``run`` (``train``, an evaluation's name)."""
+
+    def run_scalars(self, values: RunValues, step: int) -> None:
+        """Writes scalars into several runs at once, ``{run: {tag: value}}``:
+        one run per layer, say, so that a chart of a tag draws each layer as a
+        line of its own colour, named in the legend. (Optional: a writer
+        without it gets each run's scalars as ``<run>/<tag>``.)"""
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
@@ -160,6 +168,19 @@ class Writers:
             for writer in self.writers:
                 writer.scalars(values, step, prefix, run)
 
+    def run_scalars(self, values: RunValues, step: int) -> None:
+        """Writes scalars into several runs at once, ``{run: {tag: value}}``
+        (or a function returning them, called off the training thread): a
+        chart of a tag then draws one line per run, each of its own colour
+        and named in the legend."""
+        if self.writers:
+            values = _Once(values) if callable(values) else values
+            for writer in self.writers:
+                if hasattr(writer, "run_scalars"):
+                    writer.run_scalars(values, step)
+                else:  # a writer of its own without runs: the run goes into the tag
+                    writer.scalars(lambda: _flattened(values() if callable(values) else values), step)
+
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
         for writer in self.writers:
@@ -191,6 +212,11 @@ class Writers:
         """Set once everything written so far is on disk: a checkpoint waits
         for it before it commits, so the logs up to its step survive a kill."""
         return _AllSet([writer.sync_point() for writer in self.writers])
+
+
+def _flattened(values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``{run: {tag: value}}`` as ``{run/tag: value}``."""
+    return {f"{run}/{tag}" if run else tag: v for run, tags in values.items() for tag, v in tags.items()}
 
 
 def _detached(value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -437,12 +438,12 @@ def test_non_finite_values_stop_training_naming_the_step_and_first_module(tmp_pa
     assert int(trainer.state.step) <= 1 + trainer.runner.max_steps_in_flight
     assert len(caplog.records) == 1  # one report, then the stop
     message = caplog.records[0].getMessage()
-    assert "step 1:" in message and "'root'" in message and "activations/root" in message
+    assert "step 1:" in message and "'root'" in message and "layers/root in TensorBoard" in message
     counted = "NaN or infinite values)" if not count_nonfinite else " NaN or infinite values)"
     assert counted in message
     if count_nonfinite:
         assert int(message.split("has ")[1].split(" ")[0]) > 0
-    assert "stats/activations/root" in message  # the value's tags
+    assert "(layers/root in TensorBoard has" in message  # the value's run
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     # Flushed at the stop: how many values (entries, when counted) went non-finite at step 1.
@@ -495,37 +496,86 @@ def test_raise_mode():
 # -- TensorBoard --------------------------------------------------------------
 
 
-def test_tags_group_by_kind_layer_and_statistic(tmp_path):
+def read_runs(logdir) -> dict[str, EventAccumulator]:
+    """Every run under ``logdir`` (``.`` the main one), read."""
+    runs = {}
+    for path in sorted({Path(p).parent for p in Path(logdir).rglob("*tfevents*")}):
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0})
+        events.Reload()
+        runs[str(path.relative_to(logdir))] = events
+    return runs
+
+
+def test_each_layer_is_a_run_with_a_tag_per_statistic_scales_as_log10(tmp_path):
     callbacks = [
         flaxhooks.TensorBoard(tmp_path, every=100),
         flaxhooks.ActivationStats(every=2, histograms=True, bins=10),
         flaxhooks.ActivationGradStats(every=3, histograms=True),
     ]
     sgd_trainer(Tapped(), callbacks=callbacks).fit(make_batches(6, batch_size=8), epochs=1)
-    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
-    events.Reload()
-    scalars, histograms = events.Tags()["scalars"], events.Tags()["histograms"]
+    runs = read_runs(tmp_path)
     values = ("hidden", "shared/0", "shared/1", "head")
-    want = {f"stats/activations/{v}/{s}" for v in values for s in ("mean", "std")}
-    want |= {f"stats/activations/relu/{s}" for s in ("mean", "std", "zero_fraction")}
-    want |= {f"stats/activation_grads/{v}/rms" for v in values}
-    want |= {"stats/activations/nonfinite", "stats/activation_grads/nonfinite"}
-    assert set(scalars) == want
-    assert set(histograms) == {f"stats/activations/{v}/histogram" for v in (*values, "relu")} | {
-        f"stats/activation_grads/{v}/histogram" for v in values}
-    assert [e.step for e in events.Scalars("stats/activations/relu/zero_fraction")] == [2, 4, 6]
-    assert [e.step for e in events.Scalars("stats/activation_grads/head/rms")] == [3, 6]
-    assert [e.value for e in events.Scalars("stats/activations/nonfinite")] == [0, 0, 0]
-    histogram = events.Histograms("stats/activations/relu/histogram")[-1].histogram_value
+    assert set(runs) == {".", *(f"layers/{v}" for v in (*values, "relu"))}
+    for value in values:
+        assert set(runs[f"layers/{value}"].Tags()["scalars"]) == {
+            "stats/activations/mean", "stats/activations/log10_std", "stats/activation_grads/log10_rms"}
+    relu = runs["layers/relu"]
+    assert set(relu.Tags()["scalars"]) == {
+        "stats/activations/mean", "stats/activations/log10_std", "stats/activations/zero_fraction"}
+    assert [e.step for e in relu.Scalars("stats/activations/zero_fraction")] == [2, 4, 6]
+    assert [e.step for e in runs["layers/head"].Scalars("stats/activation_grads/log10_rms")] == [3, 6]
+    main = runs["."]
+    assert set(main.Tags()["scalars"]) == {"stats/activations/nonfinite", "stats/activation_grads/nonfinite"}
+    assert [e.value for e in main.Scalars("stats/activations/nonfinite")] == [0, 0, 0]
+    # Histograms stay in the main run, one tag per value (TensorBoard draws one histogram per run and tag).
+    histograms = {f"stats/activations/{v}/histogram" for v in (*values, "relu")}
+    histograms |= {f"stats/activation_grads/{v}/histogram" for v in values}
+    assert set(main.Tags()["histograms"]) == histograms
+    histogram = main.Histograms("stats/activations/relu/histogram")[-1].histogram_value
     assert histogram.num == 8 * 8 and len(histogram.bucket) == 10
 
 
-class RecordingWriter(flaxhooks.Callback):
+def test_the_scale_statistics_are_written_as_their_log10_and_the_rest_as_they_are(tmp_path):
+    stats = flaxhooks.ActivationStats(every=2, stats=("mean", "std", "rms", "zero_fraction"))
+    grads, params = flaxhooks.ActivationGradStats(every=2, stats="all"), flaxhooks.ParamStats(every=2)
+    sgd_trainer(Tapped(), callbacks=[flaxhooks.TensorBoard(tmp_path, every=100), stats, grads, params]).fit(
+        make_batches(2, batch_size=8), epochs=1)
+    runs = read_runs(tmp_path)
+    for callback, scale, linear in ((stats, ("std", "rms"), ("mean", "zero_fraction")),
+                                    (grads, ("std", "rms", "l2"), ("mean", "min", "max")),
+                                    (params, ("grad_norm", "update_ratio"), ())):
+        for name, row in callback.latest.to_dict().items():
+            run = runs[f"layers/{name}"]
+            for stat in scale:
+                got = run.Scalars(f"stats/{callback.prefix}/log10_{stat}")[-1].value
+                np.testing.assert_allclose(got, np.log10(row[stat]), rtol=1e-5, err_msg=f"{name} {stat}")
+            for stat in linear:
+                got = run.Scalars(f"stats/{callback.prefix}/{stat}")[-1].value
+                np.testing.assert_allclose(got, row[stat], rtol=1e-6, err_msg=f"{name} {stat}")
+
+
+def test_legacy_tags_write_the_0_5_tags_too_and_are_deprecated(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"ActivationStats\(legacy_tags=True\) also writes .* 0\.7.*"
+                      r"stats/activations/<statistic>.* of the runs layers/<layer>"):
+        stats = flaxhooks.ActivationStats(every=2, legacy_tags=True)
+    with pytest.warns(DeprecationWarning, match="ParamStats"):
+        params = flaxhooks.ParamStats(every=2, legacy_tags=True)
+    sgd_trainer(Tapped(), callbacks=[flaxhooks.TensorBoard(tmp_path, every=100), stats, params]).fit(
+        make_batches(2, batch_size=8), epochs=1)
+    main = read_runs(tmp_path)["."]
+    old = {"stats/activations/relu/zero_fraction", "stats/activations/head/std",
+           "stats/params/head/update_ratio"}
+    assert old <= set(main.Tags()["scalars"])
+    assert main.Scalars("stats/activations/head/std")[-1].value == pytest.approx(
+        stats.latest.to_dict()["head"]["std"], rel=1e-6)  # as in 0.5: not a logarithm
+
+
+class OneRunWriter(flaxhooks.Callback):
     """The fit's writer (a ``WriterCallback``) that keeps the scalars (read at
-    once) and the charts it is given."""
+    once) and the charts it is given, and knows no ``run_scalars``."""
 
     def __init__(self):
-        self.written: dict[int, dict[str, float]] = {}
+        self.written: dict[int, dict[str, dict[str, float]]] = {}  # step -> run -> tag -> value
         self.declared: dict[str, dict[str, list[str]]] = {}
 
     def open_writer(self, loop):
@@ -536,7 +586,8 @@ class RecordingWriter(flaxhooks.Callback):
 
     def scalars(self, values, step, prefix="", run=""):
         values = values() if callable(values) else values
-        self.written.setdefault(step, {}).update({prefix + k: float(v) for k, v in values.items()})
+        written = self.written.setdefault(step, {}).setdefault(run, {})
+        written.update({prefix + k: float(v) for k, v in values.items()})
 
     def charts(self, category, charts, step):
         self.declared.setdefault(category, {}).update(charts)
@@ -553,6 +604,14 @@ class RecordingWriter(flaxhooks.Callback):
         return done
 
 
+class RecordingWriter(OneRunWriter):
+    """``OneRunWriter`` that writes several runs at once."""
+
+    def run_scalars(self, values, step):
+        for run, tags in (values() if callable(values) else values).items():
+            self.scalars(tags, step, run=run)
+
+
 def test_charts_draw_each_statistic_with_a_line_per_layer_in_execution_order():
     writer = RecordingWriter()
     callbacks = [writer, flaxhooks.ActivationStats(every=2), flaxhooks.ActivationGradStats(every=2),
@@ -561,23 +620,37 @@ def test_charts_draw_each_statistic_with_a_line_per_layer_in_execution_order():
     sgd_trainer(Tapped(), callbacks=callbacks).fit(make_batches(4, batch_size=8), epochs=1)
     order = ("hidden", "shared/0", "shared/1", "head", "relu")
     assert writer.declared["activations"] == {
-        "mean": [f"stats/activations/{v}/mean" for v in order],
-        "std": [f"stats/activations/{v}/std" for v in order],
-        "zero fraction (ReLU outputs)": ["stats/activations/relu/zero_fraction"],
+        "mean": ["stats/activations/mean"],
+        "std (log10)": ["stats/activations/log10_std"],
+        "zero fraction (ReLU outputs)": ["stats/activations/zero_fraction"],
     }
     assert writer.declared["activation gradients"] == {
-        "gradient rms": [f"stats/activation_grads/{v}/rms" for v in order[:4]]}
-    assert writer.declared["activations (extremes)"] == {"max": [f"stats/extremes/{v}/max" for v in order]}
-    modules = ("head", "hidden", "shared")
+        "gradient rms (log10)": ["stats/activation_grads/log10_rms"]}
+    assert writer.declared["activations (extremes)"] == {"max": ["stats/extremes/max"]}
     assert writer.declared["parameters"] == {
-        "gradient norm": [f"stats/params/{m}/grad_norm" for m in modules],
-        "update ratio": [f"stats/params/{m}/update_ratio" for m in modules],
+        "gradient norm (log10)": ["stats/params/log10_grad_norm"],
+        "update ratio (log10)": ["stats/params/log10_update_ratio"],
     }
+    # A run per layer (first written in execution order): each a line of its own on each tag's chart.
+    runs = writer.written[4]
+    assert [run for run in runs if run] == [f"layers/{v}" for v in order] + ["layers/shared"]
+    assert set(runs["layers/hidden"]) == {"stats/activations/mean", "stats/activations/log10_std",
+                                          "stats/activation_grads/log10_rms", "stats/extremes/max",
+                                          "stats/params/log10_grad_norm", "stats/params/log10_update_ratio"}
     every_tag = {tag for charts in writer.declared.values() for tags in charts.values() for tag in tags}
-    assert every_tag <= set(writer.written[4])  # every charted tag is written
+    assert every_tag <= {tag for tags in runs.values() for tag in tags}  # every charted tag is written
 
 
-def test_the_recipes_cnn_writes_fewer_than_50_tags(tmp_path):
+def test_a_writer_without_runs_gets_the_layers_run_in_each_tag():
+    writer = OneRunWriter()  # a writer of its own, written before writers had runs
+    sgd_trainer(Tapped(), callbacks=[writer, flaxhooks.ActivationStats(every=2)]).fit(
+        make_batches(2, batch_size=8), epochs=1)
+    written = writer.written[2][""]
+    assert {"layers/head/stats/activations/mean", "layers/relu/stats/activations/zero_fraction",
+            "stats/activations/nonfinite"} <= set(written)
+
+
+def test_the_recipes_cnn_writes_fewer_than_30_tags(tmp_path):
     from recipes.models import CNN, cross_entropy_loss
 
     rng = np.random.default_rng(0)
@@ -589,19 +662,18 @@ def test_the_recipes_cnn_writes_fewer_than_50_tags(tmp_path):
     trainer = flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
     trainer.fit(data, epochs=1)
     tags: set[str] = set()
-    for run in [tmp_path, *[p for p in tmp_path.iterdir() if p.is_dir()]]:
-        events = EventAccumulator(str(run), size_guidance={"scalars": 0, "histograms": 0})
-        events.Reload()
+    for events in read_runs(tmp_path).values():
         tags |= set(events.Tags()["scalars"]) | set(events.Tags()["histograms"])
     stats = {t for t in tags if t.startswith("stats/")}
     layers, relus = ("Conv_0", "Conv_1", "Dense_0", "Dense_1"), ("Conv_0_relu", "Conv_1_relu", "Dense_0_relu")
-    want = {f"stats/activations/{v}/{s}" for v in layers + relus for s in ("mean", "std", "histogram")}
-    want |= {f"stats/activations/{v}/zero_fraction" for v in relus}
-    want |= {f"stats/activation_grads/{v}/{s}" for v in layers for s in ("rms", "histogram")}
-    want |= {f"stats/params/{v}/{s}" for v in layers for s in ("grad_norm", "update_ratio")}
-    want |= {"stats/activations/nonfinite", "stats/activation_grads/nonfinite"}
-    assert stats == want and len(stats) == 42
-    assert len(tags) <= 50, sorted(tags - stats)  # with the training scalars
+    want = {"stats/activations/mean", "stats/activations/log10_std", "stats/activations/zero_fraction",
+            "stats/activation_grads/log10_rms", "stats/params/log10_grad_norm",
+            "stats/params/log10_update_ratio", "stats/activations/nonfinite",
+            "stats/activation_grads/nonfinite"}
+    want |= {f"stats/activations/{v}/histogram" for v in layers + relus}
+    want |= {f"stats/activation_grads/{v}/histogram" for v in layers}
+    assert stats == want and len(stats) == 19
+    assert len(tags) <= 30, sorted(tags - stats)  # with the training scalars
     assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
 
 
@@ -692,8 +764,7 @@ def test_param_stats_name_nnx_modules_and_write_their_tags(tmp_path):
                                 callbacks=[flaxhooks.TensorBoard(tmp_path, every=10), params_stats])
     trainer.fit(make_batches(2, batch_size=8), epochs=1)
     assert params_stats.latest.names == ("embed", "head")
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    assert {"stats/params/embed/grad_norm", "stats/params/head/update_ratio"} <= set(events.Tags()["scalars"])
-    ratio = events.Scalars("stats/params/head/update_ratio")
-    assert [e.step for e in ratio] == [1, 2] and all(0 < e.value < 1 for e in ratio)
+    runs = read_runs(tmp_path)
+    assert {"layers/embed", "layers/head"} <= set(runs)
+    ratio = runs["layers/head"].Scalars("stats/params/log10_update_ratio")
+    assert [e.step for e in ratio] == [1, 2] and all(e.value < 0 for e in ratio)  # ratios below 1

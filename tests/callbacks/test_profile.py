@@ -186,7 +186,7 @@ def test_bad_warmup_and_logdir_are_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(LogdirError, match="profiler traces"):
         Profile(tmp_path / "file" / "run")
-    with pytest.raises(CallbackError, match="no TensorBoard callback"):
+    with pytest.raises(ValueError, match="no TensorBoard callback"):  # refused before the fit starts
         trainer_of(Profile()).fit(make_batches(2), steps=2)
 
 

@@ -106,9 +106,15 @@ def test_totals_count_parameters_not_perturbations(devices):
     printed = output(console)
     assert "Total Parameters: 50" in printed
     assert "\x1b[" not in printed  # not a terminal: plain text
-    # Inputs are one device's share of the batch, called in inference mode.
+    # Inputs are one device's share of the batch, called in inference mode, and the table says so.
     assert f"float32[{PER_DEVICE},{FEATURES}]" in summary.table
     assert "train: False" in summary.table
+    note = (f"Shapes per device: {PER_DEVICE} of the global batch of {PER_DEVICE * len(devices)}, split over "
+            f"{len(devices)} devices.")
+    if len(devices) > 1:
+        assert summary.table.endswith(f"\n{note}") and printed.rstrip().endswith(note)
+    else:
+        assert "Shapes per device" not in printed  # one device: the shapes are the batch's
 
 
 def test_carried_state_is_shown_but_parameters_are_params_only():

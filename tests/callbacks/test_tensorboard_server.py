@@ -36,6 +36,7 @@ pytest.importorskip("tensorboard",
 from benchmarks.screenshot_tensorboard import tensorboard  # noqa: E402  (the same server the screenshots use)
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a recipe run and a real TensorBoard server
 
 #: The evaluation's sub-run: the recipe names its evaluation ``eval``.
 EVAL_RUN = "eval"
@@ -53,8 +54,10 @@ STATISTIC_CATEGORIES = {
     "activation gradients": "stats/activation_grads/",
     "parameters": "stats/params/",
 }
+#: The recipe CNN's values with statistics: its modules' outputs and the post-ReLU values it sows.
+LAYERS = ("Conv_0", "Conv_0_relu", "Conv_1", "Conv_1_relu", "Dense_0", "Dense_0_relu", "Dense_1")
 #: The most tags the default pages may list (over every run, scalars and histograms).
-MAX_TAGS = 50
+MAX_TAGS = 30
 
 RECIPE_TIMEOUT_S = 240
 SERVER_START_TIMEOUT_S = 60
@@ -157,11 +160,12 @@ def _chart_regexes(chart: Mapping[str, Any]) -> list[str]:
     return [series["value"] for series in chart.get("margin", {}).get("series", [])]
 
 
-def test_the_runs_are_the_main_run_train_and_the_evaluation(served: Served) -> None:
+def test_the_runs_are_the_main_run_train_the_evaluation_and_one_per_layer(served: Served) -> None:
     runs = served.get("/data/runs")
-    assert sorted(runs) == sorted([".", "train", EVAL_RUN]), (
-        f"TensorBoard lists the runs {runs}: expected the main run '.', 'train' and '{EVAL_RUN}', "
-        f"no other (no stray hparams run)"
+    expected = [".", "train", EVAL_RUN, *(f"layers/{layer}" for layer in LAYERS)]
+    assert sorted(runs) == sorted(expected), (
+        f"TensorBoard lists the runs {runs}: expected the main run '.', 'train', '{EVAL_RUN}' and one run "
+        f"per layer, no other (no stray hparams run)"
     )
 
 
@@ -205,37 +209,42 @@ def test_custom_scalars_first_category_draws_train_and_eval_together(served: Ser
 
 
 @pytest.mark.parametrize(("title", "prefix"), STATISTIC_CATEGORIES.items(), ids=list(STATISTIC_CATEGORIES))
-def test_custom_scalars_one_chart_per_statistic_with_every_layer(
+def test_custom_scalars_one_chart_per_statistic_a_line_per_layer_run(
     served: Served, title: str, prefix: str
 ) -> None:
     layout = served.get("/data/plugin/custom_scalars/layout")
     categories = {category["title"]: category.get("chart", []) for category in layout.get("category", [])}
-    titles = list(categories)
-    assert title in titles, f"no Custom Scalars category {title!r}"
-    every_tag = set().union(*served.scalar_tags().values())
-    # Per-layer tags only: a category-wide tag (stats/activations/nonfinite) has no layer.
-    logged = {tag for tag in every_tag if tag.startswith(prefix) and "/" in tag[len(prefix):]}
-    assert logged, f"no scalars tagged {prefix}<layer>/<statistic>: {sorted(every_tag)}"
-    by_statistic: dict[str, set[str]] = {}
-    for tag in logged:
-        by_statistic.setdefault(tag.rsplit("/", 1)[1], set()).add(tag)
+    assert title in categories, f"no Custom Scalars category {title!r}"
+    tags_by_run = served.scalar_tags()
+    layer_runs = {run: tags for run, tags in tags_by_run.items() if run.startswith("layers/")}
+    logged = {tag for tags in layer_runs.values() for tag in tags if tag.startswith(prefix)}
+    assert logged, f"no layer run logs a {prefix}<statistic> tag: {layer_runs}"
     drawn: dict[str, str] = {}  # tag -> the chart that draws it
     for chart in categories[title]:
-        tags = _matched(_chart_regexes(chart), every_tag)
-        statistics = {tag.rsplit("/", 1)[1] for tag in tags if tag.startswith(prefix)}
-        assert tags and len(statistics) == 1 and tags <= logged, (
-            f"chart {title}/{chart['title']} should draw one statistic of {prefix}*, draws {sorted(tags)}"
-        )
-        statistic = statistics.pop()
-        assert tags == by_statistic[statistic], (
-            f"chart {title}/{chart['title']} misses layers: {sorted(by_statistic[statistic] - tags)}"
-        )
-        for tag in tags:
-            assert tag not in drawn, f"{tag} is drawn by both {drawn[tag]!r} and {chart['title']!r}"
-            drawn[tag] = chart["title"]
+        regexes = _chart_regexes(chart)
+        tags = _matched(regexes, logged)
+        assert len(tags) == 1, f"chart {title}/{chart['title']} should draw one tag, draws {sorted(tags)}"
+        (tag,) = tags
+        assert tag not in drawn, f"{tag} is drawn by both {drawn[tag]!r} and {chart['title']!r}"
+        drawn[tag] = chart["title"]
+        # A line per layer: the plugin's own route finds the tag in every layer run that logs it.
+        logging_it = {run for run, run_tags in layer_runs.items() if tag in run_tags}
+        for run in logging_it:
+            found: dict[str, Any] = {}
+            for regex in regexes:
+                answer = served.get("/data/plugin/custom_scalars/scalars", run=run, tag=regex)
+                assert answer["regex_valid"], f"invalid regex {regex!r}"
+                found.update(answer["tag_to_events"])
+            assert found.get(tag), f"chart {title}/{chart['title']} draws nothing for {run!r}"
+        if prefix != "stats/activations/" or not tag.endswith("zero_fraction"):
+            assert len(logging_it) >= 4, f"{tag}: only {sorted(logging_it)} (every module should have a line)"
     assert set(drawn) == logged, f"category {title!r} draws no chart of {sorted(logged - set(drawn))}"
-    charts = [chart["title"] for chart in categories[title]]
-    assert len(charts) == len(by_statistic), f"charts {charts} for the statistics {sorted(by_statistic)}"
+
+
+def test_statistics_that_span_orders_of_magnitude_are_charted_as_their_log10(served: Served) -> None:
+    for run in (f"layers/{layer}" for layer in ("Conv_0", "Dense_1")):
+        points = served.get("/data/plugin/scalars/scalars", run=run, tag="stats/activation_grads/log10_rms")
+        assert points and all(-12 < value < 2 for _, _, value in points), (run, points)
 
 
 def _metric(name: Mapping[str, str]) -> tuple[str, str]:
@@ -294,7 +303,7 @@ def test_hparams_when_runs_are_compared_from_their_parent_directory(served_from_
     _check_hparams(served_from_parent, served_from_parent.logdir.name)
 
 
-def test_the_default_pages_list_at_most_50_tags(served: Served) -> None:
+def test_the_default_pages_list_at_most_30_tags(served: Served) -> None:
     tags = set().union(*served.scalar_tags().values())
     for run_tags in served.get("/data/plugin/histograms/tags").values():
         tags |= set(run_tags)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import io
+import itertools
 import logging
 import os
 import pty
@@ -57,14 +58,14 @@ trainer.fit(make_batches(4), epochs=2)
 """
 
 
-def run_in_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
+def run_in_terminal(args: list[str], timeout: float = 120, columns: int = COLUMNS) -> tuple[int, str]:
     """Runs ``args`` with stdin, stdout and stderr on a pseudo-terminal of
-    COLUMNS x ROWS; returns the exit status and every byte it wrote, decoded."""
+    ``columns`` x ROWS; returns the exit status and every byte it wrote, decoded."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "LINES")}
-    env.update(TERM="xterm", COLUMNS=str(COLUMNS))
+    env.update(TERM="xterm", COLUMNS=str(columns))
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, columns, 0, 0))
     process = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env)
     os.close(slave)
     chunks: list[bytes] = []
@@ -181,11 +182,13 @@ class Terminal:
             self.unknown.add(f"CSI {params}{command}")
 
 
-def test_in_an_80_column_terminal_the_bar_stays_one_line_and_logs_print_whole_above_it(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("columns", [80, 100])
+def test_in_a_terminal_the_bar_stays_one_line_and_logs_and_the_summary_print_whole(tmp_path, columns):
     checkpoints = tmp_path / "checkpoints"
-    status, output = run_in_terminal([sys.executable, "-c", FIT, str(checkpoints)])
+    status, output = run_in_terminal([sys.executable, "-c", FIT, str(checkpoints)], columns=columns)
     assert status == 0, output[-3000:]
-    terminal = Terminal(COLUMNS)
+    terminal = Terminal(columns)
     terminal.feed(output)
     assert not terminal.unknown, terminal.unknown
 
@@ -194,17 +197,18 @@ def test_in_an_80_column_terminal_the_bar_stays_one_line_and_logs_print_whole_ab
     lines = terminal.lines()
     assert not any("compiling the train step…" in line for line in lines)
 
-    # Nothing the bar or the spinner drew ever reached the margin.
-    assert not [row for row in terminal.wraps if row.startswith("epoch ") or "compiling" in row]
+    # Nothing the bar, the spinner or the summary drew ever reached the margin: no line wraps mid-word
+    # (but a log line holding a path longer than the terminal: the test's own long checkpoint directory).
+    assert not [row for row in terminal.wraps if str(tmp_path)[:20] not in row], terminal.wraps
     unstyled = re.sub(r"\x1b\[[0-9;]*m", "", output)
     frames = [frame for frame in re.split(r"\r|\n|\x1b\[[0-9;?]*[A-Za-z]", unstyled)
               if frame.startswith("epoch ")]
-    assert len(frames) >= 8 and max(len(frame) for frame in frames) < COLUMNS  # the last column kept blank
+    assert len(frames) >= 8 and max(len(frame) for frame in frames) < columns  # the last column kept blank
     assert any(re.search(r"loss \d", frame) for frame in frames)  # the eval dropped, the loss kept
 
     # What stays on screen: each line whole, one bar (its last frame), no debris of others.
     bars = [line for line in lines if line.startswith("epoch ") or "━" in line]
-    assert len(bars) == 1 and re.match(r"epoch 2/2 ━+ 8/8 ", bars[0]) and len(bars[0]) <= COLUMNS, lines
+    assert len(bars) == 1 and re.match(r"epoch 2/2 ━+ 8/8 ", bars[0]) and len(bars[0]) <= columns, lines
     expected = [
         r"train step compiled: first step done after \d+\.\ds",
         r"a logged warning at step 3",
@@ -218,6 +222,46 @@ def test_in_an_80_column_terminal_the_bar_stays_one_line_and_logs_print_whole_ab
         assert any(re.search(pattern, line) for line in lines), (pattern, lines)
     done = next(i for i, line in enumerate(lines) if line.startswith("done:"))
     assert lines.index(bars[0]) < done  # the bar's last frame, then the summary below it
+    # The summary, broken between fields into lines that fit: the last step's metrics, then the evaluation.
+    summary = [lines[done], *itertools.takewhile(lambda line: line.startswith("  "), lines[done + 1:])]
+    assert len(summary) == (3 if columns == 80 else 2), summary
+    assert all(len(line) < columns for line in summary), summary
+    text = " ".join(summary)
+    assert re.search(r"loss \S+ .*grad_norm \S+ .*update_ratio \S+ \(step 8\)", text), summary
+    assert re.search(r"eval loss \S+  accuracy \S+", text), summary
+    # The rate it gives is the bar's own (the same steps over the same time, the compilation left out).
+    rate = re.search(r"8 steps in \S+, (\d+\.\d) steps/s", summary[0]).group(1)
+    assert f"{rate} steps/s" in bars[0], (rate, bars[0])
+
+
+# Ctrl-C in the middle of an epoch, as a person presses it.
+WARNS = """            warnings.warn("a Python warning at step 3")"""
+CTRL_C = FIT.replace(WARNS, WARNS + """
+        if loop.step == 5:
+            import os, signal
+            os.kill(os.getpid(), signal.SIGINT)""").replace(
+    "trainer.fit(make_batches(4), epochs=2)", """try:
+    trainer.fit(make_batches(4), epochs=2)
+except flaxhooks.TrainingInterrupted as stopped:
+    print(f"to go on from step {stopped.step}: resume")""")
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_once_that_training_stopped_and_where(tmp_path):
+    status, output = run_in_terminal([sys.executable, "-c", CTRL_C, str(tmp_path / "checkpoints")])
+    assert status == 0, output[-3000:]
+    terminal = Terminal(COLUMNS)
+    terminal.feed(output)
+    lines = terminal.lines()
+    assert not [row for row in terminal.wraps if str(tmp_path)[:20] not in row], terminal.wraps
+    said = [line for line in lines if "stop" in line.lower()]
+    assert len(said) == 2, lines  # the signal heard, and where training stopped: once each
+    assert said[0] == "SIGINT: stopping at the next step boundary (press Ctrl-C again to stop at once)"
+    assert re.match(r"stopped \(interrupted by SIGINT\) at step (\d+)/8  epoch 2/2", said[1]), said
+    step = re.match(r"stopped \(interrupted by SIGINT\) at step (\d+)", said[1]).group(1)
+    assert lines[-1] == f"to go on from step {step}: resume"
+    saved = f"saved checkpoint at step {step} to {tmp_path / 'checkpoints'}"
+    assert saved in lines, lines
 
 
 class FakeTTY(io.StringIO):

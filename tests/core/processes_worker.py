@@ -301,13 +301,53 @@ def resume(index: int, count: int, out: str, workdir: str, late: str, timeout: s
     return outcome
 
 
+@scenario
+def run_directories(index: int, count: int, out: str, root: str) -> dict[str, Any]:
+    """Each process asks for a new run directory a second apart, then for the
+    latest; then trains into it twice, the second time refused."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    if index == 1:
+        time.sleep(1.2)  # its own clock would name another directory
+    new = flaxhooks.run_directory(root)
+    latest = flaxhooks.run_directory(root, resume=True)
+    loader = flaxhooks.ArrayLoader(make_arrays(32), batch_size=16 // count, seed=1)
+
+    def trainer() -> Any:
+        return sgd_trainer(callbacks=[flaxhooks.Checkpoint(new / "checkpoints"),
+                                      flaxhooks.TensorBoard(new / "tensorboard", hparams={"lr": 0.1})])
+
+    def files() -> dict[str, str]:
+        import hashlib
+
+        paths = [path for path in sorted(new.rglob("*")) if path.is_file()]
+        return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in paths}
+
+    trainer().fit(loader, epochs=1)
+    say("FIRST DONE")
+    before = files()
+    try:
+        trainer().fit(loader, epochs=1)
+        refused = {"error": None}
+    except Exception as error:  # noqa: BLE001
+        refused = {"error": type(error).__name__, "message": str(error),
+                   "cause": type(error.__cause__).__name__ if error.__cause__ else None}
+    return {"new": str(new), "latest": str(latest), "refused": refused, "unchanged": files() == before,
+            "files": len(before)}
+
+
 def main() -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1)  # where a stuck worker is: kill -USR1
     name, index, count, port, out, *args = sys.argv[1:]
     index, count = int(index), int(count)
-    jax.config.update("jax_num_cpu_devices", 2)
+    import flaxhooks
+
+    # Two devices per process on a 2-core machine: sized so that collectives across processes cannot
+    # starve XLA:CPU's thread pool (PJRT_NPROC).
+    flaxhooks.use_cpu_devices(2, across_processes=True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=index)
     import logging

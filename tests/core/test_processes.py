@@ -25,6 +25,7 @@ import flaxhooks
 from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # several processes
 
 
 def _free_port() -> int:
@@ -235,3 +236,20 @@ def test_a_late_process_delays_a_resume_without_harm_and_a_timeout_names_it(tmp_
     assert "waited 1 s for process 1 to reach the start of fit" in waited["message"]
     assert codes[0] == 1 and codes[1] != 0, timeout.output()
     assert not any(entry.startswith("unreadable") for entry in os.listdir(os.path.join(run, "checkpoints")))
+
+
+def test_run_directories_and_refusals_are_the_same_on_every_process(tmp_path):
+    """Process 0 names the run's directory for all (their clocks would name
+    two); a fit refused before anything is written is refused on every
+    process, and the first run's files stay as they were."""
+    root = tmp_path / "runs"
+    workers = Workers("run_directories", tmp_path / "out", str(root), limit=180)
+    assert workers.finish() == [0, 0], workers.output()
+    results = [workers.result(i) for i in range(2)]
+    assert results[0]["new"] == results[1]["new"] == results[0]["latest"] == results[1]["latest"]
+    assert [p.name for p in root.iterdir()] == [Path(results[0]["new"]).name]
+    for result in results:
+        refused = result["refused"]
+        assert (refused["error"], refused["cause"]) == ("ProcessError", "CheckpointConflictError"), refused
+        assert "holds checkpoints of another run" in refused["message"], refused
+        assert result["unchanged"] and result["files"] > 3, result  # checkpoint and event files, as they were

@@ -5,8 +5,10 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import pytest
 
 import flaxhooks
@@ -35,7 +37,9 @@ def test_a_batch_that_does_not_divide_over_the_devices(compiles):
 def test_a_missing_model_input_key(compiles):
     trainer = sgd_trainer()
     batch = {"pixels": np.zeros((16, 5), np.float32), "label": np.zeros(16, np.int32)}
-    with pytest.raises(BatchError, match=r"no key 'image' \(its keys: \['label', 'pixels'\]\)"):
+    with pytest.raises(BatchError, match=r"no key 'image', the model's input by default "
+                       r"\(input_keys=\('image',\)\); its keys are \['label', 'pixels'\]: "
+                       r"pass Trainer\(input_keys=\('pixels',\)\)"):
         trainer.fit([batch], epochs=1)
     assert compiles == []
 
@@ -45,6 +49,20 @@ def test_a_key_the_loss_reads_but_the_batch_lacks(compiles):
     batch = {"image": np.zeros((16, 5), np.float32)}
     with pytest.raises(BatchError, match=r"reads batch key 'label', which the batch lacks"):
         trainer.fit([batch], epochs=1)
+    assert compiles == []
+
+
+def test_a_loss_per_example_is_told_to_take_its_mean_without_jaxs_frames(compiles):
+    def per_example(logits, batch):
+        return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), per_example)
+    with pytest.raises(flaxhooks.LossError) as info:
+        trainer.fit(make_batches(1, batch_size=16), epochs=1)
+    assert str(info.value) == ("loss_fn must return a scalar loss, got shape (2,) (one per example?): return "
+                               "their mean, e.g. `.mean()`")
+    assert not getattr(info.value, "__notes__", None)  # JAX's note on filtered frames: noise here
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # one error, not a chain
     assert compiles == []
 
 
@@ -90,7 +108,7 @@ def test_an_epoch_that_yields_nothing_is_an_error_for_reiterable_data():
     def data(epoch):
         return batches if epoch == 0 else []
 
-    with pytest.raises(EmptyDataError, match="epoch 1"):
+    with pytest.raises(EmptyDataError, match="epoch 2 of the training data"):  # counted from 1
         sgd_trainer().fit(data, epochs=2)
 
 
@@ -208,6 +226,38 @@ def test_cpu_devices_precedence(xla_flags, count, expected):
         env["XLA_FLAGS"] = xla_flags
     code = f"import flaxhooks, jax; flaxhooks.use_cpu_devices({count}); print(len(jax.devices()))"
     assert _devices_in_subprocess(code, env) == expected
+
+
+@pytest.mark.parametrize("given", [None, "3"], ids=["sized", "the-environment-wins"])
+def test_cpu_devices_across_processes_size_xlas_cpu_pool_for_their_collectives(given):
+    """Two devices per process on two cores: XLA:CPU's pool of one thread per core is too small for
+    collectives across processes (a step deadlocked about one run in three), so PJRT_NPROC is set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    if given:
+        env["PJRT_NPROC"] = given
+    code = ("import os, flaxhooks, jax; flaxhooks.use_cpu_devices(2, across_processes=True); "
+            "print(os.environ['PJRT_NPROC'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    cores = len(os.sched_getaffinity(0))
+    assert int(out.stdout.split()[-1]) == (int(given) if given else max(cores, 5))
+    if not given:  # one process: nothing set (more threads than cores only slow XLA:CPU down)
+        code = "import os, flaxhooks; flaxhooks.use_cpu_devices(2); print(os.environ.get('PJRT_NPROC'))"
+        alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                               check=True)
+        assert alone.stdout.split()[-1] == "None"
+
+
+def test_xlas_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
+    from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+
+    for name in ("PJRT_NPROC", "NPROC"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_pool_size(1) == len(os.sched_getaffinity(0))
+    assert cpu_pool_size(64) == 64  # one per device at least
+    monkeypatch.setenv("NPROC", "7")
+    assert cpu_pool_size(2) == 7
+    monkeypatch.setenv("PJRT_NPROC", "9")  # read first
+    assert cpu_pool_size(2) == 9 and cpu_threads_needed(2) == 5
 
 
 def test_a_given_state_is_checked_against_the_batch_before_compiling(compiles):

@@ -19,6 +19,7 @@ from tests.helpers import (
     MLP,
     BatchNormNet,
     Recorder,
+    cross_entropy,
     make_arrays,
     make_batches,
     sgd_trainer,
@@ -361,12 +362,14 @@ class SamplesWhenEvaluating(nn.Module):
         return logits
 
 
-def _fails_at_fit_start(trainer, evaluate, error_type):
-    with pytest.raises(flaxhooks.CallbackError) as raised:
-        trainer.add(evaluate).fit(make_batches(4), epochs=1)
-    assert isinstance(raised.value.__cause__, error_type) and raised.value.event == "fit_start"
+def _refused_before_the_fit(trainer, evaluate, error_type, data=None):
+    """The fit is refused with ``error_type`` itself, before any event and before anything compiles."""
+    events = Recorder()
+    with pytest.raises(error_type) as raised:
+        trainer.add(evaluate, events).fit(data or make_batches(4), epochs=1)
+    assert events.log == []
     assert not trainer.runner.traces and trainer.evaluations.traces == 0  # nothing compiled
-    return str(raised.value.__cause__)
+    return str(raised.value)
 
 
 EMPTY = {"image": np.zeros((0, 5), np.float32), "label": np.zeros(0, np.int32)}
@@ -374,22 +377,47 @@ EMPTY = {"image": np.zeros((0, 5), np.float32), "label": np.zeros(0, np.int32)}
 
 @pytest.mark.parametrize("data", [EMPTY, []], ids=["arrays", "iterable"])
 def test_an_empty_eval_set_fails_before_the_train_step_compiles(data):
-    message = _fails_at_fit_start(sgd_trainer(), Evaluate(data, batch_size=8, name="test"), EmptyDataError)
+    evaluate = Evaluate(data, batch_size=8, name="test")
+    message = _refused_before_the_fit(sgd_trainer(), evaluate, EmptyDataError)
     assert message.startswith("evaluation 'test': ")
 
 
 def test_an_eval_mode_call_that_fails_names_the_cause_before_training():
     test = Evaluate(make_arrays(16), batch_size=8)
-    missing_stream = _fails_at_fit_start(sgd_trainer(SamplesWhenEvaluating()), test, BatchError)
+    missing_stream = _refused_before_the_fit(sgd_trainer(SamplesWhenEvaluating()), test, BatchError)
     assert "cannot be called in eval mode" in missing_stream and '"sample"' in missing_stream
     assert "Trainer(rng_names=...)" in missing_stream and "metrics" not in missing_stream
     pixels = Evaluate({"pixels": np.zeros((8, 5), np.float32)}, batch_size=8)
-    missing_key = _fails_at_fit_start(sgd_trainer(), pixels, BatchError)
-    assert "batch has no key 'image' (its keys: ['pixels'])" in missing_key
+    missing_key = _refused_before_the_fit(sgd_trainer(), pixels, BatchError)
+    assert "the batch has no key 'image', the model's input by default (input_keys=('image',)); its keys " \
+        "are ['pixels']: pass Trainer(input_keys=('pixels',))" in missing_key
     auc = Evaluate(make_arrays(16), batch_size=8, metrics={"auc": clu_metrics.Average.from_output("auc")})
-    wrong_metrics = _fails_at_fit_start(sgd_trainer(), auc, BatchError)
+    wrong_metrics = _refused_before_the_fit(sgd_trainer(), auc, BatchError)
     assert "the loss or metrics cannot evaluate the model's outputs" in wrong_metrics
     assert "auc" in wrong_metrics
+
+
+def test_labels_under_another_key_name_label_key_and_its_default():
+    def under_y(batch):
+        return {"image": batch["image"], "y": batch["label"]}
+
+    def loss_fn(logits, batch):  # the user's loss reads the labels under their own key
+        return cross_entropy(logits, {"label": batch["y"]})
+
+    def trainer(**kwargs):
+        return flaxhooks.Trainer(MLP(), optax.sgd(0.1), loss_fn, **kwargs)
+
+    test, train = under_y(make_arrays(16)), [under_y(batch) for batch in make_batches(2)]
+    message = _refused_before_the_fit(trainer(), Evaluate(test, batch_size=8), BatchError, train)
+    assert message == (
+        "evaluation 'eval': the metrics read class labels under label_key='label' (the default), which the "
+        "batch lacks (its keys: ['image', 'y']): pass Trainer(label_key='y') to name them, or label_key=None "
+        "to evaluate the loss alone")
+    # Either fix it names works.
+    for label_key, metrics in (("y", {"accuracy", "loss"}), (None, {"loss"})):
+        evaluate = Evaluate(test, batch_size=8)
+        trainer(label_key=label_key, callbacks=[evaluate]).fit(train, epochs=1)
+        assert set(evaluate.result.metrics) == metrics
 
 
 def test_a_model_that_samples_when_evaluating_gets_fixed_keys():

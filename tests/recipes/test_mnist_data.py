@@ -357,15 +357,27 @@ def test_unreachable_mirror_falls_back_fast_in_one_line(
     _assert_sample(data)
     assert elapsed < 3
     assert [r.getMessage() for r in caplog.records] == [data.note]
-    assert "\n" not in data.note
-    assert "full MNIST unavailable" in data.note and closed_url in data.note
+    # One short line a person reads at a glance; every detail in the debug log.
+    assert data.note == "full MNIST unavailable (cannot reach 127.0.0.1); using the bundled sample"
     assert _listing(tmp_path / "cache") == []
+
+
+def test_no_network_is_said_in_those_words_and_the_details_go_to_the_debug_log(
+    tmp_path: Path, fx: Fixture, caplog
+) -> None:
+    mirror = "http://mnist.invalid/"  # .invalid never resolves (RFC 2606)
+    with caplog.at_level(logging.DEBUG, logger=md.__name__):
+        data = md.load_mnist(cache_dir=tmp_path / "cache", mirrors=(mirror,), files=fx.files)
+    _assert_sample(data)
+    assert data.note == "full MNIST unavailable (no network); using the bundled sample"
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(debug) == 1 and "mnist.invalid" in debug[0] and "gaierror" in debug[0]
 
 
 def test_download_false_falls_back(tmp_path: Path, fx: Fixture) -> None:
     data = md.load_mnist(tmp_path, tmp_path, download=False, files=fx.files)
     _assert_sample(data)
-    assert "download=False" in data.note
+    assert "(not found locally, and downloading is off)" in data.note
 
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

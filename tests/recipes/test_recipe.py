@@ -1,24 +1,102 @@
 """The MNIST recipe: its command line, a one-epoch smoke test, and its accuracy target."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from recipes import mnist
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_recipe(*args, timeout=300):
+def _run_recipe(*args, timeout=300, cwd=ROOT):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")  # never a real download cache
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # from any directory
     return subprocess.run(
-        [sys.executable, "-m", "recipes.mnist", *args], cwd=ROOT, env=env,
+        [sys.executable, "-m", "recipes.mnist", *args], cwd=cwd, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+#: A short run: one epoch of 7 steps, no statistics.
+QUICK = ("--no-download", "--epochs", "1", "--batch-size", "512", "--stats-every", "0", "--cpu-devices", "2")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    paths = [path for path in sorted(directory.rglob("*")) if path.is_file()]
+    return {str(path.relative_to(directory)): path.read_bytes() for path in paths}
+
+
+ERROR = "python -m recipes.mnist: error: "
+
+
+def _one_line_refusal(result: subprocess.CompletedProcess) -> str:
+    """The refusal's line; asserts it is the only thing on stderr, with exit status 2."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR), result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    return lines[0].removeprefix(ERROR)
+
+
+@pytest.mark.slow
+def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest(tmp_path):
+    first = _run_recipe(*QUICK, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_recipe(*QUICK, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = sorted((tmp_path / "runs" / "mnist").iterdir())
+    assert len(runs) == 2
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d(-\d+)?", run.name) for run in runs)
+    for run, result in zip(runs, (first, second), strict=True):
+        assert f"run directory: runs/mnist/{run.name}" in result.stdout
+        assert f"tensorboard --logdir runs/mnist/{run.name}/tensorboard" in result.stdout
+        assert "tensorboard --logdir runs/mnist\n" in result.stdout  # every run side by side
+        assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == ["7"]
+        assert json.loads((run / "options.json").read_text())["epochs"] == 1
+    older = _files(runs[0])
+    # The latest run, with the options it was started with but the epochs asked for.
+    resumed = _run_recipe("--resume", "--epochs", "2", "--cpu-devices", "2", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"resuming from step 7 ({tmp_path}/runs/mnist/{runs[1].name}/checkpoints/7)" in said
+    assert "held-out accuracy" in resumed.stdout and "step 14)" in resumed.stdout
+    assert sorted((tmp_path / "runs" / "mnist").iterdir()) == runs and _files(runs[0]) == older
+
+
+@pytest.mark.slow
+def test_a_run_into_another_runs_workdir_is_refused_in_one_line_and_writes_nothing(tmp_path):
+    workdir = tmp_path / "mine"
+    assert _run_recipe(*QUICK, "--workdir", str(workdir), cwd=tmp_path).returncode == 0
+    before = _files(workdir)
+    assert any("tfevents" in name for name in before) and "checkpoints/7/meta/metadata" in before
+    for args in ((), ("--api", "nnx", "--epochs", "2")):
+        line = _one_line_refusal(_run_recipe(*QUICK, "--workdir", str(workdir), *args, cwd=tmp_path))
+        assert line == (f"{workdir} holds another run (checkpoints up to step 7): add --resume to go on with "
+                        "it, or leave --workdir out to start a new run in a directory of its own"), line
+        assert _files(workdir) == before  # event files, summary, hparams, checkpoints: byte for byte
+    # Going on with it under another model is refused too, naming the option to leave out.
+    refused = _run_recipe(*QUICK, "--workdir", str(workdir), "--resume", "--api", "nnx", cwd=tmp_path)
+    line = _one_line_refusal(refused)
+    assert line == (f"the run in {workdir} was started with --api linen: leave --api out to go on with it, "
+                    "or leave --resume out to start a new run"), line
+    assert _files(workdir) == before
+    assert not (tmp_path / "runs").exists()  # no directory made for a refused run
+
+
+def test_usage_errors_are_argparse_errors():
+    for args, message in ((("--api", "torch"), "invalid choice: 'torch' (choose from 'linen', 'nnx')"),
+                          (("--epochs", "0"), "must be at least 1, got 0")):
+        result = _run_recipe(*args)
+        assert result.returncode == 2 and result.stderr.splitlines() == [
+            "usage: python -m recipes.mnist [options] (see --help)", f"{ERROR}argument {args[0]}: {message}"]
 
 
 def test_help_lists_every_option():
@@ -38,7 +116,8 @@ def test_help_gives_each_default_once_and_never_breaks_a_name_or_a_default():
     for option in options:
         assert option.count("(default") <= 1, option
     assert "(default: None)" not in text
-    assert "(default: runs/mnist)" in text and "(default: 10)" in text
+    assert "(default: a new directory under runs/mnist named by the time the run starts" in " ".join(text.split())
+    assert "(default: 10)" in text
     assert "(default: --download)" in text and "(default: --no-resume)" in text
     assert not re.search(r"\(default:\s*\n", text)  # a default stays on its value's line
     assert not re.search(r"\w-\n", text)  # no name broken at a hyphen (--num-\nprocesses)
@@ -53,10 +132,12 @@ def test_parse_config_reads_every_option():
     assert (config.download, config.cpu_devices, config.data_dir, workdir) == (False, 2, "/d", "/tmp/x")
 
 
+@pytest.mark.slow
 def test_one_epoch_smoke(tmp_path, capsys):
     config = mnist.Config(epochs=1, download=False, log_every=10, stats_every=10)
     result = mnist.train_and_evaluate(config, tmp_path)
-    assert re.search(r"training on .*, 1 epoch of 31 steps, ", capsys.readouterr().out)
+    assert re.search(r"training the Flax linen CNN on 4000 sample MNIST digits: 1 epoch of 31 steps\n",
+                     capsys.readouterr().out)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     def read(run):
@@ -68,22 +149,26 @@ def test_one_epoch_smoke(tmp_path, capsys):
     assert {"loss", "accuracy"} <= set(read("eval").Tags()["scalars"])
     events = read(".")
     assert "model_summary/text_summary" in events.Tags()["tensors"]
-    # Per-layer curves of the three kinds, every 10 steps.
-    for tag in ("stats/activations/Conv_0/std", "stats/activations/Conv_1_relu/zero_fraction",
-                "stats/activation_grads/Dense_1/rms", "stats/params/Conv_0/update_ratio"):
-        assert [e.step for e in events.Scalars(tag)] == [10, 20, 30], tag
+    # Per-layer curves of the three kinds, every 10 steps, each layer a run of its own.
+    for run, tag in (("Conv_0", "stats/activations/log10_std"),
+                     ("Conv_1_relu", "stats/activations/zero_fraction"),
+                     ("Dense_1", "stats/activation_grads/log10_rms"),
+                     ("Conv_0", "stats/params/log10_update_ratio")):
+        assert [e.step for e in read(f"layers/{run}").Scalars(tag)] == [10, 20, 30], (run, tag)
     assert "stats/activations/Dense_0_relu/histogram" in events.Tags()["histograms"]
     assert result["examples"] == 1000  # every held-out digit of the bundled sample
     assert result["steps"] == 4000 // 128
     assert result["accuracy"] > 0.6  # one epoch; the 96% target is checked below
 
 
+@pytest.mark.slow
 def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
     """The README's main command, as a user runs it (one CPU device per core)."""
     result = _run_recipe("--workdir", str(tmp_path), "--no-download")
     assert result.returncode == 0, result.stderr[-2000:]
     output = result.stdout + result.stderr
-    assert "bundled MNIST sample" in output
+    fallback = "full MNIST unavailable (not found locally, and downloading is off); using the bundled sample"
+    assert fallback + "\n" in output
     assert "\x1b" not in result.stdout  # not a terminal: plain lines, no control characters
     assert f"tensorboard --logdir {tmp_path}/tensorboard" in output
     assert "Total Parameters: 824,458" in output
@@ -91,6 +176,7 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
     assert accuracy >= 0.96, output[-2000:]
 
 
+@pytest.mark.slow
 def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
     config = mnist.Config(epochs=2, download=False, stats_every=0, batch_size=256, checkpoint_every=5)
     straight = mnist.train_and_evaluate(config, tmp_path / "straight")
@@ -104,6 +190,7 @@ def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp
     assert steps == [20, 25, 30]  # every 5 steps (epoch ends at 15 and 30), the last 3 kept
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_says_how_to_resume(tmp_path):
     import signal
 
@@ -126,8 +213,9 @@ def test_sigterm_saves_and_says_how_to_resume(tmp_path):
         recipe.kill()
     output = "".join(lines)
     assert recipe.returncode == 128 + signal.SIGTERM, output
-    assert "checkpoint saved: continue with" in output and "--resume" in output
-    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", output).group(1))
+    stopped = int(re.search(r"stopped \(interrupted by SIGTERM\) at step (\d+)", output).group(1))
+    resume = f"python -m recipes.mnist --workdir {tmp_path} --resume"
+    assert f"to go on from step {stopped}:\n  {resume}\n" in output
     assert str(stopped) in os.listdir(tmp_path / "checkpoints")
     result = _run_recipe(*args, "--resume")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -285,7 +285,7 @@ def test_the_non_finite_guard_names_the_layer(caplog):
         run.fit(batches(vectors(64), 16), epochs=1)
     assert int(run.state.step) <= 3  # stopped within the steps in flight
     message = caplog.records[0].getMessage()
-    assert "step 1:" in message and "'head'" in message and "activations/head" in message
+    assert "step 1:" in message and "'head'" in message and "layers/head in TensorBoard" in message
 
 
 def test_scan_stacks_warn_that_their_layers_are_seen_through_the_stack():

@@ -1,0 +1,66 @@
+"""What a fit is about to do, told to every callback before anything is
+written or compiled, so that a check that refuses the fit leaves no trace."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flaxhooks.data import BatchSpec
+from flaxhooks.eval import Evaluations
+from flaxhooks.step import Model, TrainState
+from flaxhooks.step._state import abstract, with_leading
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """What a fit is about to do, as :meth:`~flaxhooks.Callback.check_fit` reads it.
+
+    Attributes:
+        step: the step training starts from (a resumed run's: its checkpoint's).
+        epoch: the index of the epoch it starts in, from 0.
+        resumed_from: on ``fit(..., resume=True)``, the checkpoint's step (0
+            when there was none); else None.
+        state: the train state one device holds, as abstract values (shapes
+            and dtypes): nothing is built yet.
+        spec: the layout of the training batches.
+        model: the model adapter.
+        callbacks: the registered callbacks, in the order their handlers run.
+        check_evaluation: ``check_evaluation(data, batch_size=None,
+            metrics=None, name="eval")`` checks on abstract values that the
+            data can be evaluated (nothing compiles); raises ``BatchError``
+            or ``EmptyDataError`` naming the evaluation and the cause.
+    """
+
+    step: int
+    epoch: int
+    resumed_from: int | None
+    state: TrainState
+    spec: BatchSpec
+    model: Model
+    callbacks: tuple[Any, ...]
+    check_evaluation: Callable[..., None] = dataclasses.field(repr=False)
+
+    @classmethod
+    def of(cls, step: int, epoch: int, resumed_from: int | None, state: TrainState | None,
+           replicated: TrainState | None, spec: BatchSpec, model: Model, callbacks: Sequence[Any],
+           evaluations: Evaluations) -> FitPlan:
+        """The plan of a fit starting from ``state`` (one device's, abstract or
+        not), else from the ``replicated`` state of the fit before."""
+        one_device = abstract(state) if state is not None else abstract(replicated, 1)
+        devices = len(evaluations.devices)
+
+        def check_evaluation(data: Any, batch_size: int | None = None, metrics: Any = None,
+                             name: str = "eval") -> None:
+            evaluations.check(with_leading(one_device, devices), data, batch_size or spec.batch_size,
+                              metrics, name)
+
+        return cls(step, epoch, resumed_from, one_device, spec, model, tuple(callbacks), check_evaluation)
+
+
+def check_fit(callbacks: Sequence[Any], plan: FitPlan) -> None:
+    """Every callback's :meth:`~flaxhooks.Callback.check_fit`, in handler order;
+    the first that refuses the fit raises its own error."""
+    for callback in callbacks:
+        callback.check_fit(plan)

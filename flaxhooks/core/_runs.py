@@ -1,0 +1,101 @@
+"""A directory of its own for each run, named by the time it started, and
+the latest one found again to resume it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+
+from flaxhooks.core._processes import ProcessError, _client
+
+#: A run directory's name: the local time it was made, and a count after a
+#: second run made in the same second.
+_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")
+_calls = itertools.count()
+
+
+def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout: float = 600.0) -> Path:
+    """The directory of this run under ``root``: a new one named by the time
+    it is made (``root/2026-11-25_18-42-53``), or, with ``resume``, the
+    latest one there (a new one if there is none yet).
+
+    Runs sort by name in the order they started, so the latest is the last
+    in ``ls root``. TensorBoard pointed at ``root`` shows every run side by
+    side. On several processes, process 0 picks the directory and every
+    process gets the same one (``root`` must be a directory they all see).
+
+    Args:
+        root: where the runs are kept (made if missing).
+        resume: return the latest run instead of making a new one.
+        timeout: on several processes, the longest (seconds) a process
+            waits for process 0's choice.
+
+    Returns:
+        The run's directory; it exists.
+
+    Raises:
+        ProcessError: on several processes, process 0 gave no directory in time.
+
+    Example:
+        >>> import tempfile, flaxhooks
+        >>> root = tempfile.mkdtemp()
+        >>> first = flaxhooks.run_directory(root)
+        >>> second = flaxhooks.run_directory(root)
+        >>> first != second and flaxhooks.run_directory(root, resume=True) == second
+        True
+    """
+    root = Path(root)
+    if jax.process_count() == 1:
+        return _pick(root, resume)
+    client = _client()
+    key = f"flaxhooks/run_directory/{next(_calls)}"
+    if jax.process_index() == 0:
+        chosen = _pick(root, resume)
+        client.key_value_set(key, str(chosen))
+        return chosen
+    try:
+        return Path(client.blocking_key_value_get(key, int(timeout * 1000)))
+    except jax.errors.JaxRuntimeError as error:
+        raise ProcessError(
+            f"process {jax.process_index()} waited {timeout:g} s for process 0 to choose the run's "
+            f"directory under {str(root)!r}: {error}", [0],
+        ) from error
+
+
+def latest_run(root: str | os.PathLike[str]) -> Path | None:
+    """The latest run directory under ``root`` (see :func:`run_directory`), or None."""
+    try:
+        names = [name for name in os.listdir(root) if _NAME.fullmatch(name) and Path(root, name).is_dir()]
+    except FileNotFoundError:
+        return None
+    if not names:
+        return None
+    return Path(root, max(names, key=_order))
+
+
+def _order(name: str) -> tuple[str, int]:
+    match = _NAME.fullmatch(name)
+    assert match is not None
+    return match.group(1), int(match.group(2) or 0)
+
+
+def _pick(root: Path, resume: bool) -> Path:
+    if resume:
+        latest = latest_run(root)
+        if latest is not None:
+            return latest
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for count in itertools.count():
+        candidate = root / (stamp if count == 0 else f"{stamp}-{count}")
+        try:
+            candidate.mkdir()  # fails if another run took the name first
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
