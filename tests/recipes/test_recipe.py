@@ -116,7 +116,8 @@ def test_help_gives_each_default_once_and_never_breaks_a_name_or_a_default():
     for option in options:
         assert option.count("(default") <= 1, option
     assert "(default: None)" not in text
-    assert "(default: a new directory under runs/mnist named by the time the run starts" in " ".join(text.split())
+    words = " ".join(text.split())
+    assert "(default: a new directory under runs/mnist named by the time the run starts" in words
     assert "(default: 10)" in text
     assert "(default: --download)" in text and "(default: --no-resume)" in text
     assert not re.search(r"\(default:\s*\n", text)  # a default stays on its value's line
