@@ -91,6 +91,17 @@ def test_a_run_into_another_runs_workdir_is_refused_in_one_line_and_writes_nothi
     assert not (tmp_path / "runs").exists()  # no directory made for a refused run
 
 
+def test_the_closing_command_installs_tensorboard_when_it_is_missing(monkeypatch):
+    import importlib.util
+
+    logdir = str(mnist.RUNS / "2026-11-25_18-42-53" / "tensorboard")
+    assert mnist._viewing(logdir) == (f"view this run: tensorboard --logdir {logdir}\n"
+                                      "or every run side by side: tensorboard --logdir runs/mnist")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert mnist._viewing("elsewhere/tensorboard") == (
+        'view this run: pip install "flaxhooks[tensorboard]" && tensorboard --logdir elsewhere/tensorboard')
+
+
 def test_usage_errors_are_argparse_errors():
     for args, message in ((("--api", "torch"), "invalid choice: 'torch' (choose from 'linen', 'nnx')"),
                           (("--epochs", "0"), "must be at least 1, got 0")):
