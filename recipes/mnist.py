@@ -392,9 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     flaxhooks.use_cpu_devices(config.cpu_devices, across_processes=several)
     if several:
         _join_processes(config)
-    if workdir is None and config.resume and latest_run(RUNS) is None and (RUNS / "checkpoints").is_dir():
+    latest = latest_run(RUNS) if workdir is None and config.resume else None
+    if workdir is None and config.resume and latest is None and (RUNS / "checkpoints").is_dir():
         workdir = str(RUNS)  # a run of flaxhooks 0.5, which wrote into runs/mnist itself
-    new = workdir is None and not (config.resume and latest_run(RUNS) is not None)
+    new = workdir is None and latest is None  # a directory made for this run
     run = flaxhooks.run_directory(RUNS, resume=config.resume) if workdir is None else Path(workdir)
     if config.resume:
         config = resumed_config(config, given_options(argv), run)
