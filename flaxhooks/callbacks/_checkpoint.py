@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxhooks.core import Callback, Every, Loop, as_every
-from flaxhooks.data import unreplicate
+from flaxhooks.data import device0_copy
 from flaxhooks.writers import check_writable
 
 if TYPE_CHECKING:
@@ -163,6 +163,12 @@ class Restored:
                 raise CheckpointError(
                     f"{callback!r} cannot load its state from {self.path!r}: {type(error).__name__}: {error}"
                 ) from error
+
+
+def _snapshot(x: jax.Array) -> jax.Array:
+    """A copy of a state leaf this process can read whole: a replicated leaf's
+    local copy (no collective, so process 0 alone may take it), else the array."""
+    return jnp.copy(x.addressable_shards[0].data if x.is_fully_replicated else x)
 
 
 def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
@@ -544,7 +550,7 @@ class Checkpoint(Callback):
             "callbacks": self._callback_states(loop),
         }
         self.wait()  # one save at a time
-        copy = jax.tree.map(jnp.copy, unreplicate(state))  # the next step donates the original
+        copy = jax.tree.map(_snapshot, state)  # the next step donates the original
         # The TensorBoard logs up to this step reach the disk before the
         # checkpoint commits: a resumed run re-logs only what comes after it.
         logs_synced = loop.writers.sync_point()
@@ -555,7 +561,7 @@ class Checkpoint(Callback):
         """Whether a KeyboardInterrupt raised anywhere left a state that can
         be saved: every event of its step ran, and no later step was
         dispatched. Otherwise the resumed run could not be exact."""
-        device_step = int(jax.device_get(unreplicate(loop.state.step)))
+        device_step = int(jax.device_get(device0_copy(loop.state.step)))
         if self._boundary == loop.step == device_step:
             return True
         _log.warning(

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from flaxhooks.core import Callback, Loop
+from flaxhooks.data import spec_text
 
 if TYPE_CHECKING:
     import rich.console
@@ -139,9 +140,8 @@ class Summary(Callback):
                 self.console = Console(**self.console_kwargs)
             rendered = Text.from_ansi(self.render(loop))
             rendered.rstrip()  # the note below sits right under the table
-            # Replicated leaves carry a leading device axis; shapes only, no transfer.
-            self.parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
-            shapes = _per_device_note(loop.spec)
+            self.parameters = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(loop.state.params))
+            shapes = "\n".join(filter(None, [_per_device_note(loop.spec), sharding_note(loop.state)]))
             self.table = rendered.plain.rstrip() + (f"\n{shapes}" if shapes else "")
             self.console.print(rendered, soft_wrap=True)  # as rendered: never wrapped again
             if shapes:
@@ -151,6 +151,45 @@ class Summary(Callback):
         if loop.writers and not self._written:
             loop.writers.text(self.tag, f"```\n{self.table.rstrip()}\n```", loop.step)
             self._written = True
+
+
+def _size(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1000
+    raise AssertionError
+
+
+def per_device_bytes(x: Any) -> int:
+    """The bytes of ``x`` (an array or abstract value with a sharding) on its most loaded device."""
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+
+def sharding_note(state: Any) -> str:
+    """How the train state lies on the mesh: the bytes per device against the
+    whole, and each parameter split over devices with its partition."""
+    leaves = jax.tree.leaves(state)
+    mesh = next((x.sharding.mesh for x in leaves if hasattr(getattr(x, "sharding", None), "mesh")), None)
+    if mesh is None or mesh.size == 1:
+        return ""
+    whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+    each = sum(per_device_bytes(x) for x in leaves)
+    if each == whole:
+        return f"State replicated on each of the {mesh.size} devices: {_size(each)} each."
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    lines = [f"State on mesh {axes}: {_size(each)} per device of {_size(whole)} "
+             "(parameters, carried collections, optimizer state)."]
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    split = [(jax.tree_util.keystr(path), x) for path, x in flat if not x.sharding.is_fully_replicated]
+    for name, x in split:
+        lines.append(f"  params{name} {x.dtype}{list(x.shape)}: {spec_text(x.sharding)}, "
+                     f"{_size(per_device_bytes(x))} per device")
+    if split and len(split) < len(flat):
+        lines.append(f"  the other {len(flat) - len(split)} parameters are replicated")
+    return "\n".join(lines)
 
 
 def _per_device_note(spec: Any) -> str:

@@ -167,7 +167,7 @@ class TensorBoard(Callback):
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
         self.writer = SummaryWriterThread(self.logdir)
-        self._parameters = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(loop.state.params))
+        self._parameters = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(loop.state.params))
         if self.hparams and not self._hparams_written:
             self._hparams_written = True
             rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())
@@ -298,7 +298,7 @@ def _holds_events(logdir: str) -> bool:
 def _window(carried: Mapping[str, Any] | None, start: Totals | None, end: Totals) -> dict[str, Any]:
     """The steps between two replicated totals (``start`` None: the fit's
     start), on the host, after what an earlier fit or run ``carried`` over."""
-    first, last = jax.tree.map(lambda x: x[0], jax.device_get((device0_copy(start), device0_copy(end))))
+    first, last = jax.device_get((device0_copy(start), device0_copy(end)))
     return combine_windows(carried, window_sums(first, last))
 
 

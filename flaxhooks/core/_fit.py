@@ -6,18 +6,18 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
-
-import jax
+from typing import Any, cast
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import CallbackError, StopTraining
 from flaxhooks.core._events import Event, Phase
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._plan import FitPlan, check_fit
 from flaxhooks.core._processes import LocalStops
-from flaxhooks.core._restore import SavedRun
-from flaxhooks.data import DataSource, DevicePrefetch, EmptyDataError, HostBatch
-from flaxhooks.step import StatePlan, StepRunner, TrainState
+from flaxhooks.core._restore import SavedRun, restore_latest
+from flaxhooks.data import BatchSpec, DataSource, DevicePrefetch, EmptyDataError, HostBatch, Placement
+from flaxhooks.step import StepRunner, TrainState
+from flaxhooks.step._state import abstract
 from flaxhooks.writers import WriterCallback, Writers
 
 _log = logging.getLogger("flaxhooks")
@@ -32,7 +32,7 @@ class Fit:
         bus: the callbacks, and the bracket of every phase.
         runner: runs each step (lean, or instrumented when a contributor is due).
         pipeline: puts the host batches on the devices.
-        devices: the local devices.
+        placement: the mesh, and where batches go on it.
         stops: where stops take effect (agreed between processes on several).
     """
 
@@ -40,7 +40,7 @@ class Fit:
     bus: HookBus
     runner: StepRunner
     pipeline: DevicePrefetch
-    devices: Sequence[jax.Device]
+    placement: Placement
     stops: LocalStops
 
     def run(self, source: DataSource, first_epoch: Iterator[HostBatch] | None) -> None:
@@ -74,8 +74,8 @@ class Fit:
         spec = loop.spec
         assert spec is not None
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
-        batches: Any = self.pipeline.device_batches(host, spec, self.devices, remaining)
-        zeros = functools.partial(self.pipeline.zeros, spec, self.devices)
+        batches: Any = self.pipeline.device_batches(host, spec, self.placement, remaining)
+        zeros = functools.partial(self.pipeline.zeros, spec, self.placement)
         steps_before, completed = loop.step, True
         for batch in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
             loop.batch = batch
@@ -113,7 +113,7 @@ class Start:
     epoch: int
     skip: int
     state: TrainState | None  # given or restored; None: fresh (plan) or the last fit's
-    plan: StatePlan | None  # the plan of a fresh state
+    fresh: bool  # a fresh state, built from the plan once every process agrees
     restored: SavedRun | None
 
 
@@ -130,3 +130,34 @@ def _reached(loop: Loop) -> bool:
     return (loop.max_steps is not None and loop.step >= loop.max_steps) or (
         loop.max_epochs is not None and loop.epoch >= loop.max_epochs
     )
+
+
+def prepare(trainer: Any, source: DataSource, state: TrainState | None, resume: bool) -> Start:
+    """Everything ``trainer.fit`` reads and checks before writing or compiling anything."""
+    restored = restore_latest(trainer.callbacks) if resume else None
+    last = trainer._last if state is None and restored is None else None  # continuing the last fit
+    if restored is not None:
+        step, (epoch, skip) = restored.step, restored.position
+    else:
+        step = int(state.step) if state is not None else last[0] if last else 0
+        epoch, skip = source.position(step, last[1] if last else None)
+    batches = source.epoch(epoch, skip)
+    first = next(batches, None)
+    if first is None:  # epochs are counted from 1 where a person reads them
+        raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
+    plan = trainer._plan(first, state if state is not None else trainer._state if last else None)
+    if restored is not None:
+        state = restored.train_state(plan.abstract)
+        restored.load_callbacks(trainer.callbacks)
+    elif state is None and last is not None:
+        state = trainer._state
+    spec = cast(BatchSpec, trainer.batch_spec)  # set by _plan
+    resumed = (restored.step if restored else 0) if resume else None
+    check_fit(trainer.callbacks, FitPlan.of(step, epoch, resumed, plan.abstract if state is None else
+                                         abstract(state, plan.shardings), spec, trainer.model,
+                                         trainer.callbacks, trainer.evaluations))
+    if restored is not None:  # said once nothing refuses the run
+        _log.info("resuming from step %d (%s)", restored.step, restored.path)
+    record = {"layout": f"{spec.describe()} over {trainer.placement.describe()}", "length": source.length,
+              "start": [step, epoch, skip], "resumed": resumed}
+    return Start(record, first, batches, step, epoch, skip, state, state is None, restored)

@@ -10,7 +10,7 @@ from typing import Any
 from flaxhooks.data import BatchSpec
 from flaxhooks.eval import Evaluations
 from flaxhooks.step import Model, TrainState
-from flaxhooks.step._state import abstract, with_leading
+from flaxhooks.step._state import abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +22,8 @@ class FitPlan:
         epoch: the index of the epoch it starts in, from 0.
         resumed_from: on ``fit(..., resume=True)``, the checkpoint's step (0
             when there was none); else None.
-        state: the train state one device holds, as abstract values (shapes
-            and dtypes): nothing is built yet.
+        state: the global train state as abstract values (shapes, dtypes and
+            each leaf's sharding over the mesh): nothing is built yet.
         spec: the layout of the training batches.
         model: the model adapter.
         callbacks: the registered callbacks, in the order their handlers run.
@@ -43,20 +43,16 @@ class FitPlan:
     check_evaluation: Callable[..., None] = dataclasses.field(repr=False)
 
     @classmethod
-    def of(cls, step: int, epoch: int, resumed_from: int | None, state: TrainState | None,
-           replicated: TrainState | None, spec: BatchSpec, model: Model, callbacks: Sequence[Any],
-           evaluations: Evaluations) -> FitPlan:
-        """The plan of a fit starting from ``state`` (one device's, abstract or
-        not), else from the ``replicated`` state of the fit before."""
-        one_device = abstract(state) if state is not None else abstract(replicated, 1)
-        devices = len(evaluations.devices)
+    def of(cls, step: int, epoch: int, resumed_from: int | None, state: TrainState, spec: BatchSpec,
+           model: Model, callbacks: Sequence[Any], evaluations: Evaluations) -> FitPlan:
+        """The plan of a fit starting from ``state`` (abstract or not)."""
+        state = abstract(state)
 
         def check_evaluation(data: Any, batch_size: int | None = None, metrics: Any = None,
                              name: str = "eval") -> None:
-            evaluations.check(with_leading(one_device, devices), data, batch_size or spec.batch_size,
-                              metrics, name)
+            evaluations.check(state, data, batch_size or spec.batch_size, metrics, name)
 
-        return cls(step, epoch, resumed_from, one_device, spec, model, tuple(callbacks), check_evaluation)
+        return cls(step, epoch, resumed_from, state, spec, model, tuple(callbacks), check_evaluation)
 
 
 def check_fit(callbacks: Sequence[Any], plan: FitPlan) -> None:

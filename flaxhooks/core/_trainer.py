@@ -11,28 +11,40 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import optax
-from flax import jax_utils
+from jax.sharding import Mesh
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
-from flaxhooks.core._fit import Fit, Start
+from flaxhooks.core._fit import Fit, prepare
 from flaxhooks.core._loop import Loop
-from flaxhooks.core._plan import FitPlan, check_fit
 from flaxhooks.core._processes import stops_for
-from flaxhooks.core._restore import restore_latest
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
-from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, unreplicate
+from flaxhooks.data import (
+    DATA_AXIS,
+    AxisRules,
+    BatchSpec,
+    Data,
+    DataSource,
+    DevicePrefetch,
+    HostBatch,
+    Placement,
+    Replicated,
+    ShardRule,
+)
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
 from flaxhooks.step import AXIS, InputKeys, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
+from flaxhooks.step._state import abstract, placed
 
 _log = logging.getLogger("flaxhooks")
 
 
 class Trainer:
-    """Trains a Flax model data-parallel over every device, emitting events.
+    """Trains a Flax model over a device mesh, emitting events.
 
-    The train step is one pure function, ``pmap``-ed and compiled once; a callback
+    The train step is one pure function, ``jax.jit``-ed over the mesh and
+    compiled once, the batch split over the data axis and the state placed
+    by ``shard`` and the model's own annotations; a callback
     needing values from inside it contributes a variant (:class:`flaxhooks.step.StepContributor`).
 
     Args:
@@ -54,7 +66,14 @@ class Trainer:
         rng_names: RNG streams a Linen model uses, each given a key per step and device, and per
             batch in evaluation (an NNX module has its own ``nnx.Rngs``).
         seed: seeds initialization and the per-step keys.
-        devices: local devices to train on (default: all; leave it out on several processes).
+        devices: local devices to train on, on one mesh axis ``data_axis`` (default: every
+            device of every process); or give ``mesh``.
+        mesh: the device mesh (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``).
+        shard: where state leaves without an annotation of their own go:
+            ``Replicated()`` (data parallel, the default) or ``FSDP(axis)``.
+        axis_rules: ``(logical axis, mesh axis or None)`` pairs for a model annotated with
+            logical names (``nn.with_logical_partitioning``, ``nnx.with_partitioning``).
+        data_axis: the mesh axis the batch is split over.
         state_collections: the collections carried from step to step besides ``params``
             (default: every one a train-mode call gives back with the same shapes).
         example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example
@@ -65,8 +84,8 @@ class Trainer:
         peer_timeout: on several processes, the longest (seconds) one process
             waits for another, saying meanwhile which one it waits for.
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
-        axis_name: the device axis every step maps over, as the model's
-            ``BatchNorm(axis_name=...)`` names it.
+        axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``):
+            the step sees the whole batch, so they reduce over all of it.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -91,7 +110,8 @@ class Trainer:
         devices: Sequence[jax.Device] | None = None, state_collections: Sequence[str] | None = None,
         example_loss_fn: ExampleLossFn | None = None, label_key: str | None = "label",
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
-        axis_name: str = AXIS,
+        axis_name: str = AXIS, mesh: Mesh | None = None, shard: ShardRule | None = None,
+        axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS,
     ):
         if devices and jax.process_count() > 1:
             raise ValueError(
@@ -104,16 +124,18 @@ class Trainer:
                          axis_name=axis_name)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.seed, self.peer_timeout = seed, peer_timeout
-        self.devices: list[jax.Device] = list(devices) if devices else jax.local_devices()
+        self.placement = Placement.of(mesh, devices, data_axis, shard or Replicated(), axis_rules)
+        #: This process's devices of the mesh.
+        self.devices: list[jax.Device] = [d for d in self.placement.mesh.devices.flat
+                                          if d.process_index == jax.process_index()]
         self.pipeline = pipeline or DevicePrefetch()
-        # devices=None: pmap over every device of every process (its local ones here).
-        self.runner = StepRunner(model, loss_fn, self.devices, list(devices) if devices else None,
-                                 max_steps_in_flight)
+        self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight)
         self.evaluations = Evaluations(model, example_loss_fn or per_example(loss_fn), label_key,
-                                       self.devices)
+                                       self.placement)
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
-        self._replicated: TrainState | None = None
+        self._state: TrainState | None = None  # global arrays over the mesh
+        self._plan_made: StatePlan | None = None
         self._last: tuple[int, tuple[int, int]] | None = None  # the last fit's step and data position
         self._loop: Loop | None = None
 
@@ -129,15 +151,20 @@ class Trainer:
 
     @property
     def state(self) -> TrainState | None:
-        """The latest train state on one device (None before training)."""
-        return None if self._replicated is None else unreplicate(self._replicated)
+        """The latest train state, global arrays over the mesh (None before training)."""
+        return self._state
 
-    def _plan(self, batch: HostBatch) -> StatePlan:
-        """Checks ``batch`` and plans the state on abstract values (compiles nothing)."""
-        self.batch_spec = BatchSpec.of(batch, len(self.devices), self.model.input_keys)
-        plan = StatePlan.of(self.model, self.optimizer, self.batch_spec, self.seed)
+    def _plan(self, batch: HostBatch, state: TrainState | None = None) -> StatePlan:
+        """Checks ``batch`` (and a given ``state``) and plans the state on the
+        mesh on abstract values (compiles nothing)."""
+        self.batch_spec = BatchSpec.of(batch, self.placement.local_data_size, self.model.input_keys,
+                                       jax.process_count())
+        plan = self._plan_made = StatePlan.of(self.model, self.optimizer, self.batch_spec, self.seed,
+                                              self.placement)
         self.runner.use(self.callbacks)
-        self.runner.check(plan.abstract, self.batch_spec)
+        self.runner.place(plan.shardings)
+        checked = plan.abstract if state is None else abstract(state, plan.shardings)
+        self.runner.check(checked, self.batch_spec)
         return plan
 
     def init(self, batch: HostBatch) -> TrainState:
@@ -168,21 +195,23 @@ class Trainer:
         """
         loop = self._loop
         if state is not None:
-            replicated = jax_utils.replicate(state, self.devices, axis_name=self.runner.axis)
-            step = int(state.step)
+            step = int(jax.device_get(state.step))
+            plan = self._plan_made
+            state = placed(state, plan.shardings if plan else jax.tree.map(
+                lambda _: self.placement.replicated, state))
         elif loop is not None:
-            replicated, step = loop.state, loop.step
-        elif self._replicated is not None and self._last is not None:
-            replicated, step = self._replicated, self._last[0]
+            state, step = loop.state, loop.step
+        elif self._state is not None and self._last is not None:
+            state, step = self._state, self._last[0]
         else:
             raise ValueError("nothing to evaluate yet: call fit first, or pass state=")
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         if check:
-            return self.evaluations.check(replicated, data, batch_size, metrics, name)
-        loop = loop or Loop(state=replicated, step=step, callbacks=self.callbacks, model=self.model)
+            return self.evaluations.check(state, data, batch_size, metrics, name)
+        loop = loop or Loop(state=state, step=step, callbacks=self.callbacks, model=self.model)
         self.bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
-        result = self.evaluations.run(replicated, step, data, batch_size, metrics, name)
+        result = self.evaluations.run(state, step, data, batch_size, metrics, name)
         self.bus.emit(Event.EVAL_END, loop, result)
         return result
 
@@ -207,7 +236,7 @@ class Trainer:
                 (a ``Checkpoint``): state, callbacks' state and data position.
 
         Returns:
-            The final train state, on one device.
+            The final train state, global arrays over the mesh.
 
         Raises:
             TrainingInterrupted: a signal stopped training (after the end hooks).
@@ -219,7 +248,7 @@ class Trainer:
         stops, source = stops_for(self.peer_timeout), DataSource(data)
         failure: Exception | None = None
         try:
-            start = self._prepare(source, state, resume)
+            start = prepare(self, source, state, resume)
         except Exception as error:
             if not stops.several:
                 raise
@@ -228,12 +257,16 @@ class Trainer:
         # everywhere, and a failure anywhere raised everywhere, before compiling.
         stops.start(start.record if start else {}, failure)
         assert start is not None
-        state = start.plan.build(self.seed, start.first) if start.plan else start.state
-        if state is not None:
-            self._replicated = jax_utils.replicate(state, self.devices, axis_name=self.runner.axis)
-        assert self._replicated is not None
+        plan = cast(StatePlan, self._plan_made)
+        if start.fresh:
+            self._state = plan.build(self.seed, start.first)
+        elif start.state is not None:  # the next step donates it: the caller's arrays stay whole
+            given = set(map(id, jax.tree.leaves(start.state)))
+            self._state = jax.tree.map(lambda x: x.copy() if id(x) in given else x,
+                                       placed(start.state, plan.shardings))
+        assert self._state is not None
         loop = self._loop = Loop(
-            state=self._replicated, step=start.step, epoch=start.epoch, epoch_step=start.skip,
+            state=self._state, step=start.step, epoch=start.epoch, epoch_step=start.skip,
             max_steps=steps, max_epochs=epochs, steps_per_epoch=source.length,
             resumed_from=start.record["resumed"], callbacks=self.callbacks, model=self.model,
             spec=self.batch_spec, evaluate=self.evaluate, totals=self.runner.zero_totals(),
@@ -245,15 +278,15 @@ class Trainer:
         error: BaseException | None = None
         try:
             with stop_on_signals(loop):
-                Fit(loop, self.bus, self.runner, self.pipeline, self.devices, stops).run(
+                Fit(loop, self.bus, self.runner, self.pipeline, self.placement, stops).run(
                     source, itertools.chain([start.first], start.batches))
         except BaseException as failed:
             error = failed
             raise
         finally:
-            self._loop, self._replicated = None, loop.state
+            self._loop, self._state = None, loop.state
             self._last = (loop.step, (loop.epoch, loop.epoch_step))
-            final = unreplicate(loop.state)
+            final = loop.state
             self.model.update(final.params, final.model_state)
             stops.close(loop, error)
         signum = stops.interrupted(loop)
@@ -262,38 +295,3 @@ class Trainer:
         if loop.diverged is not None:
             raise NonFiniteError(str(loop.stop_reason), loop.diverged)
         return final
-
-    def _prepare(self, source: DataSource, state: TrainState | None, resume: bool) -> Start:
-        """Everything ``fit`` reads and checks before writing or compiling anything."""
-        restored = restore_latest(self.callbacks) if resume else None
-        last = self._last if state is None and restored is None else None  # continuing the last fit
-        if restored is not None:
-            step, (epoch, skip) = restored.step, restored.position
-        else:
-            step = int(state.step) if state is not None else last[0] if last else 0
-            epoch, skip = source.position(step, last[1] if last else None)
-        batches = source.epoch(epoch, skip)
-        first = next(batches, None)
-        if first is None:  # epochs are counted from 1 where a person reads them
-            raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
-        plan = None
-        if restored is not None:
-            state = restored.train_state(self._plan(first).abstract)
-            restored.load_callbacks(self.callbacks)
-        elif state is None and last is None:
-            plan = self._plan(first)  # built once every process agrees on it
-        else:
-            self.batch_spec = BatchSpec.of(first, len(self.devices), self.model.input_keys)
-            self.runner.use(self.callbacks)
-            self.runner.check(self._replicated if state is None else state, self.batch_spec,
-                              replicated=state is None)
-        spec = cast(BatchSpec, self.batch_spec)  # set by _plan or above
-        resumed = (restored.step if restored else 0) if resume else None
-        one_device = plan.abstract if plan else state
-        check_fit(self.callbacks, FitPlan.of(step, epoch, resumed, one_device, self._replicated, spec,
-                                             self.model, self.callbacks, self.evaluations))
-        if restored is not None:  # said once nothing refuses the run
-            _log.info("resuming from step %d (%s)", restored.step, restored.path)
-        record = {"layout": f"{spec.describe()} over {spec.num_devices} devices", "length": source.length,
-                  "start": [step, epoch, skip], "resumed": resumed}
-        return Start(record, first, batches, step, epoch, skip, state, plan, restored)

@@ -18,10 +18,24 @@ from flaxhooks.data._devices import (
     unreplicate,
     use_cpu_devices,
 )
+from flaxhooks.data._mesh import (
+    DATA_AXIS,
+    FSDP,
+    AxisRules,
+    Placement,
+    Replicated,
+    ShardingError,
+    ShardRule,
+    default_mesh,
+    spec_text,
+)
 from flaxhooks.data._pipeline import Data, DataSource, DevicePrefetch
 
 __all__ = [
+    "DATA_AXIS",
+    "FSDP",
     "ArrayLoader",
+    "AxisRules",
     "BatchError",
     "BatchSpec",
     "Data",
@@ -29,12 +43,18 @@ __all__ = [
     "DevicePrefetch",
     "EmptyDataError",
     "HostBatch",
+    "Placement",
+    "Replicated",
+    "ShardRule",
+    "ShardingError",
     "check_layout",
     "cpu_pool_size",
     "cpu_threads_needed",
+    "default_mesh",
     "device0_copy",
     "first_replica",
     "host_scalars",
+    "spec_text",
     "unreplicate",
     "use_cpu_devices",
 ]

@@ -74,17 +74,20 @@ class BatchSpec:
     """The layout every training batch must have: the first batch's.
 
     Attributes:
-        batch_size: examples per host batch.
-        num_devices: local devices the batch is split over.
+        batch_size: examples per host batch (this process's share of the global batch).
+        num_devices: the parts of the batch this process feeds (its devices
+            along the mesh's data axis).
         fields: per key, the dtype and the shape of one example.
+        processes: the processes feeding a share each.
     """
 
     batch_size: int
     num_devices: int
     fields: Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+    processes: int = 1
 
     @classmethod
-    def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str]) -> BatchSpec:
+    def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str], processes: int = 1) -> BatchSpec:
         """Checks the first batch and takes its layout.
 
         Raises:
@@ -101,7 +104,7 @@ class BatchSpec:
                 f"positive multiple of {num_devices}"
             )
         fields = {key: (a.dtype, a.shape[1:]) for key, a in arrays.items()}
-        return cls(size, num_devices, fields)
+        return cls(size, num_devices, fields, processes)
 
     def describe(self) -> str:
         """The layout as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
@@ -163,6 +166,16 @@ class BatchSpec:
         """The sharded batch ``[devices, per_device, ...]`` a step takes, as abstract values."""
         return {key: jax.ShapeDtypeStruct((self.num_devices, *x.shape), x.dtype)
                 for key, x in self.per_device().items()}
+
+    def global_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The whole batch every process's share makes, as abstract values."""
+        size = self.batch_size * self.processes
+        fields = self.fields.items()
+        return {key: jax.ShapeDtypeStruct((size, *shape), dtype) for key, (dtype, shape) in fields}
+
+    def zeros(self) -> dict[str, np.ndarray]:
+        """A host batch of zeros of this layout."""
+        return {k: np.zeros((self.batch_size, *shape), dtype) for k, (dtype, shape) in self.fields.items()}
 
     def shard(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Reshapes ``[batch, ...]`` to ``[devices, batch // devices, ...]`` (no copy)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,23 +88,36 @@ def use_cpu_devices(count: int | None = None, *, across_processes: bool = False)
 
 
 def device0_copy(tree: Any) -> Any:
-    """Device 0's shard (leading axis of 1) of each replicated leaf, left on
-    the device: no transfer, no wait."""
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+    """This process's first copy of each leaf of a replicated pytree (metrics,
+    statistics), left on its device: no transfer, no wait. Works on several
+    processes, where the global value is not this process's to read whole.
+    """
+    return jax.tree.map(_local_copy, tree)
+
+
+def _local_copy(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    if not x.is_fully_replicated:
+        raise ValueError(
+            f"an array of shape {x.shape} is split over devices ({x.sharding}); only replicated values "
+            "have a whole copy on each device"
+        )
+    return x.addressable_shards[0].data
 
 
 def first_replica(tree: Any) -> Any:
-    """Pulls device 0's copy of a replicated (pmapped) pytree to the host.
+    """Pulls this process's copy of a replicated pytree to the host.
 
     Only that copy is transferred. This waits for the values: call it only
     when they are needed.
     """
-    return jax.tree.map(lambda x: x[0], jax.device_get(device0_copy(tree)))
+    return jax.device_get(device0_copy(tree))
 
 
 def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
-    """Device 0's copy of each scalar of a replicated mapping (metrics), as
-    floats; entries that are not scalars are left out. Waits for the values."""
+    """Each scalar of a replicated mapping (metrics), as floats; entries that
+    are not scalars are left out. Waits for the values."""
     values = {}
     for name, host in first_replica(dict(tree or {})).items():
         host = np.asarray(host)
@@ -113,9 +127,11 @@ def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
 
 
 def unreplicate(tree: Any) -> Any:
-    """Device 0's copy of a replicated pytree, left on device 0.
-
-    Unlike ``flax.jax_utils.unreplicate`` it also drops the device axis when
-    training on a single device.
-    """
-    return jax.tree.map(lambda x: x.addressable_shards[0].data.squeeze(0), tree)
+    """Deprecated: the Trainer's state is one global array per leaf since 0.7,
+    with no device axis to take a copy from. Returns a replicated tree's local
+    copy (see :func:`device0_copy`)."""
+    warnings.warn(
+        "flaxhooks.data.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
+        "(no device axis) since 0.7; use them as they are, or flaxhooks.device0_copy for a replicated "
+        "value's local copy", DeprecationWarning, stacklevel=2)
+    return device0_copy(tree)

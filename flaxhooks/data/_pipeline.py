@@ -3,17 +3,15 @@ that checks, shards and prefetches its batches onto the devices."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
-import jax
-import numpy as np
-from flax import jax_utils
-
 from flaxhooks.data._batches import BatchError, BatchSpec, HostBatch
+from flaxhooks.data._mesh import Placement
 
 _log = logging.getLogger("flaxhooks")
 
@@ -74,9 +72,10 @@ def _length(data: Data) -> int | None:
 class DevicePrefetch:
     """The input pipeline: checks, shards and prefetches each host batch.
 
-    Each host batch is checked against the first one's layout, reshaped to
-    ``[devices, per_device_batch, ...]`` and put on the devices ahead of use
-    by :func:`flax.jax_utils.prefetch_to_device`. Give one to the Trainer
+    Each host batch is checked against the first one's layout and put on the
+    mesh ahead of use as global arrays split over the data axis (one transfer
+    call per batch; on several processes each feeds its share, with
+    ``jax.make_array_from_process_local_data``). Give one to the Trainer
     (``Trainer(..., pipeline=DevicePrefetch(size=4))``); by default it uses
     one with these defaults.
 
@@ -105,22 +104,30 @@ class DevicePrefetch:
         return f"DevicePrefetch(size={self.size}, ragged={self.ragged!r})"
 
     def device_batches(
-        self, batches: Iterable[HostBatch], spec: BatchSpec, devices: Sequence[jax.Device],
-        limit: int | None = None,
+        self, batches: Iterable[HostBatch], spec: BatchSpec, placement: Placement, limit: int | None = None,
     ) -> Iterator[Any]:
-        """The device batches of ``batches``, at most ``limit`` of them: a
-        one-shot iterator is never read past the last step, so the rest stays
-        unread for the next ``fit``.
+        """The device batches of ``batches``, ``size`` of them transferred
+        ahead, at most ``limit`` in all: a one-shot iterator is never read past
+        the last step, so the rest stays unread for the next ``fit``.
 
         Raises:
             BatchError: a batch does not fit ``spec`` (or is smaller, with ``ragged="error"``).
         """
-        return jax_utils.prefetch_to_device(self._sharded(batches, spec, limit), self.size, devices=devices)
+        host = self._sharded(batches, spec, limit)
+        ahead: collections.deque[Any] = collections.deque()
 
-    def zeros(self, spec: BatchSpec, devices: Sequence[jax.Device]) -> Any:
+        def enqueue(count: int) -> None:
+            for arrays in itertools.islice(host, count):
+                ahead.append(placement.put_batch(arrays))
+
+        enqueue(self.size)
+        while ahead:
+            yield ahead.popleft()
+            enqueue(1)
+
+    def zeros(self, spec: BatchSpec, placement: Placement) -> Any:
         """A device batch of zeros of ``spec``'s layout."""
-        zeros = {k: np.zeros((spec.batch_size, *shape), dtype) for k, (dtype, shape) in spec.fields.items()}
-        return next(jax_utils.prefetch_to_device(iter([spec.shard(zeros)]), 1, devices=devices))
+        return placement.put_batch(spec.zeros())
 
     def _sharded(self, batches: Iterable[HostBatch], spec: BatchSpec, limit: int | None) -> Iterator[Any]:
         batches = iter(batches)
@@ -134,7 +141,7 @@ class DevicePrefetch:
                 self._drop(len(next(iter(batch.values()))), spec)
                 continue
             yielded += 1
-            yield spec.shard(arrays)
+            yield arrays
 
     def _drop(self, size: int, spec: BatchSpec) -> None:
         if self.ragged == "error":

@@ -1,9 +1,11 @@
-"""Exact full-dataset evaluation: pad_shard_unpad, masked clu metrics."""
+"""Exact full-dataset evaluation: one jitted step over the mesh, batches padded
+to the data axis and masked out of clu metrics."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,18 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
 from flax import errors as flax_errors
-from flax import jax_utils
 from jax import lax
+from jax.experimental import multihost_utils
 
-from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout, first_replica
+from flaxhooks.data import (
+    ArrayLoader,
+    BatchError,
+    EmptyDataError,
+    HostBatch,
+    Placement,
+    check_layout,
+    first_replica,
+)
 from flaxhooks.step import Batch, LossFn, Model, axis_name, split_loss
-from flaxhooks.step._state import abstract
+from flaxhooks.step._runner import in_global_view
 
 if TYPE_CHECKING:
     from flaxhooks.step import TrainState
 
-#: The batch key that marks real examples; pad_shard_unpad pads it with False.
+#: The batch key that marks real examples; padding is False.
 VALID = "__flaxhooks_valid__"
+#: The batch key a process sets (on every example of its share) when its data failed.
+FAILED = "__flaxhooks_failed__"
 #: Eval batches dispatched ahead of the devices before the loop waits.
 MAX_BATCHES_IN_FLIGHT = 2
 #: Seeds the RNG keys evaluation gives a model that draws from its streams in eval mode.
@@ -33,7 +45,7 @@ EVAL_SEED = 0
 #: ``example_loss_fn(outputs, batch)``: one loss per example, or
 #: ``(losses, {name: per-example values})``.
 ExampleLossFn = Callable[[Any, Batch], Any]
-#: Running metrics on each device, and the real examples each has seen.
+#: Running metrics, and the real examples seen.
 Totals = tuple[clu_metrics.Collection, jax.Array]
 Metrics = type[clu_metrics.Collection] | type[clu_metrics.Metric] | Mapping[str, type[clu_metrics.Metric]]
 
@@ -147,8 +159,9 @@ class EvalResult:
 class Evaluator:
     """Compiles and runs an exact evaluation for one Trainer and one metrics collection.
 
-    The pmapped eval step is wrapped in :func:`flax.jax_utils.pad_shard_unpad`:
-    every batch is padded to the same per-device size (``min_device_batch``),
+    The eval step is one ``jax.jit`` over the mesh, on the whole batch. Each
+    process pads its share of a batch to the same size (a multiple of its
+    data-axis devices, fixed by the first batch; larger batches are split),
     so a ragged last batch reuses the compiled step, and padded examples are
     masked out of every metric. Metrics accumulate on the devices; one
     transfer at the end computes them.
@@ -160,22 +173,17 @@ class Evaluator:
         metrics: type[clu_metrics.Collection],
         example_loss_fn: ExampleLossFn,
         label_key: str | None,
-        devices: Sequence[jax.Device],
+        placement: Placement,
     ):
-        if len(devices) != jax.local_device_count():
-            raise ValueError(
-                f"evaluation shards over every local device (pad_shard_unpad), but the Trainer "
-                f"uses {len(devices)} of {jax.local_device_count()}"
-            )
         self.model = model
         self.metrics = metrics
         self.label_key = label_key
-        self.devices = list(devices)
+        self.placement = placement
         axis = self.axis = axis_name(model)
 
-        def eval_step(variables: tuple[Any, Any], totals: Totals, batch: Batch) -> Totals:
+        def eval_step(variables: tuple[Any, Any], batch: Batch, totals: Totals) -> tuple[Totals, jax.Array]:
             batch = dict(batch)
-            valid = batch.pop(VALID)
+            valid, failed = batch.pop(VALID), batch.pop(FAILED)
             params, model_state = variables
             rngs = eval_rngs(totals[1], model.rng_names, axis)
             outputs, _ = model.apply(params, model_state, batch, train=False, rngs=rngs)
@@ -184,40 +192,36 @@ class Evaluator:
             named.update(outputs=outputs, logits=outputs, loss=losses, batch=batch)
             if label_key is not None and label_key in batch:
                 named["labels"] = batch[label_key]
-            # Each device accumulates its own examples; devices are combined
-            # once, at the end, not with a collective per batch.
             collection, examples = totals
             update = metrics.single_from_model_output(mask=valid, **named)
-            return collection.merge(update), examples + valid.sum(dtype=jnp.int32)
+            # Whether any process fed a real example, and whether any failed:
+            # on several processes they decide together when to stop.
+            flags = jnp.stack([jnp.any(valid), jnp.any(failed)])
+            return (collection.merge(update), examples + valid.sum(dtype=jnp.int32)), flags
 
         self.eval_step = eval_step
         #: How many times the eval step was traced (each trace compiles).
         self.traces = 0
 
-        def counted(*args: Any) -> Totals:
+        def counted(*args: Any) -> Any:
             self.traces += 1
             return eval_step(*args)
 
-        self._step = jax_utils.pad_shard_unpad(
-            jax.pmap(counted, axis_name=axis, devices=self.devices),
-            static_argnums=(0, 1), static_return=True,
-        )
-        # The step has no collective, so it runs on this process's devices
-        # alone (processes may have different numbers of batches); one
-        # all_gather over every device of every process merges the totals.
-        # It also tells every process whether any of them failed, so an error
-        # on one process cannot leave the others waiting in the collective.
-        self._combine = jax.pmap(
-            lambda totals, failed: (
-                lax.all_gather(totals[0], axis).reduce(), lax.psum(totals[1], axis), lax.psum(failed, axis)
-            ),
-            axis_name=axis,
-        )
+        whole = in_global_view(counted, axis)
+
+        def traced(variables: Any, totals: Totals, batch: Batch) -> Any:
+            with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
+                return whole(variables, batch, totals)
+
+        self._whole = lambda variables, totals, batch: (
+            in_global_view(eval_step, axis)(variables, batch, totals))
+        self._step = jax.jit(lambda variables, totals, batch: traced(variables, totals, batch),
+                             out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
 
     def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
-        """Traces the eval step on abstract values of ``state`` (replicated) and
-        a batch like ``arrays``: errors surface before anything compiles.
+        """Traces the eval step on abstract values of ``state`` and a batch
+        like ``arrays``: errors surface before anything compiles.
 
         Returns:
             The number of classes (the outputs' last axis), if the outputs are
@@ -225,19 +229,25 @@ class Evaluator:
         """
         if self.metrics is LossAccuracy and self.label_key is not None and self.label_key not in arrays:
             raise BatchError(self._no_labels(arrays))
-        devices = len(self.devices)
-        per_device = math.ceil(len(next(iter(arrays.values()))) / devices)
-        batch = {
-            key: jax.ShapeDtypeStruct((devices, per_device, *a.shape[1:]), a.dtype)
-            for key, a in {**arrays, VALID: np.ones(1, np.bool_)}.items()
-        }
-        variables = (state.params, state.model_state)  # only these reach the step: fewer arguments per call
-        state_per_device = abstract(variables, 1)
-        leaves, treedef = jax.tree.flatten((state_per_device, batch))
+        batch = self._abstract_batch(arrays, self._padded_size(len(next(iter(arrays.values())))))
+        variables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                                 (state.params, state.model_state))  # only these reach the step
+        leaves, treedef = jax.tree.flatten((variables, batch))
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         if key not in self._checked:
-            self._checked[key] = self._trace(variables, state_per_device, batch, arrays)
+            self._checked[key] = self._trace(variables, batch, arrays)
         return self._checked[key]
+
+    def _padded_size(self, size: int) -> int:
+        """This process's share of an eval batch of ``size``, padded to its data-axis devices."""
+        parts = self.placement.local_data_size
+        return max(math.ceil(size / parts), 1) * parts
+
+    def _abstract_batch(self, arrays: Mapping[str, np.ndarray], size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        whole = size * jax.process_count()
+        flags = {VALID: np.ones(1, np.bool_), FAILED: np.ones(1, np.bool_)}
+        fields = {**arrays, **flags}.items()
+        return {key: jax.ShapeDtypeStruct((whole, *a.shape[1:]), a.dtype) for key, a in fields}
 
     def _no_labels(self, arrays: Mapping[str, np.ndarray]) -> str:
         """Says that the batch lacks the labels, and how to name them (or do without)."""
@@ -250,33 +260,28 @@ class Evaluator:
             "label_key=None to evaluate the loss alone"
         )
 
-    def _trace(self, variables: Any, per_device: Any, batch: Mapping[str, Any],
-               arrays: Mapping[str, np.ndarray]) -> int | None:
+    def _trace(
+        self, variables: Any, batch: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+    ) -> int | None:
         """The model's eval-mode call, then the whole eval step (loss and
         metrics), each on abstract values; each failure says which it was."""
         layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
-        example = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items() if k != VALID}
+        inputs = {k: v for k, v in batch.items() if k not in (VALID, FAILED)}
 
         def call(variables: Any, batch: Batch) -> Any:
             rngs = eval_rngs(jnp.zeros((), jnp.int32), self.model.rng_names, self.axis)
             return self.model.apply(*variables, batch, train=False, rngs=rngs)[0]
 
         try:
-            outputs = jax.eval_shape(jax.vmap(call, in_axes=(None, 0), axis_name=self.axis),
-                                     per_device, jax.tree.map(lambda x: _leading(x, 1), example))
+            outputs = jax.eval_shape(in_global_view(call, self.axis), variables, inputs)
         except Exception as error:
             raise BatchError(
                 f"the model cannot be called in eval mode on batches of {layout}: "
                 f"{_cause(error, self.model.rng_names)}"
             ) from error
-        devices = len(self.devices)
-        totals = jax.tree.map(
-            lambda x: _leading(x, devices),
-            (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32)),
-        )
-        replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables)
+        totals = (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32))
         try:
-            jax.eval_shape(jax.vmap(self.eval_step, axis_name=self.axis), replicated, totals, batch)
+            jax.eval_shape(self._whole, variables, totals, batch)
         except Exception as error:
             no_labels = self.label_key is not None and self.label_key not in arrays
             hint = self._no_labels(arrays) if no_labels else (
@@ -286,53 +291,109 @@ class Evaluator:
                 f"the loss or metrics cannot evaluate the model's outputs on batches of {layout}: "
                 f"{type(error).__name__}: {error} ({hint})"
             ) from error
-        outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
 
     def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str,
-            labels_checked: bool = False) -> EvalResult:
-        """Evaluates ``state`` (replicated) on every example of ``batches``.
+            labels_checked: bool = False, layout: Mapping[str, np.ndarray] | None = None) -> EvalResult:
+        """Evaluates ``state`` on every example of ``batches``.
 
         The first batch is checked (and labels against the model's classes)
         on abstract values before the step compiles; its size sets the
-        compiled per-device batch. This process may have no batch at all (its
-        share of a small dataset on several hosts).
+        compiled batch. On several processes every process runs the step
+        alike until none has an example left (one may have fewer batches, or
+        none, given ``layout``: arrays of the batch's keys and example shapes).
         """
+        several = jax.process_count() > 1
+        variables = (state.params, state.model_state)
         empty = (self.metrics.empty(), np.zeros((), np.int32))
-        totals = jax_utils.replicate(empty, self.devices, axis_name=self.axis)
-        in_flight: collections.deque[Any] = collections.deque()
-        per_device = num_classes = None
+        totals: Any = jax.device_put(empty, self.placement.replicated)
+        batches = iter(batches)
         failure: Exception | None = None
+        first: dict[str, np.ndarray] | None = None
         try:
             for batch in batches:
-                arrays, size = check_layout(batch, self.model.input_keys)
-                if size == 0:
-                    continue
-                if per_device is None or size > per_device * len(self.devices):
-                    num_classes = self.check(state, arrays)
-                    per_device = math.ceil(size / len(self.devices))
-                if not labels_checked:
-                    self.check_labels(arrays, num_classes)
-                arrays[VALID] = np.ones(size, np.bool_)
-                totals = self._step((state.params, state.model_state), totals, arrays,
-                                    min_device_batch=per_device)
-                # Bound the batches queued on the devices (waits, reads nothing).
-                in_flight.append(totals)
-                if len(in_flight) > MAX_BATCHES_IN_FLIGHT:
-                    jax.block_until_ready(in_flight.popleft())
+                first, size = check_layout(batch, self.model.input_keys)
+                if size:
+                    break
+            else:
+                first = None
         except Exception as error:
             failure = error
-        failed = np.full(len(self.devices), failure is not None, np.int32)
-        collection, examples, failures = first_replica(self._combine(totals, failed))
+        sizes = [len(next(iter(first.values()))) if first else 0]
+        if several:  # one compiled batch size on every process
+            sizes = [int(n) for n in multihost_utils.process_allgather(np.int32(sizes[0]))]
+        if failure is None and not any(sizes):
+            raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
+        shape_from = first if first is not None else layout
+        if shape_from is None and failure is None:
+            failure = EmptyDataError(
+                f"evaluation {name!r}: this process has no batch to evaluate while another has; on several "
+                "processes evaluate arrays in memory (a dict), or give every process at least one batch")
+        padded = self._padded_size(max(sizes))
+        num_classes = None
+        if failure is None:
+            try:
+                num_classes = self.check(state, {k: v[:1] for k, v in shape_from.items()})
+            except Exception as error:
+                failure = error
+        in_flight: collections.deque[Any] = collections.deque()
+        chunks = None if failure else self._chunks(first, batches, padded, labels_checked, num_classes)
+        while True:
+            arrays = None
+            if failure is None and chunks is not None:
+                try:
+                    arrays = next(chunks, None)
+                except Exception as error:
+                    failure = error
+            if arrays is None and not several:
+                break
+            if arrays is None:
+                arrays = self._empty(shape_from, padded, failed=failure is not None)
+            totals, flags = self._step(variables, totals, self.placement.put_batch(arrays))
+            in_flight.append(flags)
+            if len(in_flight) > (1 if several else MAX_BATCHES_IN_FLIGHT):
+                found = np.asarray(first_replica(in_flight.popleft()))
+                if several and (not found[0] or found[1]):
+                    break
+        if failure is not None and not several:
+            raise failure
+        collection, examples = first_replica(totals)
         if failure is not None:
             raise failure
-        if failures:
+        if several and found[1]:
             raise RuntimeError(f"evaluation {name!r} failed on another process")
         if not examples:
             raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
         computed = self.metrics.compute(collection)
         return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
+
+    def _chunks(self, first: Mapping[str, np.ndarray] | None, rest: Iterator[HostBatch], padded: int,
+                labels_checked: bool, num_classes: int | None) -> Iterator[dict[str, np.ndarray]]:
+        """Every example of ``first`` and ``rest``, in host batches of ``padded``
+        rows, the padding masked out."""
+        for batch in itertools.chain([first] if first is not None else [], rest):
+            arrays, size = check_layout(batch, self.model.input_keys)
+            if not labels_checked:
+                self.check_labels(arrays, num_classes)
+            for start in range(0, size, padded):
+                part = {k: v[start:start + padded] for k, v in arrays.items()}
+                count = len(next(iter(part.values())))
+                if count < padded:  # checked like the first: same keys, example shapes, dtypes
+                    part = {k: np.concatenate([v, np.zeros((padded - count, *v.shape[1:]), v.dtype)])
+                            for k, v in part.items()}
+                part[VALID] = np.arange(padded) < count
+                part[FAILED] = np.zeros(padded, np.bool_)
+                yield part
+
+    def _empty(
+        self, layout: Mapping[str, np.ndarray] | None, padded: int, failed: bool
+    ) -> dict[str, np.ndarray]:
+        """A batch of no real example: this process ran out of data, or failed."""
+        arrays = {k: np.zeros((padded, *v.shape[1:]), v.dtype) for k, v in (layout or {}).items()}
+        arrays[VALID] = np.zeros(padded, np.bool_)
+        arrays[FAILED] = np.full(padded, failed)
+        return arrays
 
     def check_labels(self, arrays: Mapping[str, np.ndarray], num_classes: int | None) -> None:
         """Checks integer class labels against the outputs' classes (2 or more)."""
@@ -370,13 +431,13 @@ class Evaluations:
         model: the model adapter.
         example_loss_fn: ``(outputs, batch)`` to one loss per example.
         label_key: the batch key holding class labels, or None.
-        devices: the local devices (every one of them: ``pad_shard_unpad``).
+        placement: the mesh the state lives on.
     """
 
     def __init__(self, model: Model, example_loss_fn: ExampleLossFn, label_key: str | None,
-                 devices: Sequence[jax.Device]):
+                 placement: Placement):
         self.model, self.example_loss_fn, self.label_key = model, example_loss_fn, label_key
-        self.devices = list(devices)
+        self.placement = placement
         self._evaluators: dict[type, Evaluator] = {}
 
     @property
@@ -388,7 +449,8 @@ class Evaluations:
         collection = as_collection(metrics, has_labels=self.label_key is not None)
         evaluator = self._evaluators.get(collection)
         if evaluator is None:
-            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key, self.devices)
+            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key,
+                                  self.placement)
             self._evaluators[collection] = evaluator
         return evaluator
 
@@ -420,7 +482,7 @@ class Evaluations:
 
     def run(self, state: TrainState, step: int, data: Any, batch_size: int | None,
             metrics: Metrics | None, name: str) -> EvalResult:
-        """Evaluates ``state`` (replicated) on every example of ``data``.
+        """Evaluates ``state`` on every example of ``data``.
 
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
@@ -428,12 +490,10 @@ class Evaluations:
         evaluator = self._evaluator(metrics)
         batches = eval_batches(data, batch_size)
         in_memory = isinstance(data, Mapping)
+        layout = None
         if in_memory:  # check every label before compiling
             arrays, _ = check_layout(data, self.model.input_keys)
+            layout = {k: v[:1] for k, v in arrays.items()}
             first = {k: v[:batch_size] for k, v in arrays.items()}
             evaluator.check_labels(arrays, evaluator.check(state, first))
-        return evaluator.run(state, batches, step, name, labels_checked=in_memory)
-
-
-def _leading(x: Any, size: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((size, *x.shape), x.dtype)
+        return evaluator.run(state, batches, step, name, labels_checked=in_memory, layout=layout)

@@ -121,10 +121,24 @@ class LinenModel:
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """Initializes every collection the model creates, in inference mode."""
+        # Annotated parameters come boxed (nn.with_logical_partitioning): the
+        # state holds plain arrays, placed by the names the boxes carry.
+        return dict(nn.unbox(self._boxed_init(key, batch)))
+
+    def _boxed_init(self, key: jax.Array, batch: Batch) -> Any:
         keys = jax.random.split(key, len(self.rng_names) + 1)
         rngs = {"params": keys[0], **dict(zip(self.rng_names, keys[1:], strict=False))}
         args, kwargs = self.call.arguments(batch, train=False)
-        return dict(self.eval_module.init(rngs, *args, **kwargs))
+        return self.eval_module.init(rngs, *args, **kwargs)
+
+    def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
+        """Each variable's axis names from ``nn.with_partitioning`` or
+        ``nn.with_logical_partitioning`` (None where it has none), by collection;
+        on abstract values."""
+        boxed = jax.eval_shape(self._boxed_init, key, batch)
+        is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+        names = jax.tree.map(lambda x: tuple(x.names) if is_box(x) else None, dict(boxed), is_leaf=is_box)
+        return dict(names)
 
     def own_variables(self) -> None:
         """None: a Linen module holds no values; :meth:`init` makes them."""

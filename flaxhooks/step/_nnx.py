@@ -86,6 +86,9 @@ class _Leaf:
         # Typed PRNG keys are kept as their raw data: checkpoints and host
         # copies (np.asarray) cannot take typed keys.
         self.impl = jax.random.key_impl(value) if _is_typed_key(value) else None
+        # nnx.with_partitioning's axis names (mesh or logical ones), if any.
+        names = variable.get_metadata().get("out_sharding")
+        self.names = None if names is None else tuple(getattr(names, "spec", names))
 
     def stored(self, value: Any) -> Any:
         return jax.random.key_data(value) if self.impl is not None else value
@@ -162,6 +165,15 @@ class NNXModel:
     def own_variables(self) -> dict[str, Any]:
         """The module's current values by collection (concrete arrays)."""
         return self._collections(self.module)
+
+    def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
+        """Each variable's axis names from ``nnx.with_partitioning`` (None
+        where it has none), by collection."""
+        del key, batch
+        found: dict[str, Any] = {}
+        for leaf in self._leaves:
+            _put(found.setdefault(leaf.collection, {}), leaf.key, leaf.names)
+        return found
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """The module's own values: an NNX module comes initialized."""

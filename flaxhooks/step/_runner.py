@@ -1,6 +1,6 @@
 """Runs the train step: compiles the lean step and one instrumented variant
-per set of due contributors, checks them on abstract values first, and
-bounds the steps queued ahead of the devices."""
+per set of due contributors, each one ``jax.jit`` over the mesh, checks them
+on abstract values first, and bounds the steps queued ahead of the devices."""
 
 from __future__ import annotations
 
@@ -9,46 +9,41 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
-from flax import jax_utils
 
-from flaxhooks.data import BatchSpec
+from flaxhooks.data import BatchSpec, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._model import Model, axis_name
-from flaxhooks.step._state import LossError, abstract, explained, with_leading
+from flaxhooks.step._state import LossError, explained
 from flaxhooks.step._taps import Taps
 from flaxhooks.step._totals import Totals, add_to_totals, zero_totals
 
 
 class StepRunner:
-    """Compiles and runs the train step of one model and loss.
+    """Compiles and runs the train step of one model and loss over one mesh.
 
     Args:
         model: the model adapter.
         loss_fn: ``loss_fn(outputs, batch)``.
-        devices: the local devices the step runs on.
-        pmap_devices: the devices the step is mapped over; None: every
-            device of every process (this process's local ones here).
+        placement: the mesh, and where the batch and the state live on it.
         max_steps_in_flight: how many dispatched steps may queue ahead of
             the devices before the runner waits for the oldest.
     """
 
-    def __init__(
-        self, model: Model, loss_fn: LossFn, devices: Sequence[jax.Device],
-        pmap_devices: Sequence[jax.Device] | None, max_steps_in_flight: int,
-    ):
+    def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
-        self.model, self.loss_fn, self.devices = model, loss_fn, list(devices)
+        self.model, self.loss_fn, self.placement = model, loss_fn, placement
         self.axis = axis_name(model)
-        self.pmap_devices = pmap_devices
         self.max_steps_in_flight = max_steps_in_flight
         self.contributors: tuple[StepContributor, ...] = ()
         #: How many times each compiled step was traced (each trace compiles),
         #: by name: ``train_step`` (lean) and ``instrumented_step`` (every variant).
         self.traces: collections.Counter[str] = collections.Counter()
         self._variants: dict[tuple[StepContributor, ...], Any] = {}
+        self._shardings: Any = None
         self._checked: set[Any] = set()
         #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
         #: optimizer's), known once :meth:`check` traced the step.
@@ -66,21 +61,43 @@ class StepRunner:
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
         return build_step(self.model, self.loss_fn, taps, inside)
 
+    def place(self, shardings: Any) -> None:
+        """Sets where the state lives: every compiled step keeps it there."""
+        leaves = jax.tree.leaves(shardings)
+        if self._shardings is None or self._shardings != leaves:
+            self._shardings, self._state_shardings = leaves, shardings
+            self._variants.clear()
+
     def variant(self, due: tuple[StepContributor, ...]) -> Any:
         """The compiled step serving ``due`` (the lean step for none), built
         once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
-        the totals being the running sums of the metrics (see :meth:`zero_totals`)."""
+        the totals being the running sums of the metrics (see :meth:`zero_totals`).
+        Everything but the state comes back replicated."""
         step = self._variants.get(due)
         if step is None:
+            replicated = self.placement.replicated
             # The state is donated; the totals are not, so a reader may keep any step's.
-            step = jax.pmap(self._counted(_with_totals(self._step(due))), axis_name=self.axis,
-                            devices=self.pmap_devices, donate_argnums=(0,))
+            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due)))), donate_argnums=(0,),
+                           out_shardings=(self._state_shardings, replicated, replicated, replicated))
             self._variants[due] = step
         return step
 
+    def _traced(self, step: Any) -> Any:
+        """``step`` seen whole (global arrays), traced under the mesh and the
+        logical axis rules that the model's own sharding constraints read."""
+        whole = in_global_view(step, self.axis)
+
+        @functools.wraps(step)
+        def traced(*args: Any) -> Any:
+            mesh = self.placement.mesh.abstract_mesh
+            with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(self.placement.axis_rules):
+                return whole(*args)
+
+        return traced
+
     def zero_totals(self) -> Totals:
-        """Running totals of no step, replicated over the devices (after :meth:`check`)."""
-        return jax_utils.replicate(zero_totals(self.metric_names), self.devices, axis_name=self.axis)
+        """Running totals of no step, replicated over the mesh (after :meth:`check`)."""
+        return jax.device_put(zero_totals(self.metric_names), self.placement.replicated)
 
     def _counted(self, step: Step) -> Step:
         name = step.__name__
@@ -92,34 +109,32 @@ class StepRunner:
 
         return traced
 
-    def check(self, state: Any, spec: BatchSpec, *, replicated: bool = False) -> None:
+    def check(self, state: Any, spec: BatchSpec) -> None:
         """Traces the lean step and the one with every contributor on abstract
-        values, once per state and batch layout, so a batch, a loss or an
-        in-step function they cannot take fails before anything compiles.
+        values (the global ``state`` and batch), once per layout, so a batch,
+        a loss or an in-step function they cannot take fails before anything compiles.
 
         Raises:
             BatchError: the model or loss cannot take the batch.
             LossError: the loss or a metric is not a scalar.
         """
-        state = abstract(state, 1 if replicated else 0)
         leaves, treedef = jax.tree.flatten(state)
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves), spec.describe(), spec.num_devices,
                self.contributors)
         if key in self._checked:
             return
-        devices = len(self.devices)
-        mapped = with_leading(state, devices), spec.device_batch()
+        batch = spec.global_batch()
         with explained(spec):
-            _, metrics, _ = jax.eval_shape(jax.vmap(self._step(()), axis_name=self.axis), *mapped)
+            _, metrics, _ = jax.eval_shape(self._traced(self._step(())), state, batch)
         for name, value in metrics.items():
-            if value.shape[1:] != ():
+            if value.shape != ():
                 raise LossError(
                     f"loss_fn must return a scalar loss and scalar metrics; {name!r} has shape "
-                    f"{value.shape[1:]}: return its mean, e.g. `.mean()`"
+                    f"{value.shape}: return its mean, e.g. `.mean()`"
                 )
         self.metric_names = tuple(metrics)
         if self.contributors:  # the contributors' own errors, raised as they are
-            jax.eval_shape(jax.vmap(self._step(self.contributors), axis_name=self.axis), *mapped)
+            jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
         self._checked.add(key)
 
     def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:
@@ -140,6 +155,25 @@ class StepRunner:
         if len(self._in_flight) > self.max_steps_in_flight:
             loop.settled_step, loop.settled_metrics = self._in_flight.popleft()
             wait(loop, loop.settled_metrics["loss"])
+
+
+def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:
+    """``step(state, batch, *rest)``, written for one device's share of the
+    batch with collectives over ``axis``, as a function of the whole batch.
+
+    Under ``jax.jit`` over a mesh every array is whole (global): the batch
+    is one share of one device on an ``axis`` of size 1, so ``lax.pmean``
+    and ``lax.psum`` over it (the step's, a model's ``BatchNorm(axis_name=...)``,
+    a contributor's) are identities and every reduction spans the whole batch.
+    """
+
+    def whole(state: Any, batch: Any, *rest: Any) -> Any:
+        one = jax.tree.map(lambda x: x[None], batch)
+        out = jax.vmap(lambda b: step(state, b, *rest), axis_name=axis, axis_size=1)(one)
+        return jax.tree.map(lambda x: x[0], out)
+
+    whole.__name__ = getattr(step, "__name__", "step")
+    return whole
 
 
 def _with_totals(step: Step) -> Any:

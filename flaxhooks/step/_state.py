@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from flaxhooks.data import BatchError, BatchSpec
+from flaxhooks.data import BatchError, BatchSpec, Placement
 from flaxhooks.step._model import Model
 
 _log = logging.getLogger("flaxhooks")
@@ -49,14 +49,32 @@ class TrainState(struct.PyTreeNode):
         return {"params": self.params, **self.model_state}
 
 
-def abstract(tree: Any, drop: int = 0) -> Any:
-    """Abstract values of ``tree``'s leaves, without their first ``drop`` axes."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[drop:], jnp.result_type(x)), tree)
+def abstract(tree: Any, shardings: Any = None) -> Any:
+    """Abstract values of ``tree``'s leaves (with ``shardings``, a matching tree, when given)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    places = ([getattr(x, "sharding", None) for x in leaves] if shardings is None else
+              jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=s)
+        for x, s in zip(leaves, places, strict=True)])
 
 
-def with_leading(tree: Any, size: int) -> Any:
-    """Abstract values of ``tree`` with a new leading axis of ``size``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *jnp.shape(x)), jnp.result_type(x)), tree)
+def placed(tree: Any, shardings: Any) -> Any:
+    """``tree`` (host or device values) on ``shardings``; leaves already there are kept."""
+    def put(x: Any, sharding: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() > 1:
+            x = np.asarray(x)  # one process's value, the same on each: the global value
+        return jax.device_put(x, sharding)
+    leaves = jax.tree.leaves(tree)
+    # By leaf, in the plan's structure: a given state's optimizer (static,
+    # not a leaf) may be another object doing the same.
+    places, treedef = jax.tree.flatten(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(places) != len(leaves):
+        raise ValueError(f"a state of {len(leaves)} arrays cannot take the planned {len(places)}: "
+                         "another model or optimizer?")
+    return jax.tree.unflatten(treedef, [put(x, s) for x, s in zip(leaves, places, strict=True)])
 
 
 class LossError(ValueError):
@@ -86,13 +104,14 @@ def explained(spec: BatchSpec) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class StatePlan:
-    """How the train state of a model is made for a batch layout, worked out
-    on abstract values (compiles nothing).
+    """How the train state of a model is made for a batch layout and placed on
+    a mesh, worked out on abstract values (compiles nothing).
 
     Attributes:
         spec: the batch layout.
         carried: the collections carried from step to step besides ``params``.
-        abstract: the state one device holds, as abstract values.
+        abstract: the global state, as abstract values with their shardings.
+        shardings: the sharding of every leaf of the state.
         create: ``create(key, batch, given)``, the state from a PRNG key, one
             device's share of a batch and the values the model comes with
             (None: made by its ``init``); traced: compile it to use it.
@@ -102,17 +121,20 @@ class StatePlan:
     spec: BatchSpec
     carried: tuple[str, ...]
     abstract: TrainState
+    shardings: Any
     create: Callable[[jax.Array, Any, Any], TrainState]
     given: Callable[[], Any]
 
     @classmethod
     def of(
-        cls, model: Model, optimizer: optax.GradientTransformation, spec: BatchSpec, seed: int
+        cls, model: Model, optimizer: optax.GradientTransformation, spec: BatchSpec, seed: int,
+        placement: Placement,
     ) -> StatePlan:
         """Plans the state of ``model`` trained by ``optimizer`` on batches of ``spec``.
 
         Raises:
             BatchError: the model cannot take such batches.
+            ShardingError: an annotation names an axis the mesh and the rules lack.
             ValueError: a named state collection does not exist.
         """
         batch = spec.per_device()
@@ -138,13 +160,41 @@ class StatePlan:
             )
 
         with explained(spec):
-            abstract = jax.eval_shape(create, key, batch, model.own_variables())
+            state = jax.eval_shape(create, key, batch, model.own_variables())
+            annotations = model_annotations(model, key, batch)
+        shardings = placement.state_shardings(state, annotations)
         dropped = sorted(set(variables) - {"params", *carried})
         if dropped:
             _log.info("not training collections %s: they are per-step values", dropped)
-        return cls(spec, carried, abstract, create, model.own_variables)
+        return cls(spec, carried, abstract(state, shardings), shardings, create, model.own_variables)
 
     def build(self, seed: int, batch: Mapping[str, Any]) -> TrainState:
-        """The initial state from ``seed`` and a host batch of the planned layout."""
-        share = {k: np.asarray(v)[: self.spec.batch_size // self.spec.num_devices] for k, v in batch.items()}
-        return jax.jit(self.create)(jax.random.PRNGKey(seed), share, self.given())
+        """The initial state from ``seed`` and a host batch of the planned
+        layout, made in place on the mesh: no leaf is ever whole on one device
+        unless its sharding says so."""
+        if jax.process_count() > 1:  # the same inputs on every process: its shapes, not its data
+            share = {k: np.zeros(x.shape, x.dtype) for k, x in self.spec.per_device().items()}
+        else:
+            rows = self.spec.batch_size // self.spec.num_devices
+            share = {k: np.asarray(v)[:rows] for k, v in batch.items()}
+        given = self.given()
+        if given is not None:
+            given = jax.tree.map(_as_input, given)
+        create = jax.jit(self.create, out_shardings=self.shardings)
+        return create(jax.random.PRNGKey(seed), share, given)
+
+
+def _as_input(value: Any) -> Any:
+    """A value a model comes with, as the jitted init takes it: read to the
+    host (it may sit on one device, not the mesh), unless it is a global
+    array already spanning processes."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value
+    return np.asarray(value)
+
+
+def model_annotations(model: Model, key: Any, batch: Any) -> dict[str, Any] | None:
+    """The model's own sharding annotations, ``{collection: tree of axis names
+    or None}``, from its optional ``annotations`` method."""
+    annotate = getattr(model, "annotations", None)
+    return None if annotate is None else annotate(key, batch)

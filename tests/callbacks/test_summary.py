@@ -112,7 +112,11 @@ def test_totals_count_parameters_not_perturbations(devices):
     note = (f"Shapes per device: {PER_DEVICE} of the global batch of {PER_DEVICE * len(devices)}, split over "
             f"{len(devices)} devices.")
     if len(devices) > 1:
-        assert summary.table.endswith(f"\n{note}") and printed.rstrip().endswith(note)
+        # Then where the state lies: replicated (data parallel), so each device holds it whole.
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state))
+        placed = f"State replicated on each of the {len(devices)} devices: {state_bytes} B each."
+        assert summary.table.endswith(f"\n{note}\n{placed}")
+        assert printed.rstrip().endswith(f"{note}\n{placed}")
     else:
         assert "Shapes per device" not in printed  # one device: the shapes are the batch's
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
 
 import flaxhooks
 from flaxhooks import Callback
@@ -61,17 +60,13 @@ def test_8_devices_give_the_parameters_of_1_device():
 
 
 def test_batch_norm_statistics_are_carried_and_kept_in_sync(devices):
-    class Replicas(Callback):
-        def on_fit_end(self, loop):
-            self.model_state = jax.device_get(loop.state.model_state)
-
     batches = make_batches(3, batch_size=16)
-    replicas = Replicas()
-    state = sgd_trainer(BatchNormNet(), devices=devices, callbacks=[replicas]).fit(batches, epochs=2)
+    state = sgd_trainer(BatchNormNet(), devices=devices).fit(batches, epochs=2)
     assert set(state.model_state) == {"batch_stats"}
-    replicas = replicas.model_state
-    for leaf in jax.tree.leaves(replicas):  # identical on every device
-        np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
+    for leaf in jax.tree.leaves(state.model_state):  # one value, whole on every device
+        assert leaf.sharding.is_fully_replicated
+        for shard in leaf.addressable_shards:
+            np.testing.assert_array_equal(shard.data, leaf.addressable_shards[0].data)
     # The running mean moved away from its initial zeros, towards the data.
     mean = state.model_state["batch_stats"]["BatchNorm_0"]["mean"]
     assert np.abs(np.asarray(mean)).max() > 1e-3
@@ -122,18 +117,17 @@ class DropoutProbe(nn.Module):
         return scale * nn.Dropout(0.5, deterministic=not train)(jnp.ones_like(x))
 
 
-def test_dropout_draws_a_different_mask_per_step_and_per_device():
+def test_dropout_draws_a_different_mask_per_step_and_per_example_over_the_devices():
     devices = jax.local_devices()[:8]
     if len(devices) < 2:
         pytest.skip("needs several devices")
 
     def loss_fn(outputs, batch):
         kept = (outputs != 0).astype(jnp.float32)
-        others = lax.all_gather(kept, flaxhooks.AXIS)
-        same_as_all = jnp.all(others == kept)
-        # A fingerprint of this step's mask on device 0.
-        fingerprint = lax.all_gather(jnp.sum(kept * jnp.arange(kept.size).reshape(kept.shape)),
-                                     flaxhooks.AXIS)[0]
+        # The batch is whole in the step: each device's share is a block of rows.
+        blocks = kept.reshape(len(devices), -1)
+        same_as_all = jnp.all(blocks == blocks[0])
+        fingerprint = jnp.sum(kept * jnp.arange(kept.size).reshape(kept.shape))
         return jnp.mean(outputs), {"kept": kept.mean(), "same": same_as_all.astype(jnp.float32),
                                    "fingerprint": fingerprint}
 
@@ -353,7 +347,7 @@ def test_a_one_shot_iterator_loses_no_batch_between_fits():
     assert next(stream) is batches[5]  # read no further than needed
 
 
-def test_integer_and_bool_metrics_are_averaged_over_devices(devices):
+def test_integer_and_bool_metrics_are_computed_on_the_whole_batch_as_floats(devices):
     def loss_fn(logits, batch):
         loss = cross_entropy(logits, batch)
         return loss, {"examples": batch["label"].shape[0], "positive": jnp.all(batch["label"] >= 0)}
@@ -365,8 +359,8 @@ def test_integer_and_bool_metrics_are_averaged_over_devices(devices):
     keep = Keep()
     flaxhooks.Trainer(MLP(), optax.sgd(0.1), loss_fn, devices=devices, callbacks=[keep]).fit(
         make_batches(1, batch_size=16), steps=1)
-    # Per-device examples, averaged: 16 / devices.
-    assert keep.metrics["examples"] == 16 / len(devices)
+    # The step sees the whole batch, however many devices it is split over.
+    assert keep.metrics["examples"] == 16
     assert keep.metrics["positive"] == 1.0
 
 

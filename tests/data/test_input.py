@@ -59,8 +59,8 @@ def test_a_loss_per_example_is_told_to_take_its_mean_without_jaxs_frames(compile
     trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), per_example)
     with pytest.raises(flaxhooks.LossError) as info:
         trainer.fit(make_batches(1, batch_size=16), epochs=1)
-    assert str(info.value) == ("loss_fn must return a scalar loss, got shape (2,) (one per example?): return "
-                               "their mean, e.g. `.mean()`")
+    assert str(info.value) == ("loss_fn must return a scalar loss, got shape (16,) (one per example?): "
+                               "return their mean, e.g. `.mean()`")
     assert not getattr(info.value, "__notes__", None)  # JAX's note on filtered frames: noise here
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one error, not a chain
     assert compiles == []
@@ -137,10 +137,15 @@ def test_batches_are_sharded_over_devices_and_prefetched(devices):
     batches = make_batches(3, batch_size=16)
     trainer = sgd_trainer(devices=devices, callbacks=[Peek()], pipeline=flaxhooks.DevicePrefetch(size=3))
     trainer.fit(batches, epochs=1)
+    share = 16 // len(devices)
     for device_batch, host in zip(seen, batches, strict=True):
-        assert device_batch.shape == (len(devices), 16 // len(devices), 5)
+        # One global array, each device holding its block of rows.
+        assert device_batch.shape == (16, 5)
         assert {s.device for s in device_batch.addressable_shards} == set(devices)
-        np.testing.assert_array_equal(np.asarray(device_batch).reshape(16, 5), host["image"])
+        for shard in device_batch.addressable_shards:
+            assert shard.data.shape == (share, 5)
+            np.testing.assert_array_equal(shard.data, host["image"][shard.index])
+        np.testing.assert_array_equal(np.asarray(device_batch), host["image"])
 
 
 def test_prefetch_runs_ahead_by_its_size():
