@@ -299,6 +299,9 @@ class Evaluator:
         compiled per-device batch. This process may have no batch at all (its
         share of a small dataset on several hosts).
         """
+        # Imported here: flaxhooks.core imports this module.
+        from flaxhooks.core._processes import ProcessError, wait_ready
+
         empty = (self.metrics.empty(), np.zeros((), np.int32))
         totals = jax_utils.replicate(empty, self.devices, axis_name=self.axis)
         in_flight: collections.deque[Any] = collections.deque()
@@ -320,11 +323,15 @@ class Evaluator:
                 # Bound the batches queued on the devices (waits, reads nothing).
                 in_flight.append(totals)
                 if len(in_flight) > MAX_BATCHES_IN_FLIGHT:
-                    jax.block_until_ready(in_flight.popleft())
+                    wait_ready(in_flight.popleft())  # a lost peer ends the wait (several processes)
+        except ProcessError:
+            raise  # no process to combine with
         except Exception as error:
             failure = error
         failed = np.full(len(self.devices), failure is not None, np.int32)
-        collection, examples, failures = first_replica(self._combine(totals, failed))
+        combined = self._combine(totals, failed)
+        wait_ready(combined)
+        collection, examples, failures = first_replica(combined)
         if failure is not None:
             raise failure
         if failures:
