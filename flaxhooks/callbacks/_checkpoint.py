@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.core import Callback, Every, Loop, as_every
+from flaxhooks.core import Callback, Every, Loop, PeerLost, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.writers import check_writable
 
@@ -465,6 +465,9 @@ class Checkpoint(Callback):
     #: the state it copies may come from a step that never finishes (a lost
     #: process), and the checkpoints before it stay intact.
     FAILING_WAIT_SECONDS = 30.0
+    #: The same after a lost process: its state is never coming, and the
+    #: process must exit soon (``flaxhooks.PeerLost``).
+    LOST_PEER_WAIT_SECONDS = 1.0
 
     def on_fit_end(self, loop: Loop) -> None:
         # The last state, also when stopped early or interrupted: Ctrl-C and
@@ -481,12 +484,14 @@ class Checkpoint(Callback):
         failed = loop.exception is not None and not isinstance(loop.exception, KeyboardInterrupt)
         if loop.exception is None:
             self._save(loop)
-        if self.wait(timeout=self.FAILING_WAIT_SECONDS if failed else None):
+        lost = isinstance(loop.exception, PeerLost)
+        wait = self.LOST_PEER_WAIT_SECONDS if lost else self.FAILING_WAIT_SECONDS if failed else None
+        if self.wait(timeout=wait):
             self._close_writer()  # each fit opens its own: nothing left behind between fits
         else:
             _log.warning(
                 "the checkpoint save in progress did not finish within %g s of the failure; the "
-                "checkpoints %s are intact", self.FAILING_WAIT_SECONDS, self.saved_steps(),
+                "checkpoints %s are intact", wait, self.saved_steps(),
             )
 
     def _close_writer(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, Rate, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
@@ -94,6 +94,9 @@ class TensorBoard(Callback):
     #: Seconds to wait for the writer at the end of a failed fit: what it
     #: still has to read may come from a step that never finishes.
     FAILING_WAIT_SECONDS = 5.0
+    #: The same after a lost process: what is not written by then never will
+    #: be, and the process must exit soon (``flaxhooks.PeerLost``).
+    LOST_PEER_WAIT_SECONDS = 1.0
     #: The sub-run of the training scalars.
     TRAIN_RUN = "train"
     #: The Custom Scalars category of the training and evaluation charts.
@@ -197,11 +200,14 @@ class TensorBoard(Callback):
                                        for summary in record])
         if loop.exception is None:
             writer.close()
-        elif not writer.close(timeout=self.FAILING_WAIT_SECONDS):
-            _log.warning(
-                "TensorBoard: what was logged in the last steps before the failure could not be "
-                "written within %g s and is left out", self.FAILING_WAIT_SECONDS,
-            )
+        else:
+            lost = isinstance(loop.exception, PeerLost)
+            wait = self.LOST_PEER_WAIT_SECONDS if lost else self.FAILING_WAIT_SECONDS
+            if not writer.close(timeout=wait):
+                _log.warning(
+                    "TensorBoard: what was logged in the last steps before the failure could not be "
+                    "written within %g s and is left out", wait,
+                )
 
     def _hparams(self) -> dict[str, Any]:
         hparams = dict(self.hparams)

@@ -32,12 +32,14 @@ How a stop is agreed, in rounds that cost nothing while nothing happens:
 Per step this costs one lock and a few attribute reads on the main thread.
 
 Faults that no round can carry: the watcher also posts a heartbeat every
-second and reads everyone's. A process whose heartbeat stops for
-:data:`LOST_AFTER_SECONDS` is lost (:class:`PeerLost`); one that gives up
-(a timeout, a second Ctrl-C) says so in place of its heartbeat. Either way
-the others raise at their next check, and a process whose main thread is
-stuck in a collective with the missing one (XLA never fails it) ends
-itself after :data:`END_GRACE_SECONDS`.
+:data:`HEARTBEAT_SECONDS` and reads everyone's. A process whose heartbeat
+stops for :data:`LOST_AFTER_SECONDS` is lost (:class:`PeerLost`); one that
+gives up (a timeout, a second Ctrl-C) says so in place of its heartbeat.
+Either way the others raise at their next check (waits for device values
+poll for it: :func:`wait_ready`), and a process whose main thread is stuck
+in a collective with the missing one (gloo waits for a killed peer for
+ever) reports :class:`PeerLost` from the watcher and ends itself after
+:data:`END_GRACE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -65,19 +67,45 @@ if TYPE_CHECKING:
 _log = logging.getLogger("flaxhooks")
 
 #: Seconds between a watcher's heartbeats.
-HEARTBEAT_SECONDS = 1.0
-#: A peer whose heartbeat has not moved for this long is taken as lost.
-LOST_AFTER_SECONDS = 10.0
+HEARTBEAT_SECONDS = 0.5
+#: A peer whose heartbeat has not moved for this long is taken as lost. The
+#: beat comes from a thread of its own, so a busy main thread (compiling,
+#: loading data) does not delay it; short enough that a killed peer is named
+#: within seconds, as a collective with it never ends.
+LOST_AFTER_SECONDS = 4.0
 #: How often a process that waits for another says so.
 WAIT_NOTE_SECONDS = 5.0
 #: After a peer is lost (or this process abandoned the others), how long
 #: ``fit`` may take to raise and run its end hooks before the process exits on
 #: its own: its main thread, or an end hook reading a device value, may be
 #: stuck in a collective with a process that will never take part, which
-#: XLA never fails.
-END_GRACE_SECONDS = 15.0
+#: gloo never fails. Detection plus this stays under 10 s.
+END_GRACE_SECONDS = 4.0
 
 _fits = itertools.count()
+
+#: The agreement of the fit under way on several processes, if any: waits
+#: for device values outside the train step watch its peers through it.
+_watching: list[AgreedStops] = []
+
+
+def wait_ready(tree: Any) -> None:
+    """Waits until every array in ``tree`` is computed.
+
+    During a fit on several processes it polls instead of blocking inside
+    JAX, so a lost peer ends the wait with :class:`PeerLost` (a collective
+    with a killed process never finishes on gloo).
+
+    Raises:
+        ProcessError: a peer was lost or left the run while this one waited.
+    """
+    if not _watching:
+        jax.block_until_ready(tree)
+        return
+    stops = _watching[-1]
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            stops.wait_until_ready(leaf)
 
 
 class ProcessError(RuntimeError):
@@ -264,7 +292,7 @@ class Peers:
                     lost.append(process)
         return left, lost
 
-    def lost_now(self, settle: float = 2.5) -> list[int]:
+    def lost_now(self, settle: float = 3 * HEARTBEAT_SECONDS) -> list[int]:
         """The processes whose heartbeat does not move over ``settle`` seconds:
         after a collective failed, which peer is gone."""
         before = self._heartbeats()
@@ -413,6 +441,7 @@ class AgreedStops(LocalStops):
         self._dispatched = record["start"][0]
         self._watcher = threading.Thread(target=self._watch, name="flaxhooks-peers", daemon=True)
         self._watcher.start()
+        _watching.append(self)
 
     def close(self, loop: Loop, error: BaseException | None) -> None:
         """After the end hooks: a fit that fails on one process fails on all.
@@ -477,22 +506,61 @@ class AgreedStops(LocalStops):
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
         """Waits until ``value`` is computed, without blocking inside JAX: a
         lost peer ends the wait with :class:`PeerLost`."""
+        self.wait_until_ready(value, loop.step)
+
+    def wait_until_ready(self, value: jax.Array, step: int | None = None) -> None:
+        """Waits until ``value`` is computed, polling: a lost peer (or one that
+        left) ends the wait with its :class:`ProcessError` at ``step``
+        (default: the last step dispatched)."""
         pause = 1e-4
         while not value.is_ready():
             if self.gone is not None:
-                raise self._gone_error(loop)
+                raise self._gone_error(self._dispatched if step is None else step)
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
-    def _gone_error(self, loop: Loop) -> ProcessError:
+    def _gone_error(self, step: int) -> ProcessError:
         assert self.gone is not None
-        error = gone_error(*self.gone, f"at step {loop.step}", loop.step)
+        error = gone_error(*self.gone, f"at step {step}", step)
         assert error is not None
         return error
 
+    def _peer_error(self, step: int, error: BaseException) -> ProcessError | None:
+        """The error naming a lost peer (or one that left the run) behind
+        ``error``, or None. A collective with a lost process fails, or hangs,
+        for want of it, and XLA's message does not say so: a runtime error
+        while a peer's heartbeat is stale is that peer's loss."""
+        if self.gone is not None:
+            return self._gone_error(step)
+        found = _within(error, (PeerLost, PeerTimeout))
+        if found is not None:  # a copy: raised from ``error``, which holds it
+            return found if found is error else type(found)(str(found), found.processes, found.step)
+        if not _from_the_runtime(error):
+            return None
+        lost = self.peers.lost_now()
+        if not lost:
+            return None
+        which = ", ".join(map(str, lost))
+        return PeerLost(
+            f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {step} (killed, crashed, or "
+            f"its host went down), so training cannot go on. The collective that noticed failed with "
+            f"{_describe(_within(error, (jax.errors.JaxRuntimeError,)) or error)}", lost, step,
+        )
+
     def defer(self, loop: Loop, error: Exception) -> None:
         """An error in the loop: kept, to be raised on every process (as a
-        :class:`ProcessError` naming this one) at the step they agree to stop at."""
+        :class:`ProcessError` naming this one) at the step they agree to stop at.
+
+        Raises:
+            ProcessError: a peer is lost or left the run (or a runtime error
+                that its loss explains): no step can be agreed with it, so
+                its error is raised at once.
+        """
+        reported = self._peer_error(loop.step, error)
+        if reported is error:
+            raise error
+        if reported is not None:
+            raise reported from error
         if self.fault is None:
             self.fault = error
             _log.error("process %d failed at step %d (%s): every process stops at the step they agree on",
@@ -554,16 +622,9 @@ class AgreedStops(LocalStops):
         """An error the loop cannot carry to an agreed step: names a lost
         peer, or tells the others that this process abandons them."""
         if isinstance(error, ProcessError) and not isinstance(error, (PeerLost, PeerTimeout)):
-            return error  # raised by every process at the agreed step
-        if _from_the_runtime(error) and not isinstance(error, ProcessError):
-            lost = (self.gone[1] if self.gone else None) or self.peers.lost_now()
-            if lost:
-                which = ", ".join(map(str, lost))
-                error = PeerLost(
-                    f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {loop.step} (killed, "
-                    f"crashed, or its host went down), so training cannot go on. The collective that "
-                    f"noticed failed with {_describe(error)}", lost, loop.step,
-                )
+            if self.gone is None:
+                return error  # raised by every process at the agreed step
+        error = self._peer_error(loop.step, error) or error
         self.failed_at(loop.step, error)
         return error
 
@@ -672,6 +733,8 @@ class AgreedStops(LocalStops):
         the key-value store when the interpreter exits aborts the process."""
         self._closed = True
         self._advanced.set()
+        if self in _watching:
+            _watching.remove(self)
         if self._watcher is None:
             return
         try:  # every process is past its loop: waking the watchers is harmless
@@ -687,13 +750,13 @@ class AgreedStops(LocalStops):
             current = self._round
             try:
                 if self._leaving is not None:
-                    self._outlive([])
+                    self._outlive()
                     return
                 self.peers.beat(next(beats))
                 left, lost = self.peers.gone()
                 if left or lost:
                     self.gone = (left, lost)
-                    self._outlive(lost)
+                    self._outlive()
                     return
                 if current.answered:
                     self._advanced.wait(HEARTBEAT_SECONDS)
@@ -714,7 +777,7 @@ class AgreedStops(LocalStops):
                     current.answered = True
                     self._post_answer(current, {"kind": "go_on"})
 
-    def _outlive(self, lost: list[int]) -> None:
+    def _outlive(self) -> None:
         """A peer is gone (the main thread raises at its next check), or this
         process left the others. If ``fit`` has not ended soon after, it is
         stuck in a collective that can never finish: exit."""
@@ -723,13 +786,14 @@ class AgreedStops(LocalStops):
             time.sleep(0.05)
         if self._closed:
             return
-        why = (
-            f"process {', '.join(map(str, lost))} was lost (no heartbeat for {LOST_AFTER_SECONDS:g} s: "
-            "killed, crashed, or its host went down)" if lost
-            else "another process left the run" if self.gone else "it left the other processes"
-        )
+        step = self._dispatched
+        if self.gone is not None:  # what the main thread would have raised
+            error = self._gone_error(step)
+            why = f"{type(error).__name__}: {error}"
+        else:
+            why = "it left the other processes"
         message = (
-            f"flaxhooks: {why}, and process {self.peers.index} is stuck in a collective with a process that "
+            f"flaxhooks: {why}. Process {self.peers.index} is stuck in a collective with a process that "
             f"will never take part, {END_GRACE_SECONDS:g} s later: exiting with status 1"
         )
         print(message, file=sys.stderr, flush=True)
@@ -772,6 +836,15 @@ def _agreed_failure(
     return ProcessError(
         f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step
     )
+
+
+def _within(error: BaseException | None, kinds: tuple[type[BaseException], ...]) -> Any:
+    """The first exception of ``kinds`` in ``error``'s chain of causes, or None."""
+    for _ in range(6):  # a bounded walk: chains may loop
+        if error is None or isinstance(error, kinds):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _from_the_runtime(error: BaseException) -> bool:

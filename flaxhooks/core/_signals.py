@@ -32,14 +32,29 @@ class TrainingInterrupted(KeyboardInterrupt):
 @contextlib.contextmanager
 def stop_on_signals(loop: Loop) -> Iterator[None]:
     """SIGINT and SIGTERM ask the loop to stop at the next step boundary; a
-    second signal raises KeyboardInterrupt at once."""
+    second signal raises KeyboardInterrupt at once.
+
+    On several processes a signal sent to all of them reaches each at its
+    own time, and a late one may come after they agreed to stop for the
+    first (``loop.interrupted`` set by that agreement): it is the same stop,
+    so it is absorbed, also after ``fit`` returns, until the process exits
+    or the next ``fit`` starts. Otherwise its default action would kill this
+    process in the middle of its clean exit, and the others with it (JAX
+    aborts a process whose coordination service goes away).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield  # Python delivers signals to the main thread only
         return
+    received: list[int] = []  # the signals this process received itself
 
     def handle(signum: int, frame: Any) -> None:
-        if loop.interrupted is not None:
+        if received:
             raise KeyboardInterrupt
+        received.append(signum)
+        if loop.interrupted is not None:  # agreed already, for a signal to another process
+            _log.warning("%s after every process agreed to stop at step %d: already stopping",
+                         signal.Signals(signum).name, loop.step)
+            return
         loop.interrupted = signum
         loop.stop(f"interrupted by {signal.Signals(signum).name}")
         again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
@@ -47,11 +62,35 @@ def stop_on_signals(loop: Loop) -> Iterator[None]:
                      signal.Signals(signum).name, again)
 
     signums = (signal.SIGINT, signal.SIGTERM)
-    previous = [signal.signal(signum, handle) for signum in signums]
+    previous = {signum: _before_late(signum, signal.signal(signum, handle)) for signum in signums}
     try:
         yield
     finally:
-        for signum, handler in zip(signums, previous, strict=True):
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        absorb = None if loop.interrupted is None or received else _absorb_late(loop.interrupted, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, absorb or handler)
 
 
+Handler = Any  # what signal.signal takes and returns
+
+
+def _before_late(signum: int, handler: Handler) -> Handler:
+    """The handler of ``signum`` that a late-signal absorber stands in for
+    (or ``handler`` itself): the next fit puts that one back."""
+    handler = signal.SIG_DFL if handler is None else handler
+    return getattr(handler, "replaces", {signum: handler})[signum]
+
+
+def _absorb_late(agreed: int, previous: dict[int, Handler]) -> Handler:
+    """A handler that absorbs one late SIGINT or SIGTERM after every process
+    agreed to stop for ``agreed`` on another process, then puts ``previous``
+    back (a further signal acts as it would have)."""
+
+    def absorb(signum: int, frame: Any) -> None:
+        _log.warning("%s after every process agreed to stop for %s on another process: already stopping",
+                     signal.Signals(signum).name, signal.Signals(agreed).name)
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+
+    absorb.replaces = previous  # type: ignore[attr-defined]
+    return absorb

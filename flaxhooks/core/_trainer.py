@@ -18,7 +18,7 @@ from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
 from flaxhooks.core._fit import Fit, prepare
 from flaxhooks.core._loop import Loop
-from flaxhooks.core._processes import stops_for
+from flaxhooks.core._processes import stops_for, wait_ready
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
 from flaxhooks.data import (
     DATA_AXIS,
@@ -132,6 +132,7 @@ class Trainer:
         self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight)
         self.evaluations = Evaluations(model, example_loss_fn or per_example(loss_fn), label_key,
                                        self.placement)
+        self.evaluations.wait = wait_ready
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
         self._state: TrainState | None = None  # global arrays over the mesh

@@ -218,6 +218,9 @@ class Evaluator:
         self._step = jax.jit(lambda variables, totals, batch: traced(variables, totals, batch),
                              out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
+        #: Waits for device values before they are read; the Trainer gives one
+        #: that a lost peer ends (on several processes).
+        self.wait: Callable[[Any], None] = jax.block_until_ready
 
     def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
         """Traces the eval step on abstract values of ``state`` and a batch
@@ -353,11 +356,14 @@ class Evaluator:
             totals, flags = self._step(variables, totals, self.placement.put_batch(arrays))
             in_flight.append(flags)
             if len(in_flight) > (1 if several else MAX_BATCHES_IN_FLIGHT):
-                found = np.asarray(first_replica(in_flight.popleft()))
+                flags = in_flight.popleft()
+                self.wait(flags)  # on several processes, a lost peer ends the wait
+                found = np.asarray(first_replica(flags))
                 if several and (not found[0] or found[1]):
                     break
         if failure is not None and not several:
             raise failure
+        self.wait(totals)
         collection, examples = first_replica(totals)
         if failure is not None:
             raise failure
@@ -438,6 +444,8 @@ class Evaluations:
                  placement: Placement):
         self.model, self.example_loss_fn, self.label_key = model, example_loss_fn, label_key
         self.placement = placement
+        #: How evaluations wait for device values (see :attr:`Evaluator.wait`).
+        self.wait: Callable[[Any], None] = jax.block_until_ready
         self._evaluators: dict[type, Evaluator] = {}
 
     @property
@@ -451,6 +459,7 @@ class Evaluations:
         if evaluator is None:
             evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key,
                                   self.placement)
+            evaluator.wait = self.wait
             self._evaluators[collection] = evaluator
         return evaluator
 

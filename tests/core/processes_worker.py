@@ -281,6 +281,27 @@ def lost(index: int, count: int, out: str) -> dict[str, Any]:
 
 
 @scenario
+def killed(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+    """Evaluates every 3 steps and saves every 4; the test kills process 1 (SIGKILL) mid-run."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    class Slow(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            say(f"step {loop.step}")
+            time.sleep(0.1)
+
+    trainer = sgd_trainer(callbacks=[
+        Slow(), flaxhooks.Evaluate(make_arrays(256, seed=5), every=flaxhooks.Every(steps=3), batch_size=32),
+        flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=4, at_epoch_end=False),
+    ])
+    loader = flaxhooks.ArrayLoader(make_arrays(4096), batch_size=16 // count, seed=1)
+    outcome = _outcome(lambda: trainer.fit(loader, epochs=1))
+    say(f"KILLED: {outcome['error']}: {outcome['message']}")
+    return outcome
+
+
+@scenario
 def resume(index: int, count: int, out: str, workdir: str, late: str, timeout: str) -> dict[str, Any]:
     """Trains one epoch with checkpoints, then (in new processes) resumes with
     one process starting ``late`` seconds after the others."""

@@ -214,6 +214,56 @@ def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
     assert "TensorBoard" not in survivor["message"]
 
 
+def _worker_pid(workers: Workers, i: int) -> int:
+    """The Python process under process ``i``'s ``timeout`` (which would pass a signal on)."""
+    return int(subprocess.check_output(["pgrep", "-P", str(workers.procs[i].pid)]).split()[0])
+
+
+def test_a_process_killed_mid_run_is_named_within_10_s(tmp_path):
+    """SIGKILL to process 1 while both train, evaluate and save: process 0
+    raises PeerLost naming it and a step, never XLA's raw error, and exits."""
+    workers = Workers("killed", tmp_path, str(tmp_path / "run"), limit=90)
+    workers.wait_for(1, "step 5")
+    killed = time.monotonic()
+    os.kill(_worker_pid(workers, 1), signal.SIGKILL)
+    codes = workers.finish()
+    exited = workers.exited[0] - killed  # type: ignore[operator]
+    print(f"SIGKILL to process 1: process 0 exited {exited:.1f} s later")
+    assert codes[0] == 1 and codes[1] in (-signal.SIGKILL, 128 + signal.SIGKILL), workers.output()
+    survivor = workers.result(0)
+    assert survivor["error"] == "PeerLost", workers.output(0)
+    assert survivor["processes"] == [1] and survivor["error_step"] >= 5, survivor
+    assert f"process 1 was lost at step {survivor['error_step']}" in survivor["message"]
+    assert "PeerLost: process 1 was lost at step" in workers.output(0)
+    for raw in ("JaxRuntimeError", "INTERNAL", "Traceback"):
+        assert raw not in workers.output(0), workers.output(0)
+    assert exited < 10, workers.output(0)
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["0-then-1", "1-then-0"])
+def test_sigterm_to_every_process_a_moment_apart_exits_cleanly_everywhere(tmp_path, first):
+    """The later SIGTERM may reach a process after they agreed to stop (even
+    after fit returned): the same stop, so every process exits with 128 +
+    SIGTERM, as the worker maps TrainingInterrupted, and none aborts."""
+    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"))
+    for i in range(2):
+        workers.wait_for(i, "step 3")
+    os.kill(_worker_pid(workers, first), signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(_worker_pid(workers, 1 - first), signal.SIGTERM)
+    codes = workers.finish()
+    assert codes == [128 + signal.SIGTERM] * 2, workers.output()
+    for bad in ("SIGABRT", "Aborted", "Check failed", "Traceback"):
+        assert bad not in workers.output(), workers.output()
+    steps = {workers.result(i)["step"] for i in range(2)}
+    assert len(steps) == 1, workers.output()
+    (step,) = steps
+    for i in range(2):
+        assert f"INTERRUPTED {step} SIGTERM" in workers.output(i)
+    assert workers.result(0)["saved"] == [step]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == [str(step)]
+
+
 def test_a_late_process_delays_a_resume_without_harm_and_a_timeout_names_it(tmp_path):
     run = str(tmp_path / "run")
     first = Workers("resume", tmp_path / "first", run, "-1", "600")
