@@ -155,8 +155,7 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     layout = {name: sizes.get(name, 1) for name in MESH_AXES}
     total = math.prod(layout.values())
     if total != device_count:
-        raise MeshError(f"the sizes multiply to {total}, but there are {device_count} devices: they must "
-                        f"multiply to {device_count}")
+        raise MeshError(f"the sizes multiply to {total}, not to the device count, {device_count}")
     return layout
 
 
@@ -194,6 +193,37 @@ def _metrics() -> dict[str, Any]:
     return {name: metrics.Average.from_output(name) for name in ("loss", "token_accuracy", "exact_match")}
 
 
+def check_options(config: Config, device_count: int) -> dict[str, int]:
+    """Refuses settings that cannot run, before anything is made or written.
+
+    Returns:
+        The mesh's axis sizes (``--mesh``, else ``data`` over every device).
+
+    Raises:
+        OptionError: the heads do not divide the width or split over the
+            mesh's ``model`` axis; the digits are out of range or have fewer
+            distinct sums than the examples asked for.
+        MeshError: ``--mesh`` does not fit ``device_count`` devices.
+    """
+    from recipes import addition_data
+
+    if config.width % config.heads:
+        raise OptionError(f"--heads {config.heads} does not divide --width {config.width}")
+    if config.digits > addition_data.MAX_DIGITS:
+        raise OptionError(f"--digits {config.digits}: the recipe adds numbers of at most "
+                          f"{addition_data.MAX_DIGITS} digits")
+    sums = 10 ** (2 * config.digits)
+    if config.train_examples + config.eval_examples > sums:
+        raise OptionError(
+            f"--digits {config.digits} makes {sums} distinct sums, fewer than --train-examples "
+            f"{config.train_examples} and --eval-examples {config.eval_examples} together")
+    mesh_layout = parse_mesh(config.mesh or f"data={device_count}", device_count)
+    if config.heads % mesh_layout["model"]:
+        raise OptionError(f"--heads {config.heads} does not split over the {mesh_layout['model']} devices "
+                          "of the mesh's model axis")
+    return mesh_layout
+
+
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     """Trains the Transformer on sums and evaluates it on every held-out sum.
 
@@ -215,7 +245,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         refusals into one line).
 
     Raises:
-        OptionError, MeshError: settings that cannot run, before anything is written.
+        OptionError, MeshError: settings that cannot run (:func:`check_options`), before
+            anything is written.
     """
     import jax
     import optax
@@ -224,23 +255,15 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     from recipes import addition_data
     from recipes.transformer import Transformer, batch_loss, example_loss
 
-    if config.width % config.heads:
-        raise OptionError(f"--heads {config.heads} does not divide --width {config.width}")
-    mesh_layout = parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
-    if config.heads % mesh_layout["model"]:
-        raise OptionError(f"--heads {config.heads} does not split over the {mesh_layout['model']} devices "
-                          "of the mesh's model axis")
-    try:
-        sums = addition_data.make_sums(config.digits, config.train_examples, config.eval_examples,
-                                       config.seed)
-    except ValueError as error:
-        raise OptionError(f"--digits {config.digits}: {error}") from error
+    mesh_layout = check_options(config, jax.device_count())
+    sums = addition_data.make_sums(config.digits, config.train_examples, config.eval_examples, config.seed)
     Path(workdir).mkdir(parents=True, exist_ok=True)
     logdir = str(Path(workdir) / "tensorboard")
     train = flaxhooks.ArrayLoader(sums.train(), config.batch_size, seed=config.seed)
     steps = config.epochs * len(train)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, min(config.warmup_steps, steps), steps, config.learning_rate / 100,
+        # A run shorter than the warmup still decays over its last step.
+        0.0, config.learning_rate, min(config.warmup_steps, steps - 1), steps, config.learning_rate / 100,
     )
     # Clipping keeps the first steps, before the warmup has settled Adam's statistics, from jumping.
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
@@ -274,15 +297,23 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         **sharding,
     )
     layout = ",".join(f"{name}={size}" for name, size in mesh_layout.items())
-    placement = (f"mesh {layout}{', FSDP over data' if config.fsdp else ''}" if sharding else
-                 f"data-parallel (this Trainer takes no mesh: --mesh {layout}"
-                 f"{' and --fsdp' if config.fsdp else ''} checked, not used)")
-    devices = f"{jax.device_count()} {trainer.devices[0].platform.upper()} devices"
+    asked = [f"--mesh {config.mesh}"] * bool(config.mesh) + ["--fsdp"] * config.fsdp
+    if sharding:
+        placement = f"mesh {layout}{', FSDP over data' if config.fsdp else ''}"
+    elif asked:  # said, so that a sharding option asked for is not taken to be in effect
+        placement = f"data-parallel (this Trainer takes no mesh: {' and '.join(asked)} checked, not used)"
+    else:
+        placement = "data-parallel"
+
+    def counted(count: int, noun: str) -> str:  # "1 epoch", "2 epochs"
+        return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
     lines += [
         f"training a {config.depth}-block Transformer (width {config.width}, {config.heads} heads) on "
-        f"{len(sums.train_pairs)} {config.digits}-digit sums: {config.epochs} epoch"
-        f"{'s' if config.epochs > 1 else ''} of {len(train)} steps",
-        f"{devices}, {placement}; run directory: {workdir}",
+        f"{len(sums.train_pairs)} {config.digits}-digit sums: {counted(config.epochs, 'epoch')} of "
+        f"{counted(len(train), 'step')}",
+        f"{counted(jax.device_count(), trainer.devices[0].platform.upper() + ' device')}, {placement}; "
+        f"run directory: {workdir}",
     ]
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
     final = evaluation.result  # the evaluation at the last epoch's end
@@ -330,10 +361,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, workdir = parse_config(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flaxhooks").setLevel(logging.INFO)
+    import jax
+
     import flaxhooks  # JAX's backends start only when first used, after this
     from flaxhooks.core import latest_run
 
     flaxhooks.use_cpu_devices(config.cpu_devices)
+    if not config.resume:  # refused before a run directory is made (a resumed run's options are its own)
+        try:
+            check_options(config, jax.device_count())
+        except (OptionError, MeshError) as error:
+            print(f"{_PROG}: error: {refusal(error, '', config)}", file=sys.stderr, flush=True)
+            return 2
     new = workdir is None and (not config.resume or latest_run(RUNS) is None)  # a directory made for this run
     run = flaxhooks.run_directory(RUNS, resume=config.resume) if workdir is None else Path(workdir)
     if config.resume:

@@ -11,8 +11,9 @@ Example:
     >>> from recipes.transformer import Transformer
     >>> model = Transformer(vocab_size=16, length=11, width=32, depth=1, heads=2)
     >>> shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 11), jnp.int32))
-    >>> nn.get_partition_spec(shapes)["params"]["embed"]["embedding"]
-    PartitionSpec('vocab', 'embed')
+    >>> spec = nn.get_partition_spec(shapes)["params"]["embed"]["embedding"]
+    >>> spec == jax.sharding.PartitionSpec("vocab", "embed")
+    True
 """
 
 from __future__ import annotations
