@@ -40,7 +40,7 @@ class Config:
     digits: int = 3
     train_examples: int = 50_000
     eval_examples: int = 2_000
-    epochs: int = 10
+    epochs: int = 8
     batch_size: int = 256
     eval_batch_size: int = 1000
     learning_rate: float = 2e-3
