@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from recipes import _common
+from recipes._common import OPTIONS as OPTIONS  # where a run's options are saved
+from recipes._common import saved_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +93,6 @@ _AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate"
 #: Where runs go unless --workdir names a directory: one directory each, named by its start.
 RUNS = Path("runs/mnist")
 
-#: The file in a run's directory that holds the options it was started with.
-OPTIONS = "options.json"
 #: Options that say where and how a run is placed, not what it is: a resumed run may change them.
 _PLACEMENT = ("cpu_devices", "coordinator", "num_processes", "process_id", "resume")
 
@@ -216,63 +216,23 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 
-def saved_options(workdir: str | Path) -> dict[str, Any] | None:
-    """The options a run in ``workdir`` was started with (None: none saved)."""
-    path = Path(workdir) / OPTIONS
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def resumed_config(config: Config, given: set[str], workdir: str | Path) -> Config:
     """``config`` for going on with the run in ``workdir``: the options it was
     started with, except those the command line sets itself."""
-    saved = saved_options(workdir) or {}
-    fields = {field.name for field in dataclasses.fields(Config)}
-    kept = {name: v for name, v in saved.items() if name in fields and name not in given | set(_PLACEMENT)}
-    return dataclasses.replace(config, **kept)
+    return _common.resumed_config(config, given, workdir, _PLACEMENT)
 
 
 def _run_start(config: Config, workdir: str | Path, lines: Sequence[str]) -> Any:
-    """A callback that, once the Trainer has accepted the run (every check
-    before anything is written passed), says what runs (``lines``) and saves
-    the options it runs with into its directory."""
-    import flaxhooks  # here: importing the recipe for --help stays quick
-
-    class RunStart(flaxhooks.Callback):
-        process_zero_only = True
-
-        def on_fit_start(self, loop: flaxhooks.Loop) -> None:
-            print("\n".join(lines), flush=True)
-            options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PLACEMENT}
-            temporary = Path(workdir) / (OPTIONS + ".tmp")
-            temporary.write_text(json.dumps(options, indent=1) + "\n")
-            temporary.replace(Path(workdir) / OPTIONS)
-
-    return RunStart()
+    """A callback that says what runs (``lines``) and saves the options once the Trainer accepts the run."""
+    return _common.run_start(config, workdir, lines, _PLACEMENT)
 
 
 def _viewing(logdir: str) -> str:
     """The command that views the run (and every run of the recipe), installing TensorBoard if missing."""
-    import importlib.util
-
-    command = f"tensorboard --logdir {logdir}"
-    if importlib.util.find_spec("tensorboard") is None:
-        command = f'pip install "flaxhooks[tensorboard]" && {command}'
-    runs = Path(logdir).parent.parent
-    every = f"\nor every run side by side: tensorboard --logdir {runs}" if runs == RUNS else ""
-    return f"view this run: {command}{every}"
+    return _common.viewing(logdir, RUNS)
 
 
-def _at_least(kind: type, least: float) -> Any:
-    """An argparse type: ``kind``, refused below ``least`` with a usage error."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its message
-    return parse
+_at_least = _common.at_least
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
@@ -284,57 +244,16 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]
 
 def given_options(argv: Sequence[str] | None = None) -> set[str]:
     """The Config fields the command line sets itself (the rest take their defaults)."""
-    unset = object()  # argparse sets defaults only on what the namespace lacks
-    names = [field.name for field in dataclasses.fields(Config)]
-    parsed = _parser().parse_args(argv, argparse.Namespace(**dict.fromkeys(names, unset)))
-    return {name for name in names if getattr(parsed, name) is not unset}
+    return _common.given_options(_parser(), Config, argv)
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line: one option per Config field, and ``--workdir``.
-
-    Each option's help ends with its default, once: unless it has none or its
-    text already says it (``BooleanOptionalAction`` adds one of its own on
-    some Python versions; it is replaced). A usage error shows a one-line
-    usage, then the error.
-    """
-
-    class Formatter(argparse.HelpFormatter):
-        """Wraps help without breaking an option's name (``--num-processes``) at
-        a hyphen, or a default from its value."""
-
-        def _split_lines(self, text: str, width: int) -> list[str]:
-            glued = " ".join(text.split()).replace("(default: ", "(default:\0")  # \0: not a space to wrap at
-            return [line.replace("\0", " ") for line in textwrap.wrap(glued, width, break_on_hyphens=False)]
-
-    def with_default(text: str, flag: str, default: Any) -> str:
-        if default is None or "(default" in text:
-            return text
-        if isinstance(default, bool):  # the flag that is in effect
-            default = flag if default else "--no-" + flag[2:]
-        return f"{text} (default: {default})".replace("%", "%%")  # argparse %-formats help
-
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.mnist", description=__doc__.split("\n\n")[0], formatter_class=Formatter,
-        usage="%(prog)s [options] (see --help)",
+    """The command line: one option per Config field, and ``--workdir``."""
+    return _common.build_parser(
+        Config, _HELP, prog="python -m recipes.mnist", description=__doc__.split("\n\n")[0], runs=RUNS,
+        choices=_CHOICES, least=_AT_LEAST,
+        metavars={"data_dir": "DIR", "cache_dir": "DIR", "coordinator": "ADDRESS"},
     )
-    parser.add_argument("--workdir", default=None, metavar="DIR", help=(
-        f"where the run writes its files (default: a new directory under {RUNS} named by the time the run "
-        "starts; with --resume, the latest there)"))
-    metavars = {"data_dir": "DIR", "cache_dir": "DIR", "coordinator": "ADDRESS"}
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type == "bool":
-            action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
-            metavar = {int: "N", float: "X"}.get(kind) or metavars.get(field.name)
-            if field.name in _AT_LEAST:
-                kind = _at_least(kind, _AT_LEAST[field.name])
-            action = parser.add_argument(flag, type=kind, default=field.default,
-                                         choices=_CHOICES.get(field.name), metavar=metavar)
-        action.help = with_default(_HELP[field.name], flag, field.default)
-    return parser
 
 
 def _join_processes(config: Config) -> None:
@@ -416,12 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _remove_if_empty(directory: Path) -> None:
-    """Removes ``directory`` if it holds no file, only (empty) directories."""
-    import shutil
-
-    if directory.is_dir() and not any(path.is_file() for path in directory.rglob("*")):
-        shutil.rmtree(directory, ignore_errors=True)
+_remove_if_empty = _common.remove_if_empty
 
 
 if __name__ == "__main__":
