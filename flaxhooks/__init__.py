@@ -48,10 +48,13 @@ from flaxhooks.core import (
     run_directory,
 )
 from flaxhooks.data import (
+    FSDP,
     ArrayLoader,
     BatchError,
     DevicePrefetch,
     EmptyDataError,
+    Replicated,
+    ShardingError,
     device0_copy,
     use_cpu_devices,
 )
@@ -62,6 +65,7 @@ from flaxhooks.writers import LogdirError
 __all__ = [
     "AXIS",
     "EVENTS",
+    "FSDP",
     "ActivationGradStats",
     "ActivationStats",
     "ArrayLoader",
@@ -90,6 +94,8 @@ __all__ = [
     "PeerLost",
     "PeerTimeout",
     "ProcessError",
+    "Replicated",
+    "ShardingError",
     "Profile",
     "Progress",
     "StopTraining",
@@ -107,4 +113,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.6.0"
+__version__ = "0.7.0.dev0"

@@ -177,7 +177,9 @@ def sharding_arguments(config: Config, mesh_layout: dict[str, int]) -> dict[str,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_layout))
     # Looked up only here: the names exist once the Trainer takes a mesh.
     shard = flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated()
-    arguments = {"mesh": mesh, "shard": shard, "axis_rules": AXIS_RULES}
+    # Rules to an axis this mesh lacks (no --mesh: "data" alone) keep those dimensions whole.
+    rules = tuple((name, axis if axis in mesh_layout else None) for name, axis in AXIS_RULES)
+    arguments = {"mesh": mesh, "shard": shard, "axis_rules": rules}
     return {name: value for name, value in arguments.items() if name in accepted}
 
 

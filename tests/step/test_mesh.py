@@ -1,0 +1,227 @@
+"""One jitted step over a device mesh: data parallel against a hand-written
+per-device (pmap-style) loop, FSDP and tensor parallelism against data
+parallelism, bytes per device, restoring onto another mesh, and bad
+placements named before anything compiles."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flaxhooks
+
+FEATURES, HIDDEN, CLASSES = 16, 64, 4
+
+
+def _needs(count: int) -> list[jax.Device]:
+    devices = jax.local_devices()
+    if len(devices) < count:
+        pytest.skip(f"needs {count} devices")
+    return devices[:count]
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    return Mesh(np.asarray(_needs(int(np.prod(shape)))).reshape(shape), names,
+                axis_types=(AxisType.Auto,) * len(names))
+
+
+class Wide(nn.Module):
+    """Two dense layers, the first annotated with logical axes when ``annotated``."""
+
+    annotated: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        if self.annotated:
+            kernel = nn.with_logical_partitioning(init, ("embed", "mlp"))
+            out = nn.with_logical_partitioning(init, ("mlp", "embed"))
+            x = nn.relu(nn.Dense(HIDDEN, kernel_init=kernel)(x))
+            x = nn.with_logical_constraint(x, ("batch", "mlp"))
+            return nn.Dense(CLASSES, kernel_init=out)(x)
+        x = nn.relu(nn.Dense(HIDDEN)(x))  # Dense_0, made first
+        return nn.Dense(CLASSES)(x)
+
+
+def loss_fn(logits, batch):
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def _batches(count: int = 4, size: int = 32) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [{"image": rng.normal(size=(size, FEATURES)).astype(np.float32),
+             "label": rng.integers(0, CLASSES, size).astype(np.int32)} for _ in range(count)]
+
+
+def _trainer(model=None, **kwargs) -> flaxhooks.Trainer:
+    return flaxhooks.Trainer(model or Wide(), optax.adam(1e-2), loss_fn, **kwargs)
+
+
+def _per_device_reference(params, batches, devices: int):
+    """Adam on the mean of per-device mean losses, written by hand (what a
+    pmap loop with pmean'd gradients computes), in float64 on the host."""
+    tx = optax.adam(1e-2)
+    with jax.enable_x64():
+        params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), jnp.float64), params)
+        opt_state = tx.init(params)
+        for batch in batches:
+            rows = len(batch["label"]) // devices
+            shares = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(devices)]
+            grads = [jax.grad(lambda p, b=b: loss_fn(Wide().apply({"params": p}, b["image"]), b))(params)
+                     for b in shares]
+            mean = jax.tree.map(lambda *g: sum(g) / devices, *grads)
+            updates, opt_state = tx.update(mean, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return jax.tree.map(np.asarray, params)
+
+
+def test_data_parallel_on_the_mesh_equals_a_hand_written_per_device_loop():
+    devices = _needs(8)
+    batches = _batches()
+    trainer = _trainer(devices=devices)
+    initial = trainer.init(batches[0])
+    state = trainer.fit(batches, epochs=1, state=initial)
+    expected = _per_device_reference(initial.params, batches, len(devices))
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5)
+        assert got.sharding.is_fully_replicated
+    assert trainer.runner.traces == {"train_step": 1}
+
+
+def test_fsdp_equals_data_parallel_and_holds_an_eighth_of_the_state_per_device():
+    devices = _needs(8)
+    batches = _batches()
+    replicated = _trainer(devices=devices)
+    initial = replicated.init(batches[0])
+    expected = replicated.fit(batches, epochs=1, state=initial)
+    sharded = _trainer(devices=devices, shard=flaxhooks.FSDP("data", min_size=256))
+    state = sharded.fit(batches, epochs=1, state=initial)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    kernel = state.params["Dense_0"]["kernel"]  # [16, 64]: split along its larger dimension
+    assert kernel.sharding.spec == P(None, "data")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(FEATURES, HIDDEN // 8)}
+    # Bytes per device, from the shards each device holds, against the whole state.
+    whole = sum(x.nbytes for x in jax.tree.leaves(state))
+    first = devices[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(state)
+               for s in x.addressable_shards if s.device == first)
+    small = sum(x.nbytes for x in jax.tree.leaves(state) if x.size < 256)  # replicated by min_size
+    assert held <= (whole - small) / 8 * 1.1 + small
+    assert sharded.runner.traces == {"train_step": 1}
+
+
+def test_tensor_parallel_from_linen_annotations_equals_data_parallel():
+    mesh = _mesh((4, 2), ("data", "model"))
+    batches = _batches()
+    rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+    # The same annotated model, data parallel: every logical axis kept whole.
+    plain = _trainer(Wide(annotated=True), devices=list(mesh.devices.flat),
+                     axis_rules=[("batch", "data"), ("embed", None), ("mlp", None)])
+    initial = plain.init(batches[0])
+    expected = plain.fit(batches, epochs=1, state=initial)
+    parallel = _trainer(Wide(annotated=True), mesh=mesh, axis_rules=rules)
+    state = parallel.fit(batches, epochs=1, state=initial)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "model")
+    assert state.params["Dense_1"]["kernel"].sharding.spec == P("model", None)
+    # The optimizer's moments follow their parameters.
+    mu = state.opt_state[0].mu["Dense_0"]["kernel"]
+    assert mu.sharding.spec == P(None, "model")
+    # The batch is split over "data" only: each shard is a quarter of it, whole over "model".
+    arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    result = parallel.evaluate(arrays, batch_size=24)
+    assert result.examples == 128
+
+
+def test_nnx_partitioning_metadata_places_the_parameters():
+    mesh = _mesh((4, 2), ("data", "model"))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            kernel_init = nnx.with_partitioning(init, (None, "model"))
+            self.hidden = nnx.Linear(FEATURES, HIDDEN, kernel_init=kernel_init, rngs=rngs)
+            self.out = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    with jax.set_mesh(mesh):
+        model = Net(nnx.Rngs(0))
+    reference = nnx.clone(model)
+    batches = _batches()
+    state = _trainer(model, mesh=mesh).fit(batches, epochs=1)
+    assert state.params["hidden"]["kernel"].sharding.spec == P(None, "model")
+    expected = _trainer(reference, mesh=_mesh((8, 1), ("data", "model"))).fit(batches, epochs=1)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shard=flaxhooks.FSDP("fsdp")), r"FSDP shards over mesh axis 'fsdp', which the mesh lacks"),
+    (dict(axis_rules=[("mlp", "tensor")]), r"logical axis 'mlp' to mesh axis 'tensor', which the mesh lacks"),
+    (dict(data_axis="batch"), r"split over mesh axis 'batch', which the mesh lacks"),
+])
+def test_a_placement_naming_an_axis_the_mesh_lacks_is_refused_at_once(kwargs, message):
+    with pytest.raises(flaxhooks.ShardingError, match=message):
+        _trainer(mesh=_mesh((4, 2), ("data", "model")), **kwargs)
+
+
+def test_an_annotation_naming_an_unknown_axis_is_refused_before_compiling(compiles):
+    trainer = _trainer(Wide(annotated=True), mesh=_mesh((4, 2), ("data", "model")),
+                       axis_rules=[("embed", None)])  # "mlp" is neither a rule nor a mesh axis
+    expected = r"params\['Dense_0'\]\['kernel'\] of shape \(16, 64\) names axis 'mlp'"
+    with pytest.raises(flaxhooks.ShardingError, match=expected):
+        trainer.fit(_batches(), epochs=1)
+    assert compiles == []
+
+
+def test_a_batch_that_does_not_divide_over_the_data_axis_is_refused(compiles):
+    trainer = _trainer(mesh=_mesh((4, 2), ("data", "model")))
+    refused = r"a batch of 6 examples .* does not divide over 4 devices"
+    with pytest.raises(flaxhooks.BatchError, match=refused):
+        trainer.fit(_batches(size=6), epochs=1)
+    assert compiles == []
+
+
+def test_a_checkpoint_of_an_fsdp_run_on_8_devices_resumes_data_parallel_on_4_bit_exactly(tmp_path):
+    batches = _batches(count=4)
+    fsdp = _trainer(devices=_needs(8), shard=flaxhooks.FSDP(min_size=256),
+                    callbacks=[flaxhooks.Checkpoint(tmp_path, every=2)])
+    saved = fsdp.fit(batches, steps=2)
+    four = _trainer(devices=_needs(4), callbacks=[flaxhooks.Checkpoint(tmp_path, every=2)])
+    restored = four.fit(batches, steps=2, resume=True)  # nothing left to train: the restored state
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding.device_set == set(_needs(4)) and got.sharding.is_fully_replicated
+
+
+def test_the_summary_shows_each_split_parameter_and_the_bytes_per_device():
+    summary = flaxhooks.Summary()
+    trainer = _trainer(devices=_needs(8), shard=flaxhooks.FSDP(min_size=256), callbacks=[summary])
+    state = trainer.fit(_batches(count=1), epochs=1)
+    whole = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert "State on mesh data=8: " in summary.table
+    assert f" per device of {whole / 1000:,.1f} KB" in summary.table
+    assert f"params['Dense_0']['kernel'] float32[{FEATURES}, {HIDDEN}]: P(None, 'data')" in summary.table
+
+
+def test_batches_arrive_as_global_arrays_split_over_the_data_axis():
+    mesh = _mesh((4, 2), ("data", "model"))
+    seen = []
+
+    class Peek(flaxhooks.Callback):
+        def on_step_start(self, loop):
+            seen.append(loop.batch["image"])
+
+    _trainer(mesh=mesh, callbacks=[Peek()]).fit(_batches(count=2), epochs=1)
+    assert all(b.sharding == NamedSharding(mesh, P("data")) and b.shape == (32, FEATURES) for b in seen)
