@@ -8,8 +8,7 @@ match says how many sums it gets entirely right.
 
 Every parameter names its logical axes, so the same model can be sharded:
 ``--mesh data=4,model=2`` lays the devices out as a mesh and ``--fsdp``
-shards the parameters over ``data`` too, once the installed Trainer takes a
-mesh; until then the options are checked and training is data-parallel.
+shards the parameters and the optimizer state over ``data`` too.
 On a CPU-only host the recipe splits the CPU into 8 XLA devices
 (``--cpu-devices``), so a mesh of 8 can be tried anywhere.
 
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import logging
 import math
 import sys
@@ -106,8 +104,6 @@ MESH_AXES = ("data", "model")
 #: Token ids in use (digits, ``+``, ``=``, padding) padded up to a multiple of 8, so the
 #: vocabulary splits evenly over a ``model`` axis of 1, 2, 4 or 8 devices.
 VOCAB_SIZE = 16
-#: The Trainer's sharding arguments, passed only when the installed Trainer takes them.
-SHARDING_ARGUMENTS = ("mesh", "shard", "axis_rules")
 
 _PROG = "python -m recipes.addition"
 
@@ -160,27 +156,18 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
 
 
 def sharding_arguments(config: Config, mesh_layout: dict[str, int]) -> dict[str, Any]:
-    """The Trainer's ``mesh=``, ``shard=`` and ``axis_rules=``, those of them it takes.
-
-    An installed Trainer without them trains data-parallel (pmap): none is
-    passed, and the mesh is only checked.
-    """
+    """The Trainer's ``mesh=``, ``shard=`` and ``axis_rules=`` for ``mesh_layout``."""
     import jax
 
     import flaxhooks
     from recipes.transformer import AXIS_RULES
 
-    accepted = inspect.signature(flaxhooks.Trainer).parameters
-    if not any(name in accepted for name in SHARDING_ARGUMENTS):
-        return {}
     mesh = jax.make_mesh(tuple(mesh_layout.values()), tuple(mesh_layout),
                          axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_layout))
-    # Looked up only here: the names exist once the Trainer takes a mesh.
     shard = flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated()
-    # Rules to an axis this mesh lacks (no --mesh: "data" alone) keep those dimensions whole.
+    # Rules to an axis this mesh lacks keep those dimensions whole.
     rules = tuple((name, axis if axis in mesh_layout else None) for name, axis in AXIS_RULES)
-    arguments = {"mesh": mesh, "shard": shard, "axis_rules": rules}
-    return {name: value for name, value in arguments.items() if name in accepted}
+    return {"mesh": mesh, "shard": shard, "axis_rules": rules}
 
 
 def _hyperparameters(config: Config) -> dict[str, Any]:
@@ -299,13 +286,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         **sharding,
     )
     layout = ",".join(f"{name}={size}" for name, size in mesh_layout.items())
-    asked = [f"--mesh {config.mesh}"] * bool(config.mesh) + ["--fsdp"] * config.fsdp
-    if sharding:
-        placement = f"mesh {layout}{', FSDP over data' if config.fsdp else ''}"
-    elif asked:  # said, so that a sharding option asked for is not taken to be in effect
-        placement = f"data-parallel (this Trainer takes no mesh: {' and '.join(asked)} checked, not used)"
-    else:
-        placement = "data-parallel"
+    placement = f"mesh {layout}{', FSDP over data' if config.fsdp else ''}"
 
     def counted(count: int, noun: str) -> str:  # "1 epoch", "2 epochs"
         return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

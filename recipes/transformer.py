@@ -63,25 +63,29 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"the width {width} does not divide into {self.heads} heads")
         head_width = width // self.heads
 
-        def projection(name: str) -> nn.DenseGeneral:
-            return nn.DenseGeneral(
-                (self.heads, head_width), name=name,
-                kernel_init=nn.with_logical_partitioning(_dense_init, ("embed", "heads", "kv")),
-                bias_init=nn.with_logical_partitioning(_zeros, ("heads", "kv")),
-            )
+        # Plain Dense layers over every head at once: flax's DenseGeneral
+        # applies a multi-axis annotation to its flattened kernel, which a
+        # mesh refuses. The heads are the leading part of the joint axis.
+        def projection(name: str) -> jax.Array:
+            joint = nn.Dense(
+                width, name=name,
+                kernel_init=nn.with_logical_partitioning(_dense_init, ("embed", "heads")),
+                bias_init=nn.with_logical_partitioning(_zeros, ("heads",)),
+            )(x)
+            return joint.reshape(*joint.shape[:-1], self.heads, head_width)
 
         names = ("batch", "length", "heads", "kv")
         query, key, value = (
-            nn.with_logical_constraint(projection(name)(x), names) for name in ("query", "key", "value")
+            nn.with_logical_constraint(projection(name), names) for name in ("query", "key", "value")
         )
         causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.bool_))
         attended = nn.dot_product_attention(query, key, value, mask=causal)
         attended = nn.with_logical_constraint(attended, names)
-        out = nn.DenseGeneral(
-            width, axis=(-2, -1), name="out",
-            kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "kv", "embed")),
+        out = nn.Dense(
+            width, name="out",
+            kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "embed")),
             bias_init=nn.with_logical_partitioning(_zeros, ("embed",)),
-        )(attended)
+        )(attended.reshape(*attended.shape[:-2], width))
         return nn.with_logical_constraint(out, ("batch", "length", "embed"))
 
 

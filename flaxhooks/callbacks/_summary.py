@@ -168,6 +168,10 @@ def per_device_bytes(x: Any) -> int:
     return math.prod(shape) * np.dtype(x.dtype).itemsize
 
 
+#: Split parameters listed by name under the table; the rest are counted.
+SHOWN_SPLIT = 12
+
+
 def sharding_note(state: Any) -> str:
     """How the train state lies on the mesh: the bytes per device against the
     whole, and each parameter split over devices with its partition."""
@@ -184,9 +188,11 @@ def sharding_note(state: Any) -> str:
              "(parameters, carried collections, optimizer state)."]
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
     split = [(jax.tree_util.keystr(path), x) for path, x in flat if not x.sharding.is_fully_replicated]
-    for name, x in split:
+    for name, x in split[:SHOWN_SPLIT]:
         lines.append(f"  params{name} {x.dtype}{list(x.shape)}: {spec_text(x.sharding)}, "
                      f"{_size(per_device_bytes(x))} per device")
+    if len(split) > SHOWN_SPLIT:
+        lines.append(f"  and {len(split) - SHOWN_SPLIT} more split parameters")
     if split and len(split) < len(flat):
         lines.append(f"  the other {len(flat) - len(split)} parameters are replicated")
     return "\n".join(lines)

@@ -59,7 +59,8 @@ class FSDP:
     """Fully sharded data parallelism: each leaf split along its largest
     dimension that ``axis`` divides; XLA gathers it inside the step where it is
     used. Leaves of fewer than ``min_size`` elements, or with no such
-    dimension, stay replicated.
+    dimension, stay replicated. A leaf the model annotates keeps its
+    annotation and is split over ``axis`` along a dimension it leaves whole.
 
     Args:
         axis: the mesh axis the leaves are split over (the data axis).
@@ -83,6 +84,21 @@ class FSDP:
             return PartitionSpec()
         largest = max(dividing, key=lambda d: (shape[d], -d))
         return PartitionSpec(*(self.axis if d == largest else None for d in range(len(shape))))
+
+    def extend(self, spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+        """An annotated leaf's ``spec``, also split over ``axis`` along its
+        largest dimension the annotation leaves whole (FSDP and tensor
+        parallelism together), unless it names ``axis`` already."""
+        named = [p for part in spec for p in ((part,) if isinstance(part, str) else (part or ()))]
+        ways = mesh.shape[self.axis]
+        if self.axis in named or ways == 1 or math.prod(shape) < self.min_size:
+            return spec
+        parts = list(spec) + [None] * (len(shape) - len(spec))
+        free = [d for d in range(len(shape)) if parts[d] is None and shape[d] % ways == 0]
+        if not free:
+            return spec
+        parts[max(free, key=lambda d: (shape[d], -d))] = self.axis
+        return PartitionSpec(*parts)
 
     def check(self, mesh: Mesh) -> None:
         if self.axis not in mesh.shape:
@@ -239,8 +255,12 @@ class Placement:
                 key = jax.tree_util.keystr(path)
                 shape = tuple(leaf.shape)
                 where = f"{collection}{key}"
-                spec = (self.mesh_spec(named[key], where, shape) if named.get(key) is not None
-                        else self.rule.spec(shape, self.mesh))
+                if named.get(key) is not None:
+                    spec = self.mesh_spec(named[key], where, shape)
+                    extend = getattr(self.rule, "extend", None)
+                    spec = extend(spec, shape, self.mesh) if extend else spec
+                else:
+                    spec = self.rule.spec(shape, self.mesh)
                 known[(f"{collection}{key}" if collection != "params" else key, shape)] = spec
 
         def of_params(path: Any, leaf: Any) -> NamedSharding:

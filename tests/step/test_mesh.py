@@ -225,3 +225,19 @@ def test_batches_arrive_as_global_arrays_split_over_the_data_axis():
 
     _trainer(mesh=mesh, callbacks=[Peek()]).fit(_batches(count=2), epochs=1)
     assert all(b.sharding == NamedSharding(mesh, P("data")) and b.shape == (32, FEATURES) for b in seen)
+
+
+def test_fsdp_with_annotations_splits_annotated_leaves_over_the_data_axis_too():
+    mesh = _mesh((4, 2), ("data", "model"))
+    batches = _batches()
+    rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+    plain = _trainer(Wide(annotated=True), mesh=mesh, axis_rules=rules)
+    initial = plain.init(batches[0])
+    expected = plain.fit(batches, epochs=1, state=initial)
+    both = _trainer(Wide(annotated=True), mesh=mesh, axis_rules=rules, shard=flaxhooks.FSDP(min_size=256))
+    state = both.fit(batches, epochs=1, state=initial)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    kernel = state.params["Dense_0"]["kernel"]  # ("embed", "mlp") -> embed over data, mlp over model
+    assert kernel.sharding.spec == P("data", "model")
+    assert {s.data.shape for s in kernel.addressable_shards} == {(FEATURES // 4, HIDDEN // 2)}
