@@ -22,13 +22,13 @@ import argparse
 import dataclasses
 import functools
 import logging
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from recipes import _common
+from recipes._common import MESH_AXES, MeshError, parse_mesh  # noqa: F401 (the recipe's names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +99,6 @@ _PLACEMENT = ("cpu_devices", "mesh", "fsdp", "resume")
 _COMPARED = ("digits", "train_examples", "epochs", "batch_size", "learning_rate", "warmup_steps",
              "weight_decay", "width", "depth", "heads", "seed")
 
-#: The mesh's axes, in order: batches split over ``data``, the model's wide axes over ``model``.
-MESH_AXES = ("data", "model")
 #: Token ids in use (digits, ``+``, ``=``, padding) padded up to a multiple of 8, so the
 #: vocabulary splits evenly over a ``model`` axis of 1, 2, 4 or 8 devices.
 VOCAB_SIZE = 16
@@ -110,49 +108,6 @@ _PROG = "python -m recipes.addition"
 
 class OptionError(ValueError):
     """Settings that cannot run together; the message names the option to change."""
-
-
-class MeshError(ValueError):
-    """A ``--mesh`` that cannot be laid out on the devices; the message says why."""
-
-
-def parse_mesh(text: str, device_count: int) -> dict[str, int]:
-    """The mesh's axis sizes from ``name=size`` pairs separated by commas.
-
-    Every axis of :data:`MESH_AXES` is in the result, in that order; one left
-    out has size 1.
-
-    Example:
-        >>> parse_mesh("model=2,data=4", 8)
-        {'data': 4, 'model': 2}
-        >>> parse_mesh("data=8", 8)
-        {'data': 8, 'model': 1}
-
-    Raises:
-        MeshError: a part is not ``name=size``, a name is not one of
-            :data:`MESH_AXES` or is given twice, a size is not a positive
-            integer, or the sizes do not multiply to ``device_count``.
-    """
-    sizes: dict[str, int] = {}
-    for part in text.split(","):
-        name, equals, size = (piece.strip() for piece in part.partition("="))
-        if not equals or not name or not size:
-            raise MeshError(f"{part.strip()!r} is not name=size (e.g. data=4,model=2)")
-        if name not in MESH_AXES:
-            raise MeshError(f"unknown axis {name!r}: the axes are {' and '.join(MESH_AXES)}")
-        if name in sizes:
-            raise MeshError(f"axis {name!r} is given twice")
-        try:
-            sizes[name] = int(size)
-        except ValueError:
-            raise MeshError(f"axis {name!r} has size {size!r}, not a whole number") from None
-        if sizes[name] < 1:
-            raise MeshError(f"axis {name!r} has size {sizes[name]}: sizes must be positive")
-    layout = {name: sizes.get(name, 1) for name in MESH_AXES}
-    total = math.prod(layout.values())
-    if total != device_count:
-        raise MeshError(f"the sizes multiply to {total}, not to the device count, {device_count}")
-    return layout
 
 
 def sharding_arguments(config: Config, mesh_layout: dict[str, int]) -> dict[str, Any]:

@@ -41,6 +41,8 @@ class Config:
     cache_dir: str | None = None
     download: bool = True
     cpu_devices: int | None = None
+    mesh: str | None = None
+    fsdp: bool = False
     log_every: int = 50
     stats_every: int = 100
     histograms: bool = True
@@ -66,6 +68,10 @@ _HELP = {
                  "~/.cache/flaxhooks/mnist)",
     "download": "try to download full MNIST when it is not found locally",
     "cpu_devices": "XLA CPU devices to expose (default: one per core, unless XLA_FLAGS sets it)",
+    "mesh": "the device mesh as data=N,model=M (default: every device on data); the batch is split "
+            "over data, and the CNN, which names no axis, is whole on each model device",
+    "fsdp": "shard the parameters and the optimizer state over the data axis (FSDP) instead of "
+            "keeping them whole on every device",
     "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
     "stats_every": "log per-layer statistics (activations, their gradients, parameter updates) every "
                    "this many steps, 0 for never",
@@ -94,7 +100,7 @@ _AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate"
 RUNS = Path("runs/mnist")
 
 #: Options that say where and how a run is placed, not what it is: a resumed run may change them.
-_PLACEMENT = ("cpu_devices", "coordinator", "num_processes", "process_id", "resume")
+_PLACEMENT = ("cpu_devices", "mesh", "fsdp", "coordinator", "num_processes", "process_id", "resume")
 
 #: The settings runs are compared by in TensorBoard's HParams tab (with the
 #: data and the model's size); the rest (paths, logging, placement) are not results.
@@ -184,12 +190,17 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
             flaxhooks.ActivationGradStats(every=config.stats_every, histograms=config.histograms),
             flaxhooks.ParamStats(every=config.stats_every),
         ]
+    layout = _common.parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
+    mesh = jax.make_mesh(tuple(layout.values()), tuple(layout),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(layout))
     trainer = flaxhooks.Trainer(
         models[config.api](),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
         callbacks=callbacks,
+        mesh=mesh,
+        shard=flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated(),
     )
     say = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)
     where = f" on {processes} processes" if processes > 1 else ""
@@ -198,11 +209,13 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
     devices = counted(jax.device_count(), f"{trainer.devices[0].platform.upper()} device")
+    placed = (f", mesh {','.join(f'{k}={v}' for k, v in layout.items())}" if config.mesh else "") + (
+        ", FSDP over data" if config.fsdp else "")
     lines += [
         *([data.note] if data.source != "full" else []),
         f"training the Flax {config.api} CNN on {len(data.train_labels)} {data.source} MNIST digits: "
         f"{counted(config.epochs, 'epoch')} of {counted(len(train), 'step')}",
-        f"{devices}{where}; run directory: {workdir}",
+        f"{devices}{where}{placed}; run directory: {workdir}",
     ]
     state = trainer.fit(train, epochs=config.epochs, resume=config.resume)
     final = evaluation.result  # the evaluation at the last epoch's end
@@ -295,6 +308,8 @@ def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | 
         return f"{cause} (--workdir {workdir})"
     if isinstance(cause, flaxhooks.BatchError):
         return f"--batch-size {config.batch_size}: {cause}"
+    if isinstance(cause, (_common.MeshError, flaxhooks.ShardingError)):
+        return f"--mesh {config.mesh}: {cause}"
     return None
 
 

@@ -16,7 +16,6 @@ import numpy as np
 from clu import metrics as clu_metrics
 from flax import errors as flax_errors
 from jax import lax
-from jax.experimental import multihost_utils
 
 from flaxhooks.data import (
     ArrayLoader,
@@ -325,7 +324,7 @@ class Evaluator:
             failure = error
         sizes = [len(next(iter(first.values()))) if first else 0]
         if several:  # one compiled batch size on every process
-            sizes = [int(n) for n in multihost_utils.process_allgather(np.int32(sizes[0]))]
+            sizes = [self._largest(sizes[0])]
         if failure is None and not any(sizes):
             raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
         shape_from = first if first is not None else layout
@@ -373,6 +372,15 @@ class Evaluator:
             raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
         computed = self.metrics.compute(collection)
         return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
+
+    def _largest(self, size: int) -> int:
+        """The largest of every process's ``size``: one small computation over
+        the mesh, waited for with :attr:`wait` (which a lost peer ends)."""
+        placement = self.placement
+        local = np.full(placement.local_data_size, size, np.int32)
+        largest = jax.jit(jnp.max, out_shardings=placement.replicated)(placement.put_batch({"n": local})["n"])
+        self.wait(largest)
+        return int(first_replica(largest))
 
     def _chunks(self, first: Mapping[str, np.ndarray] | None, rest: Iterator[HostBatch], padded: int,
                 labels_checked: bool, num_classes: int | None) -> Iterator[dict[str, np.ndarray]]:

@@ -30,9 +30,14 @@ def say(text: str) -> None:
 
 
 def leaves(tree: Any) -> list[list[float]]:
+    """Every leaf whole, gathered from every process (a leaf split over processes included)."""
     import numpy as np
+    from jax.experimental import multihost_utils
 
-    return [np.asarray(x, np.float64).ravel().tolist() for x in jax.tree.leaves(jax.device_get(tree))]
+    def whole(x: Any) -> Any:
+        return x if x.is_fully_replicated else multihost_utils.process_allgather(x, tiled=True)
+
+    return [np.asarray(whole(x), np.float64).ravel().tolist() for x in jax.tree.leaves(tree)]
 
 
 class StatsHistory:
@@ -72,6 +77,9 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     with_stats = instrumented.fit(loader(), epochs=2)
     lean = sgd_trainer(BatchNormNet())
     without = lean.fit(loader(), epochs=2)
+    # FSDP over the 4 devices of the 2 processes: each holds a share of a kernel.
+    fsdp = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16)).fit(loader(), epochs=2)
+    kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.
     result = lean.evaluate(make_arrays(1001, seed=5), batch_size=100)
@@ -90,6 +98,8 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     say(f"{len(jax.local_devices())} local of {len(jax.devices())} devices, step {int(with_stats.step)}")
     return {
         "with_stats": leaves(with_stats.params), "without": leaves(without.params),
+        "fsdp": leaves(fsdp.params),
+        "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],
         "tiny": tiny.examples, "bad_label": bad_label,

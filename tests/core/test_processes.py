@@ -109,8 +109,12 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         make_arrays(1001, seed=5), batch_size=100, state=reference)
     for i in range(2):
         got = workers.result(i)
-        for with_stats, without, ref in zip(got["with_stats"], got["without"], expected, strict=True):
+        # FSDP over both processes' devices: the kernel split between them, the same training.
+        assert got["fsdp_kernel"] == ["PartitionSpec(None, 'data')", True]
+        for with_stats, without, fsdp, ref in zip(got["with_stats"], got["without"], got["fsdp"], expected,
+                                                  strict=True):
             np.testing.assert_allclose(with_stats, without, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(fsdp, without, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(with_stats, ref, rtol=1e-4, atol=1e-5)
         stats = {int(step): tables for step, tables in got["stats"].items()}
         assert sorted(stats) == sorted(history) == list(range(1, 9))

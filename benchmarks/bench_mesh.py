@@ -1,0 +1,222 @@
+"""Benchmark: the Trainer's one jitted step over a mesh against hand-written loops, and FSDP's memory.
+
+What is compared
+    The recipe's CNN (``recipes.models.CNN``), its loss, ``optax.sgd(0.1,
+    momentum=0.9)`` and the same fixed host batches, data parallel over every
+    local device, each side timed end to end (place the state, run
+    ``--steps`` steps, block on the final parameters), compiled before
+    anything is timed, at most two steps queued ahead of the devices:
+
+    (a) ``pmap``: a hand-written ``jax.pmap`` step (``lax.pmean`` of the
+        gradients and metrics), the state replicated with
+        ``flax.jax_utils.replicate``, batches reshaped to ``[devices, ...]``
+        and fed by ``flax.jax_utils.prefetch_to_device``: what flaxhooks 0.6
+        compiled.
+    (b) ``jit``: a hand-written ``jax.jit`` step over the mesh, the state
+        replicated with ``NamedSharding(mesh, P())``, each batch put on the
+        mesh with one ``jax.device_put`` split over ``data``, two batches ahead.
+    (c) ``trainer``: ``flaxhooks.Trainer`` with no callbacks, on the default
+        mesh (every device on ``data``). Its step also computes the gradient
+        norm, the update ratio and the running totals of the metrics.
+
+    Each round times the three back to back, rotating which goes first; the
+    results are the medians of the per-round ratios ``trainer / pmap`` and
+    ``trainer / jit`` (targets: at least 0.98).
+
+    Then the memory of FSDP: the recipe's CNN with ``optax.adam`` on
+    ``--fsdp-devices`` devices, the bytes of state each device holds (from
+    ``addressable_shards``) with ``flaxhooks.FSDP("data")`` against
+    ``flaxhooks.Replicated()`` (target: at most 1/N x 1.1 of the replicated
+    state, the small leaves FSDP keeps whole included).
+
+How to run
+    python -m benchmarks.bench_mesh [--steps 50] [--rounds 5] [--batch-size 128]
+        [--cpu-devices 2] [--fsdp-devices 8]
+
+    The FSDP part runs in a subprocess of its own with ``--fsdp-devices`` CPU
+    devices. The last line of output is one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import jax_utils
+from flax.training import train_state
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flaxhooks
+from recipes.models import CNN, cross_entropy_loss
+
+HostBatch = dict[str, Any]
+TARGET_RATIO = 0.98
+TARGET_FSDP = 1.1
+IN_FLIGHT = 2
+IMAGE_SHAPE = (28, 28, 1)
+
+
+def make_batches(count: int, batch_size: int) -> list[HostBatch]:
+    rng = np.random.default_rng(0)
+    return [{"image": rng.random((batch_size, *IMAGE_SHAPE), dtype=np.float32),
+             "label": rng.integers(0, 10, batch_size, dtype=np.int32)} for _ in range(count)]
+
+
+def _objective(model: CNN, params: Any, batch: HostBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return cross_entropy_loss(model.apply({"params": params}, batch["image"]), batch)
+
+
+def _bounded(step: Callable[..., Any], state: Any, batches: Iterator[Any]) -> Any:
+    """Runs ``step`` over ``batches``, at most ``IN_FLIGHT`` steps ahead of the devices."""
+    in_flight: collections.deque[jax.Array] = collections.deque()
+    for batch in batches:
+        state, metrics = step(state, batch)
+        in_flight.append(metrics["loss"])
+        if len(in_flight) > IN_FLIGHT:
+            in_flight.popleft().block_until_ready()
+    return state
+
+
+class PmapLoop:
+    """(a): flaxhooks 0.6's way, by hand."""
+
+    def __init__(self, model: CNN, tx: optax.GradientTransformation):
+        def step(state: train_state.TrainState, batch: HostBatch) -> Any:
+            (loss, metrics), grads = jax.value_and_grad(
+                lambda p: _objective(model, p, batch), has_aux=True)(state.params)
+            grads = lax.pmean(grads, "batch")
+            return state.apply_gradients(grads=grads), lax.pmean({"loss": loss, **metrics}, "batch")
+
+        self.model, self.tx = model, tx
+        self._step = jax.pmap(step, axis_name="batch", donate_argnums=(0,))
+
+    def run(self, params: Any, batches: Sequence[HostBatch]) -> Any:
+        devices = jax.local_device_count()
+        state = jax_utils.replicate(train_state.TrainState.create(apply_fn=None, params=params, tx=self.tx))
+        shaped = ({k: v.reshape(devices, -1, *v.shape[1:]) for k, v in b.items()} for b in batches)
+        state = _bounded(self._step, state, jax_utils.prefetch_to_device(shaped, IN_FLIGHT))
+        return jax.block_until_ready(state.params)
+
+
+class JitLoop:
+    """(b): one jit step over the mesh, by hand."""
+
+    def __init__(self, model: CNN, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh):
+        def step(state: train_state.TrainState, batch: HostBatch) -> Any:
+            (loss, metrics), grads = jax.value_and_grad(
+                lambda p: _objective(model, p, batch), has_aux=True)(state.params)
+            return state.apply_gradients(grads=grads), {"loss": loss, **metrics}
+
+        self.tx, self.mesh = tx, mesh
+        self.replicated, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        self._step = jax.jit(step, donate_argnums=(0,), out_shardings=(self.replicated, self.replicated))
+
+    def _ahead(self, batches: Sequence[HostBatch]) -> Iterator[Any]:
+        queue: collections.deque[Any] = collections.deque()
+        for batch in batches:
+            queue.append(jax.device_put(batch, self.split))
+            if len(queue) > IN_FLIGHT:
+                yield queue.popleft()
+        yield from queue
+
+    def run(self, params: Any, batches: Sequence[HostBatch]) -> Any:
+        state = jax.device_put(train_state.TrainState.create(apply_fn=None, params=params, tx=self.tx),
+                               self.replicated)
+        state = _bounded(self._step, state, self._ahead(batches))
+        return jax.block_until_ready(state.params)
+
+
+def fsdp_bytes(devices: int) -> dict[str, Any]:
+    """Bytes of state per device under FSDP and replicated (run in a process of ``devices`` CPU devices)."""
+    batch = make_batches(1, 8 * devices)
+    held = {}
+    for name, rule in (("replicated", flaxhooks.Replicated()), ("fsdp", flaxhooks.FSDP("data"))):
+        trainer = flaxhooks.Trainer(CNN(), optax.adam(1e-3), cross_entropy_loss, shard=rule)
+        state = trainer.init(batch[0])
+        first = jax.devices()[0]
+        held[name] = sum(s.data.nbytes for x in jax.tree.leaves(state)
+                         for s in x.addressable_shards if s.device == first)
+    whole = held["replicated"]
+    return {"devices": devices, "bytes_replicated": whole, "bytes_fsdp": held["fsdp"],
+            "fsdp_share": held["fsdp"] / whole, "target_share": TARGET_FSDP / devices}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per round (default 50)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch size (default 128)")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="CPU devices (default: one per core)")
+    parser.add_argument("--fsdp-devices", type=int, default=8,
+                        help="CPU devices for the FSDP part (default 8)")
+    parser.add_argument("--fsdp-only", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.fsdp_only:
+        flaxhooks.use_cpu_devices(args.fsdp_devices)
+        result = fsdp_bytes(args.fsdp_devices)
+        print(json.dumps(result))
+        return result
+    flaxhooks.use_cpu_devices(args.cpu_devices)
+    devices = jax.local_device_count()
+    batches = make_batches(args.steps, args.batch_size)
+    model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
+    trainer = flaxhooks.Trainer(model, tx, cross_entropy_loss)
+    initial = trainer.init(batches[0])
+    pmap, jit = PmapLoop(model, tx), JitLoop(model, tx, trainer.placement.mesh)
+    runs: dict[str, Callable[[], Any]] = {
+        "pmap": lambda: pmap.run(initial.params, batches),
+        "jit": lambda: jit.run(initial.params, batches),
+        "trainer": lambda: jax.block_until_ready(
+            trainer.fit(batches, steps=args.steps, state=initial).params),
+    }
+    for run in runs.values():  # compile everything first
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    print(f"mesh step: {devices} device(s), batch {args.batch_size}, "
+          f"{args.steps} steps x {args.rounds} rounds")
+    for index in range(args.rounds):
+        order = names[index % 3:] + names[:index % 3]
+        for name in order:
+            start = time.perf_counter()
+            runs[name]()
+            rates[name].append(args.steps / (time.perf_counter() - start))
+        print(f"round {index + 1}: " + "  ".join(f"{n} {rates[n][-1]:7.1f} steps/s" for n in names))
+    over_pmap = statistics.median(t / p for t, p in zip(rates["trainer"], rates["pmap"], strict=True))
+    over_jit = statistics.median(t / j for t, j in zip(rates["trainer"], rates["jit"], strict=True))
+    fsdp = json.loads(subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_mesh", "--fsdp-only",
+         "--fsdp-devices", str(args.fsdp_devices)],
+        check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    result = {"benchmark": "mesh", "devices": devices, "batch_size": args.batch_size, "steps": args.steps,
+              "rounds": args.rounds, **{f"steps_per_s_{n}": statistics.median(r) for n, r in rates.items()},
+              "ratio_over_pmap": over_pmap, "ratio_over_jit": over_jit, "target": TARGET_RATIO,
+              "compiles": trainer.runner.traces["train_step"], "fsdp": fsdp, "jax_version": jax.__version__}
+    for label, ratio in (("trainer / pmap loop", over_pmap), ("trainer / jit loop", over_jit)):
+        print(f"median ratio {label}: {ratio:.4f} (target >= {TARGET_RATIO}): "
+              f"{'PASS' if ratio >= TARGET_RATIO else 'FAIL'}")
+    print(f"FSDP on {fsdp['devices']} devices: {fsdp['bytes_fsdp']:,} of {fsdp['bytes_replicated']:,} "
+          f"bytes per device ({fsdp['fsdp_share']:.4f}; target <= {fsdp['target_share']:.4f}): "
+          f"{'PASS' if fsdp['fsdp_share'] <= fsdp['target_share'] else 'FAIL'}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
