@@ -165,10 +165,50 @@ class Restored:
                 ) from error
 
 
-def _snapshot(x: jax.Array) -> jax.Array:
-    """A copy of a state leaf this process can read whole: a replicated leaf's
-    local copy (no collective, so process 0 alone may take it), else the array."""
-    return jnp.copy(x.addressable_shards[0].data if x.is_fully_replicated else x)
+def _whole_on_process_0(leaf: Any) -> bool:
+    """Whether process 0's devices hold every part of ``leaf`` (replicated, or
+    split only over devices that process 0 has a copy on)."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or sharding.is_fully_replicated or sharding.is_fully_addressable:
+        return True
+    where = sharding.devices_indices_map(tuple(leaf.shape))
+
+    def part(index: tuple[slice, ...]) -> tuple[Any, ...]:
+        return tuple((s.start, s.stop) for s in index)
+
+    return {part(i) for i in where.values()} <= {part(i) for d, i in where.items() if d.process_index == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """A leaf split over devices, as copies of the parts this process holds."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    parts: tuple[tuple[tuple[slice, ...], jax.Array], ...]
+
+    def host(self) -> np.ndarray:
+        whole = np.empty(self.shape, self.dtype)
+        for index, data in self.parts:
+            whole[index] = np.asarray(data)
+        return whole
+
+
+def _snapshot(x: jax.Array) -> Any:
+    """A copy of a state leaf that process 0 alone can take and read, with no
+    collective: a replicated leaf's local copy, else the parts its devices hold."""
+    if x.is_fully_replicated:
+        return jnp.copy(x.addressable_shards[0].data)
+    if jax.process_count() == 1:
+        return jnp.copy(x)
+    seen: dict[Any, tuple[slice, ...]] = {}
+    for shard in x.addressable_shards:
+        seen.setdefault(tuple((s.start, s.stop) for s in shard.index), shard)
+    return _Parts(tuple(x.shape), x.dtype, tuple((s.index, jnp.copy(s.data)) for s in seen.values()))
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.host() if isinstance(x, _Parts) else np.asarray(jax.device_get(x))
 
 
 def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
@@ -412,6 +452,14 @@ class Checkpoint(Callback):
         on alone); checkpoints a resume found unreadable are not another run's."""
         if jax.process_index() == 0:
             check_writable(self.directory, "checkpoints", CheckpointError)
+        split = [path for path, leaf in state_leaves(plan.state) if not _whole_on_process_0(leaf)]
+        if split:
+            raise CheckpointError(
+                f"the train state is split across processes ({split[0]} and {len(split) - 1} more leaves), "
+                "and Checkpoint writes from process 0 alone, which holds only its own part: on several "
+                "processes split the state only over mesh axes within each process (or use "
+                "shard=Replicated())"
+            )
         later = [s for s in self.saved_steps() if s > plan.step]
         if later and plan.resumed_from != plan.step:
             raise CheckpointConflictError(self.directory, later, plan.step)
@@ -595,7 +643,7 @@ class Checkpoint(Callback):
         import orbax.checkpoint as ocp
 
         paths, leaves = zip(*state_leaves(state), strict=True)
-        host = [np.asarray(x) for x in jax.device_get(list(leaves))]
+        host = [_host(x) for x in leaves]
         nonfinite = [
             path for path, x in zip(paths, host, strict=True)
             if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all()

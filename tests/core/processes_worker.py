@@ -368,6 +368,39 @@ def run_directories(index: int, count: int, out: str, root: str) -> dict[str, An
             "files": len(before)}
 
 
+@scenario
+def split_checkpoint(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+    """A state split over a mesh axis within each process is saved from process
+    0's parts; one split across the processes is refused before anything is written."""
+    import numpy as np
+    from jax.sharding import AxisType
+
+    import flaxhooks
+    from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+
+    mesh = jax.make_mesh((count, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    loader = flaxhooks.ArrayLoader(make_arrays(64), batch_size=16 // count, seed=1)
+    within = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("model", min_size=16),
+                         callbacks=[flaxhooks.Checkpoint(os.path.join(workdir, "within"), every=4)])
+    state = within.fit(loader, epochs=2)
+    kernel = state.params["Dense_0"]["kernel"]
+    across = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("data", min_size=16),
+                         callbacks=[flaxhooks.Checkpoint(os.path.join(workdir, "across"), every=4)])
+    try:
+        across.fit(loader, epochs=1)
+        refused = None
+    except Exception as error:  # noqa: BLE001
+        cause = error.__cause__ or error  # on several processes, the ProcessError's cause
+        refused = f"{type(cause).__name__}: {cause}"
+    say(f"saved step {int(jax.device_get(state.step))}")
+    return {
+        "leaves": leaves(state), "spec": str(kernel.sharding.spec), "refused": refused,
+        "across_exists": os.path.exists(os.path.join(workdir, "across", "4")),
+        "local_parts": len({tuple((s.start, s.stop) for s in x.index) for x in kernel.addressable_shards}),
+        "whole": bool(np.all(np.isfinite(leaves(state)[0]))),
+    }
+
+
 def main() -> None:
     import faulthandler
 

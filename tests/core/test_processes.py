@@ -110,7 +110,7 @@ def test_every_compiled_step_spans_every_process(tmp_path):
     for i in range(2):
         got = workers.result(i)
         # FSDP over both processes' devices: the kernel split between them, the same training.
-        assert got["fsdp_kernel"] == ["PartitionSpec(None, 'data')", True]
+        assert got["fsdp_kernel"] == ["P(None, 'data')", True]
         for with_stats, without, fsdp, ref in zip(got["with_stats"], got["without"], got["fsdp"], expected,
                                                   strict=True):
             np.testing.assert_allclose(with_stats, without, rtol=1e-5, atol=1e-6)
@@ -130,6 +130,30 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
         assert accuracy == pytest.approx(evaluated.metrics["accuracy"], abs=1e-6)
         assert "BatchError" in got["bad_label"] or "another process" in got["bad_label"]
+
+
+def test_a_state_split_within_each_process_is_saved_and_resumes_on_one_process_bit_exactly(tmp_path):
+    """2 processes x 2 devices, FSDP over the "model" axis within each process:
+    process 0 saves its parts; 1 process with 4 devices resumes it, data
+    parallel, bit for bit. FSDP over "data", across the processes, is refused
+    on both before a checkpoint is written."""
+    if len(jax.local_devices()) < 4:
+        pytest.skip("needs 4 local devices")
+    run = tmp_path / "run"
+    workers = Workers("split_checkpoint", tmp_path, str(run))
+    assert workers.finish() == [0, 0], workers.output()
+    first = workers.result(0)
+    assert first["spec"] == "P(None, 'model')" and first["local_parts"] == 2
+    for i in range(2):
+        got = workers.result(i)
+        assert got["refused"].startswith("CheckpointError: the train state is split across processes"), got
+        assert not got["across_exists"]
+    restorer = flaxhooks.Checkpoint(run / "within")
+    assert restorer.saved_steps()[-1] == 8
+    resumed = sgd_trainer(BatchNormNet(), devices=jax.local_devices()[:4], callbacks=[restorer]).fit(
+        flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1), epochs=2, resume=True)
+    for got, saved in zip(jax.tree.leaves(resumed), first["leaves"], strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float64).ravel(), saved)
 
 
 def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):
