@@ -15,7 +15,7 @@ from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, as_ev
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
-from flaxhooks.writers import SummaryWriterThread, check_writable, truncate_events
+from flaxhooks.writers import SummaryWriterThread, check_writable, read_layout, truncate_events
 from flaxhooks.writers._files import _detach
 
 _log = logging.getLogger("flaxhooks")
@@ -167,9 +167,14 @@ class TensorBoard(Callback):
                 "over them: give each run a directory of its own (flaxhooks.run_directory)", self.logdir)
         self._fits += 1
         self.close()  # a fit that never reached its end (killed between fits)
+        layout = None
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
-        self.writer = SummaryWriterThread(self.logdir)
+            # The charts the stopped run declared are in the files already:
+            # declaring them again would write the layout again.
+            layout = read_layout(self.logdir)
+            self._charted.update(layout.get(self.CATEGORY, {}))  # a chart's title is its tag
+        self.writer = SummaryWriterThread(self.logdir, layout=layout)
         self._parameters = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(loop.state.params))
         if self.hparams and not self._hparams_written:
             self._hparams_written = True
@@ -217,8 +222,10 @@ class TensorBoard(Callback):
 
     def _drop_after(self, step: int) -> None:
         """Resuming from ``step``: the points the stopped run logged after it
-        are logged again, so they go."""
-        dropped = truncate_events(self.logdir, step)
+        are logged again, so they go; so do the final results and HParams
+        session its fit's end wrote at ``step`` itself (after the checkpoint
+        there), which the resumed run writes at its own end."""
+        dropped = truncate_events(self.logdir, step, written_after_saves=written_at_fit_end)
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
 
@@ -318,10 +325,21 @@ def _chart_order(tag: str) -> tuple[int, str]:
     return (0 if tag == "loss" else 2 if "/" in tag else 1, tag)
 
 
+#: The main run's group of the evaluations' latest values (:func:`result_tag`).
+RESULTS_GROUP = "results"
+
+
 def result_tag(evaluation: str, metric: str) -> str:
     """The main run's tag of an evaluation's latest value, for the HParams table
     (the ``results`` group sorts after the metrics and the optimizer's)."""
-    return f"results/{evaluation}/{metric}"
+    return f"{RESULTS_GROUP}/{evaluation}/{metric}"
+
+
+def written_at_fit_end(value: Any) -> bool:
+    """Whether a main-run summary value is one a fit's end writes, after
+    that fit's checkpoints: a latest evaluation value under ``results/``,
+    or an HParams record."""
+    return value.tag.startswith(f"{RESULTS_GROUP}/") or value.metadata.plugin_data.plugin_name == "hparams"
 
 
 def hparams_record(hparams: Mapping[str, Any], evaluations: Mapping[str, Mapping[str, float]]) -> list[Any]:

@@ -2,7 +2,13 @@
 text, histograms, a sync point before a checkpoint commits), and the
 TensorBoard event files behind it."""
 
-from flaxhooks.writers._files import LogdirError, SummaryWriterThread, check_writable, truncate_events
+from flaxhooks.writers._files import (
+    LogdirError,
+    SummaryWriterThread,
+    check_writable,
+    read_layout,
+    truncate_events,
+)
 from flaxhooks.writers._service import Histogram, Values, Writer, WriterCallback, Writers
 
 __all__ = [
@@ -14,5 +20,6 @@ __all__ = [
     "WriterCallback",
     "Writers",
     "check_writable",
+    "read_layout",
     "truncate_events",
 ]

@@ -102,21 +102,34 @@ def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
         offset = end
 
 
-def truncate_events(logdir: str, after_step: int) -> int:
+def truncate_events(
+    logdir: str, after_step: int, written_after_saves: Callable[[Any], bool] | None = None,
+) -> int:
     """Drops every event logged at a step after ``after_step`` from the event
-    files under ``logdir``, and any record a killed writer left half-written.
+    files under ``logdir`` (the main run and every run below it), and any
+    record a killed writer left half-written.
 
     A run resumed from a checkpoint at ``after_step`` logs those steps again;
     without this TensorBoard would show each of them twice. Each file is
     rewritten atomically (a new file renamed over it).
 
+    Args:
+        logdir: the run directory.
+        after_step: the checkpoint's step.
+        written_after_saves: whether a summary value of the main run was
+            written after every checkpoint of its step (a fit's final
+            results): such values go at ``after_step`` itself too, since the
+            checkpoint there did not know of them and the resumed run writes
+            them again.
+
     Returns:
-        How many events were dropped.
+        How many events were dropped (or cut to the values they keep).
     """
     from tensorboardX.proto.event_pb2 import Event
 
     dropped = 0
     for root, _, names in os.walk(logdir):
+        main_run = os.path.samefile(root, logdir)
         for name in names:
             if "tfevents" not in name:
                 continue
@@ -125,11 +138,22 @@ def truncate_events(logdir: str, after_step: int) -> int:
                 data = file.read()
             kept, start, changed = [], 0, False
             for end, payload in _records(data):
-                if Event.FromString(payload).step <= after_step:
-                    kept.append(data[start:end])
-                else:
-                    dropped, changed = dropped + 1, True
+                event = Event.FromString(payload)
+                record = data[start:end]
                 start = end
+                if event.step > after_step:
+                    dropped, changed = dropped + 1, True
+                    continue
+                if main_run and written_after_saves is not None and event.step == after_step:
+                    values = [v for v in event.summary.value if not written_after_saves(v)]
+                    if len(values) != len(event.summary.value):
+                        dropped, changed = dropped + 1, True
+                        if not values:
+                            continue
+                        del event.summary.value[:]
+                        event.summary.value.extend(values)
+                        record = _record(event.SerializeToString())
+                kept.append(record)
             if changed or start != len(data):
                 temporary = f"{path}.truncating"
                 with open(temporary, "wb") as file:
@@ -138,6 +162,41 @@ def truncate_events(logdir: str, after_step: int) -> int:
                     os.fsync(file.fileno())
                 os.replace(temporary, path)
     return dropped
+
+
+def _record(payload: bytes) -> bytes:
+    """One TFRecord of ``payload``: its length, the length's CRC, the payload, its CRC."""
+    from tensorboardX.record_writer import masked_crc32c
+
+    length = struct.pack("<Q", len(payload))
+    return b"".join([length, struct.pack("<I", masked_crc32c(length)),
+                     payload, struct.pack("<I", masked_crc32c(payload))])
+
+
+#: The tag of the Custom Scalars layout in the main run.
+LAYOUT_TAG = "custom_scalars__config__"
+
+
+def read_layout(logdir: str) -> dict[str, dict[str, tuple[str, ...]]]:
+    """The latest Custom Scalars layout in ``logdir``'s main run (empty if
+    none): ``{category: {title: (tag regex, ...)}}``, in its order."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.layout_pb2 import Layout
+
+    latest: tuple[int, bytes] | None = None
+    # Files are named in the order they were written; the latest step wins, the last of a step.
+    for name in sorted(n for n in os.listdir(logdir) if "tfevents" in n):
+        with open(os.path.join(logdir, name), "rb") as file:
+            data = file.read()
+        for _, payload in _records(data):
+            event = Event.FromString(payload)
+            for value in event.summary.value:
+                if value.tag == LAYOUT_TAG and (latest is None or event.step >= latest[0]):
+                    latest = (event.step, value.tensor.string_val[0])
+    if latest is None:
+        return {}
+    return {category.title: {chart.title: tuple(chart.multiline.tag) for chart in category.chart}
+            for category in Layout.FromString(latest[1]).category}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +217,13 @@ class SummaryWriterThread:
     Callers enqueue work and return at once; device values are pulled to the
     host on the worker thread. A failure in the worker is raised on the next
     call from the training thread.
+
+    Args:
+        logdir: the run directory.
+        flush_secs: how often tensorboardX flushes its files, in seconds.
+        layout: the Custom Scalars layout the files already hold, as
+            :func:`read_layout` reads it (a resumed run's): a category given
+            again unchanged is not written again.
     """
 
     #: Buffered step scalars go to the thread in batches of at most this many
@@ -165,7 +231,8 @@ class SummaryWriterThread:
     BATCH_STEPS = 64
     BATCH_SECONDS = 1.0
 
-    def __init__(self, logdir: str, flush_secs: int = 30):
+    def __init__(self, logdir: str, flush_secs: int = 30,
+                 layout: Mapping[str, Mapping[str, Sequence[str]]] | None = None):
         self.logdir = logdir
         self._flush_secs = flush_secs
         # One tensorboardX writer per run: "" is the main run (``logdir``),
@@ -178,7 +245,10 @@ class SummaryWriterThread:
         self._closed = False
         self._buffer: list[tuple[int, str, str, Mapping[str, Any]]] = []
         self._buffer_since = 0.0
-        self._layout: dict[str, dict[str, tuple[str, ...]]] = {}
+        # {category: {title: (tag regex, ...)}}: the layout as last written.
+        self._layout: dict[str, dict[str, tuple[str, ...]]] = {
+            category: {title: tuple(tags) for title, tags in found.items()}
+            for category, found in (layout or {}).items()}
         atexit.register(self._close_at_exit)  # writes queued after the last flush still land
 
     def _work(self) -> None:
@@ -323,11 +393,11 @@ class SummaryWriterThread:
         The whole layout is written again at ``step`` whenever it changes;
         TensorBoard reads the latest.
         """
-        wanted = {title: tuple(tags) for title, tags in charts.items()}
+        wanted = {title: tuple(_exactly(tag) for tag in tags) for title, tags in charts.items()}
         if list(self._layout.get(category, {}).items()) == list(wanted.items()):
             return
         self._layout[category] = wanted
-        layout = {c: {t: ["Multiline", [_exactly(tag) for tag in tags]] for t, tags in found.items()}
+        layout = {c: {t: ["Multiline", list(tags)] for t, tags in found.items()}
                   for c, found in self._layout.items()}
 
         def job(writer: Callable[[str], Any]) -> None:

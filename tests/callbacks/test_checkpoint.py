@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import flaxhooks
 from flaxhooks import Callback, Checkpoint, CheckpointError, CheckpointWarning
 from flaxhooks.callbacks import CheckpointConflictError, CheckpointMismatchError
-from tests.helpers import Recorder, cross_entropy, make_arrays, resume_data, resume_trainer
+from tests.helpers import Recorder, ResumeNet, cross_entropy, make_arrays, resume_data, resume_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 3  # six steps each
@@ -152,6 +152,87 @@ def test_a_resumed_run_logs_the_same_window_means(tmp_path, error, resumed_from)
     reference_logs = logged(tmp_path / "reference" / "tensorboard")
     assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16]
     assert_same_logs(got, reference_logs)
+
+
+def every_record(logdir) -> dict[tuple[str, str], list[tuple[int, object]]]:
+    """Every summary value in every run under ``logdir`` (the main run ".",
+    ``train``, evaluations, ``layers/*``), as TensorBoard reads them from the
+    files in order: ``{(run, tag): [(step, value)]}``, duplicates and all.
+    A scalar's value is its float; any other (text, layout, HParams
+    records) is its serialized tensor and plugin data, compared exactly."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    found: dict[tuple[str, str], list[tuple[int, object]]] = {}
+    for root, _, names in os.walk(logdir):
+        run = os.path.relpath(root, logdir)
+        for name in sorted(n for n in names if "tfevents" in n):  # named in the order they were written
+            for event in EventFileLoader(os.path.join(root, name)).Load():
+                for value in event.summary.value:
+                    point = value.simple_value if value.WhichOneof("value") == "simple_value" else (
+                        value.tensor.SerializeToString(), value.metadata.plugin_data.content)
+                    found.setdefault((run, value.tag), []).append((event.step, point))
+    return found
+
+
+def resume_trainer_with_everything(workdir, callbacks=()) -> flaxhooks.Trainer:
+    """Checkpoints every 5 steps only, evaluations every 3 steps and each epoch,
+    TensorBoard every 2 steps with an HParams session, and per-layer runs."""
+    return flaxhooks.Trainer(
+        ResumeNet(), optax.adam(0.01), cross_entropy,
+        callbacks=[
+            Checkpoint(workdir / "checkpoints", every=5, at_epoch_end=False),
+            flaxhooks.Evaluate(make_arrays(40, seed=9), batch_size=16, every=3),
+            flaxhooks.TensorBoard(workdir / "tensorboard", every=2, hparams={"learning_rate": 0.01}),
+            flaxhooks.ActivationStats(every=4),
+            *callbacks,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_records(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("reference-records")
+    resume_trainer_with_everything(workdir).fit(resume_data(), epochs=EPOCHS)
+    return every_record(workdir / "tensorboard")
+
+
+@pytest.mark.parametrize(
+    ("error", "resumed_from"),
+    [(signal.SIGINT, 13), (KeyboardInterrupt(), 10), (RuntimeError("crash"), 10)],
+    ids=["ctrl-c-saves-step-13", "keyboard-interrupt-resumes-from-10", "crash-resumes-from-10"],
+)
+def test_every_run_and_tag_of_a_resumed_run_reads_like_the_uninterrupted_one(
+    tmp_path, reference_records, error, resumed_from
+):
+    # Stopped at step 13, after the evaluation at step 12 and the checkpoint
+    # at step 10: the first fit's end wrote the HParams results and session
+    # at step 13, and Ctrl-C saved a checkpoint there.
+    interrupted = resume_trainer_with_everything(tmp_path, [FailAt(13, error)])
+    with pytest.raises((KeyboardInterrupt, flaxhooks.CallbackError)):
+        interrupted.fit(resume_data(), epochs=EPOCHS)
+    assert interrupted.bus.of(Checkpoint)[0].saved_steps()[-1] == resumed_from
+    first_half = every_record(tmp_path / "tensorboard")
+    assert [step for step, _ in first_half[".", "results/eval/loss"]] == [13]
+    assert [step for step, _ in first_half["eval", "loss"]][-1] == 12
+
+    resume_trainer_with_everything(tmp_path).fit(resume_data(), epochs=EPOCHS, resume=True)
+
+    got = every_record(tmp_path / "tensorboard")
+    assert sorted(got) == sorted(reference_records)
+    runs = {run for run, _ in got}
+    assert runs >= {".", "train", "eval"} and any(run.startswith("layers/") for run in runs)
+    for key, expected in reference_records.items():
+        steps = [step for step, _ in got[key]]
+        if key == ("train", "throughput/steps_per_s"):  # a timing, logged once a later step has finished
+            assert steps == sorted(set(steps)), steps
+            continue
+        assert steps == [step for step, _ in expected], key  # none left over, none twice, in order
+        for (_, value), (_, wanted) in zip(got[key], expected, strict=True):
+            if isinstance(wanted, float):
+                assert value == pytest.approx(wanted, rel=1e-5), key
+            else:
+                assert value == wanted, key
+    assert [step for step, _ in got[".", "results/eval/loss"]] == [18]  # the resumed run's final results
 
 
 def test_resume_before_any_checkpoint_starts_afresh_without_doubling_the_logs(tmp_path, reference):
@@ -455,6 +536,23 @@ def test_truncating_event_files_drops_later_steps_and_a_half_written_record(tmp_
     assert truncate_events(str(tmp_path), 4) == 2
     assert [step for step, _ in logged(tmp_path)["x"]] == [1, 2, 3, 4]
     assert truncate_events(str(tmp_path), 4) == 0  # nothing left to drop; the file is not rewritten
+
+
+def test_truncating_drops_the_values_a_fit_end_wrote_at_the_checkpoints_step_and_keeps_the_rest(tmp_path):
+    from flaxhooks.writers import SummaryWriterThread, truncate_events
+
+    writer = SummaryWriterThread(str(tmp_path))
+    writer.scalars({"x": 3.0, "final/x": 3.0}, 3)  # one event: cut to the value it keeps
+    writer.scalars({"final/x": 2.0}, 2)  # before the checkpoint's step: kept
+    writer.scalars({"x": 4.0}, 4)
+    writer.scalars({"x": 3.5}, 3, run="sub")  # a sub-run's values at the step stay
+    writer.close()
+
+    def final(value) -> bool:
+        return value.tag.startswith("final/")
+
+    assert truncate_events(str(tmp_path), 3, written_after_saves=final) == 2
+    assert logged(tmp_path) == {"x": [(3, 3.0)], "final/x": [(2, 2.0)], "sub/x": [(3, 3.5)]}
 
 
 def test_array_loader_skips_to_a_batch_without_making_the_ones_before():
