@@ -5,6 +5,7 @@ model's own annotations."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -180,12 +181,15 @@ class Placement:
         return int(self.mesh.shape[self.data_axis])
 
     @property
+    def local_devices(self) -> list[jax.Device]:
+        """This process's devices of the mesh."""
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
+    @functools.cached_property
     def local_data_size(self) -> int:
         """How many of the batch's parts this process feeds."""
-        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         where = self.batch_sharding.devices_indices_map((self.data_size,))
-        parts = {where[d][0].start for d in devices}
-        return max(len(parts), 1)
+        return max(len({where[d][0].start for d in self.local_devices}), 1)
 
     @property
     def replicated(self) -> NamedSharding:

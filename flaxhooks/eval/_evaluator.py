@@ -446,14 +446,15 @@ class Evaluations:
         example_loss_fn: ``(outputs, batch)`` to one loss per example.
         label_key: the batch key holding class labels, or None.
         placement: the mesh the state lives on.
+        wait: waits for device values before they are read (the Trainer's ends on a lost peer).
     """
 
     def __init__(self, model: Model, example_loss_fn: ExampleLossFn, label_key: str | None,
-                 placement: Placement):
+                 placement: Placement, wait: Callable[[Any], None] = jax.block_until_ready):
         self.model, self.example_loss_fn, self.label_key = model, example_loss_fn, label_key
         self.placement = placement
         #: How evaluations wait for device values (see :attr:`Evaluator.wait`).
-        self.wait: Callable[[Any], None] = jax.block_until_ready
+        self.wait = wait
         self._evaluators: dict[type, Evaluator] = {}
 
     @property

@@ -70,7 +70,7 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
-               inside: Sequence[InsideStep] = ()) -> Step:
+               inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True) -> Step:
     """Returns the pure, per-device train step, to be mapped over the model's ``axis_name``.
 
     The step averages gradients, carried model state (BatchNorm statistics)
@@ -97,7 +97,8 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                 return loss, (metrics, model_state)
 
             (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis)
+            new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis,
+                                                with_optimizer_metrics)
             return new_state, metrics, ()
 
         run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
@@ -122,7 +123,8 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
             dataclasses.replace(t, value=t.value / devices) for t in run.gradients(perturbation_grads)
         )
         run.finish(activations, gradients)
-        new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis)
+        new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis,
+                                                      with_optimizer_metrics)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
             params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
@@ -158,7 +160,7 @@ OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
 
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
-    metrics: Mapping[str, jax.Array], axis: str,
+    metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
     """Applies this device's gradients, averaged over devices; returns the new
     state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
@@ -179,5 +181,6 @@ def _updated(
         )
     metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
     # Computed from the averaged (identical) values: the same on every device, no collective.
-    metrics.update(optimizer_metrics(state.params, grads, updates))
+    if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
+        metrics.update(optimizer_metrics(state.params, grads, updates))
     return new_state, metrics, grads, updates

@@ -30,12 +30,15 @@ class StepRunner:
         placement: the mesh, and where the batch and the state live on it.
         max_steps_in_flight: how many dispatched steps may queue ahead of
             the devices before the runner waits for the oldest.
+        optimizer_metrics: every step also computes :data:`OPTIMIZER_METRICS`.
     """
 
-    def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int):
+    def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int,
+                 optimizer_metrics: bool = True):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         self.model, self.loss_fn, self.placement = model, loss_fn, placement
+        self.optimizer_metrics = optimizer_metrics
         self.axis = axis_name(model)
         self.max_steps_in_flight = max_steps_in_flight
         self.contributors: tuple[StepContributor, ...] = ()
@@ -59,7 +62,7 @@ class StepRunner:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
         # Each contributor sees only the values it asked for.
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
-        return build_step(self.model, self.loss_fn, taps, inside)
+        return build_step(self.model, self.loss_fn, taps, inside, self.optimizer_metrics)
 
     def place(self, shardings: Any) -> None:
         """Sets where the state lives: every compiled step keeps it there."""

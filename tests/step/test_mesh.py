@@ -241,3 +241,23 @@ def test_fsdp_with_annotations_splits_annotated_leaves_over_the_data_axis_too():
     kernel = state.params["Dense_0"]["kernel"]  # ("embed", "mlp") -> embed over data, mlp over model
     assert kernel.sharding.spec == P("data", "model")
     assert {s.data.shape for s in kernel.addressable_shards} == {(FEATURES // 4, HIDDEN // 2)}
+
+
+def test_without_optimizer_metrics_the_step_trains_the_same_and_reports_loss_fns_metrics_only():
+    batches = _batches()
+    seen = []
+
+    class Keep(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            seen.append(set(loop.host_metrics()))
+
+    full = _trainer(devices=_needs(2))
+    initial = full.init(batches[0])
+    expected = full.fit(batches, epochs=1, state=initial)
+    lean = _trainer(devices=_needs(2), optimizer_metrics=False, callbacks=[Keep()])
+    state = lean.fit(batches, epochs=1, state=initial)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        # XLA fuses the two steps differently: the same values to float rounding.
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    assert seen == [{"loss"}] * len(batches)
+    assert set(full.runner.metric_names) == {"loss", "grad_norm", "update_ratio"}
