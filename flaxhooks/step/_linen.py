@@ -385,7 +385,7 @@ class CallRecorder:
 
     def _outer(self, module: nn.Module, method: str) -> bool:
         """Whether this call is not one of a module's method calling itself
-        (``super().__call__`` in ``nn.SelfAttention``): only the outermost
+        (``super().__call__``, as ``nn.SelfAttention`` does): only the outermost
         output of such a chain is its output."""
         return (module_path(module), method) not in self._running
 

@@ -261,3 +261,40 @@ def test_without_optimizer_metrics_the_step_trains_the_same_and_reports_loss_fns
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
     assert seen == [{"loss"}] * len(batches)
     assert set(full.runner.metric_names) == {"loss", "grad_norm", "update_ratio"}
+
+
+def test_statistics_on_a_sharded_state_equal_those_on_one_device():
+    """Activation and activation-gradient statistics reduce over the whole
+    batch and every shard: on a (4, 2) mesh with FSDP and tensor parallelism
+    they are those of one device (itself checked against float64 in
+    tests/callbacks/test_activations.py)."""
+    batches = _batches(count=3)
+    rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+
+    def published(rules, **placement):
+        tables = {}
+
+        class Keep(flaxhooks.Callback):
+            order = 50
+
+            def on_step_end(self, loop):
+                topics = ("activations", "activation_grads")
+                tables[loop.step] = {t: loop.published[t].to_dict() for t in topics}
+
+        trainer = _trainer(Wide(annotated=True), axis_rules=rules, callbacks=[
+            flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1), Keep()], **placement)
+        trainer.fit(batches, epochs=1, state=initial)
+        return tables
+
+    whole = (("batch", "data"), ("embed", None), ("mlp", None))  # one device: nothing to split
+    initial = _trainer(Wide(annotated=True), devices=_needs(1), axis_rules=whole).init(batches[0])
+    one = published(whole, devices=_needs(1))
+    sharded = published(rules, mesh=_mesh((4, 2), ("data", "model")), shard=flaxhooks.FSDP(min_size=256))
+    assert sorted(one) == sorted(sharded) == [1, 2, 3]
+    for step, tables in one.items():
+        for topic, table in tables.items():
+            assert sharded[step][topic].keys() == table.keys()
+            for layer, row in table.items():
+                for column, value in row.items():
+                    assert sharded[step][topic][layer][column] == pytest.approx(value, rel=1e-4, abs=1e-6), (
+                        step, topic, layer, column)
