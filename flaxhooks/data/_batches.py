@@ -162,11 +162,6 @@ class BatchSpec:
         fields = self.fields.items()
         return {key: jax.ShapeDtypeStruct((per_device, *shape), dtype) for key, (dtype, shape) in fields}
 
-    def device_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The sharded batch ``[devices, per_device, ...]`` a step takes, as abstract values."""
-        return {key: jax.ShapeDtypeStruct((self.num_devices, *x.shape), x.dtype)
-                for key, x in self.per_device().items()}
-
     def global_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The whole batch every process's share makes, as abstract values."""
         size = self.batch_size * self.processes
