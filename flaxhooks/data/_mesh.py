@@ -293,6 +293,13 @@ class Placement:
             opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state),
         )
 
+    def replicated_constant(self, make: Any) -> Any:
+        """``make()``'s values (constants: zeros, empty metrics), whole on every
+        device, computed by each process for its own devices. ``device_put``
+        of host values onto devices of several processes would first check,
+        with a blocking collective, that every process gave the same."""
+        return jax.jit(make, out_shardings=self.replicated)()
+
     def put_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's share of a global batch, as global arrays split over
         the data axis: one transfer call for every leaf."""

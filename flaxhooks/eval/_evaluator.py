@@ -91,9 +91,9 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
 
 
 def eval_rngs(examples_before: jax.Array, names: Sequence[str], axis: str) -> dict[str, jax.Array]:
-    """Keys for one eval batch on one device, from :data:`EVAL_SEED`, the
-    examples this device evaluated before it and the device's index: the same
-    state and data evaluate the same every time, and every batch draws anew."""
+    """Keys for one eval batch, from :data:`EVAL_SEED`, the examples evaluated
+    before it and the index along ``axis`` (0: the step sees the whole batch):
+    the same state and data evaluate the same every time, and every batch draws anew."""
     key = jax.random.fold_in(jax.random.PRNGKey(EVAL_SEED), examples_before)
     key = jax.random.fold_in(key, lax.axis_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
@@ -217,6 +217,8 @@ class Evaluator:
         self._step = jax.jit(lambda variables, totals, batch: traced(variables, totals, batch),
                              out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
+        # Made once: the same function object reuses its compiled program.
+        self._no_totals = lambda: (metrics.empty(), jnp.zeros((), jnp.int32))
         #: Waits for device values before they are read; the Trainer gives one
         #: that a lost peer ends (on several processes).
         self.wait: Callable[[Any], None] = jax.block_until_ready
@@ -308,8 +310,7 @@ class Evaluator:
         """
         several = jax.process_count() > 1
         variables = (state.params, state.model_state)
-        empty = (self.metrics.empty(), np.zeros((), np.int32))
-        totals: Any = jax.device_put(empty, self.placement.replicated)
+        totals: Any = self.placement.replicated_constant(self._no_totals)
         batches = iter(batches)
         failure: Exception | None = None
         first: dict[str, np.ndarray] | None = None

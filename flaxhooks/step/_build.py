@@ -19,7 +19,7 @@ from flaxhooks.step._taps import Tapped, Taps
 #: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
 #: with a dict of scalar metrics.
 LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
-#: An in-step function a contributor declares: this device's view of the
+#: An in-step function a contributor declares: the step's view of the
 #: step to a pytree of arrays, pure and traced once per compiled variant.
 InsideStep = Callable[[Tapped], Any]
 #: The compiled step: ``(state, batch) -> (state, metrics, results)``.
@@ -71,10 +71,12 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True) -> Step:
-    """Returns the pure, per-device train step, to be mapped over the model's ``axis_name``.
+    """Returns the pure train step, written for one share of the batch with
+    collectives over the model's ``axis_name`` (the runner gives it the whole
+    batch as one share: see :class:`~flaxhooks.step.StepRunner`).
 
     The step averages gradients, carried model state (BatchNorm statistics)
-    and metrics over devices, so every replica stays identical. With
+    and metrics over the shares, so a step written for ``pmap`` is unchanged. With
     ``taps`` it also exposes intermediate values: it takes the gradients of
     the loss with respect to perturbations (zeros built inside the step from
     this batch's shapes, so any batch size works) in the same backward pass
@@ -162,7 +164,7 @@ def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
     metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
-    """Applies this device's gradients, averaged over devices; returns the new
+    """Applies the gradients, averaged over the shares of the batch; returns the new
     state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
     the averaged gradients and the updates applied."""
     grads = lax.pmean(grads, axis)

@@ -118,7 +118,7 @@ class NNXModel:
     Every ``nnx.BatchNorm`` of the train-mode copy reduces its statistics
     over the step's device axis (``axis_name``), so they cover the
     global batch as under a sharded ``jax.jit``; the user's module keeps its
-    own ``axis_name``. With several devices, dropout keys differ per device.
+    own ``axis_name``. The step sees the whole batch: one dropout key draws its masks.
 
     Example:
         >>> from flax import nnx

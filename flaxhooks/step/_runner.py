@@ -100,7 +100,7 @@ class StepRunner:
 
     def zero_totals(self) -> Totals:
         """Running totals of no step, replicated over the mesh (after :meth:`check`)."""
-        return jax.device_put(zero_totals(self.metric_names), self.placement.replicated)
+        return self.placement.replicated_constant(functools.partial(zero_totals, self.metric_names))
 
     def _counted(self, step: Step) -> Step:
         name = step.__name__

@@ -154,7 +154,7 @@ class Taps:
 
 @dataclasses.dataclass(frozen=True)
 class Tap:
-    """One intermediate value exposed by the step, as this device sees it.
+    """One intermediate value exposed by the step (the whole batch's).
 
     Attributes:
         name: a readable, unique name: the module path, the sown (or captured
@@ -162,7 +162,7 @@ class Tap:
             called twice, a tuple output, a layer of an ``nn.scan``).
         module: the path of the module that produced it (empty for the model).
         collection: the collection it came from (``perturbations`` for gradients).
-        value: this device's share of the value (a traced array).
+        value: the value (a traced array).
         variable: the variable's name in the collection.
         origin: ``(module, method)`` when the value was captured or perturbed
             by a filter, None when the model sowed or perturbed it itself.
@@ -188,23 +188,23 @@ def output_name(module: tuple[str, ...], name: tuple[str, ...]) -> tuple[str, ..
 class Tapped:
     """What an instrumented step hands to each callback's in-step function.
 
-    Values are this device's: reduce over the device axis
-    (:attr:`axis_name`) with ``jax.lax`` collectives for global figures.
+    Values are global arrays: the whole batch, over the mesh. Functions
+    written for a device's share still work: a collective over
+    :attr:`axis_name` spans one share, the whole batch, so it is the identity.
 
     Attributes:
         activations: sown and captured values, in execution order.
         gradients: gradients of the mean training loss over the whole batch
-            (all devices) with respect to perturbed values, in execution order.
-        loss: this device's loss.
-        metrics: this device's extra metrics from ``loss_fn``.
+            with respect to perturbed values, in execution order.
+        loss: the loss.
+        metrics: the extra metrics from ``loss_fn``.
         params: the parameters before the update.
-        grads: the parameter gradients, averaged over devices.
-        outputs: the model's outputs on this device's share of the batch.
-        batch: this device's share of the batch.
-        devices: how many devices share the batch.
-        axis_name: the device axis the step maps over (``Trainer(axis_name=...)``).
-        updates: the updates the optimizer applied to ``params`` this step
-            (the same on every device).
+        grads: the parameter gradients.
+        outputs: the model's outputs on the whole batch.
+        batch: the whole batch.
+        devices: the shares the batch is seen in: 1 (the step sees it whole).
+        axis_name: the axis of those shares (``Trainer(axis_name=...)``).
+        updates: the updates the optimizer applied to ``params`` this step.
     """
 
     activations: tuple[Tap, ...]
