@@ -7,21 +7,20 @@ host:
 (a) ``plain``: a ``jax.jit`` step on the default device that sums the loss and
     the correct predictions of each full batch on the device; the last, ragged
     batch is dropped, so some examples are never counted.
-(b) ``exact``: ``Trainer.evaluate``: a pmapped step over every local device,
-    wrapped in ``flax.jax_utils.pad_shard_unpad``, clu metrics with padded
-    examples masked out, and every example counted exactly once.
+(b) ``exact``: ``Trainer.evaluate``: one ``jax.jit`` step over the mesh of
+    every local device, each batch padded to the data axis, clu metrics with
+    padded examples masked out, and every example counted exactly once.
 
 Rounds alternate which side goes first. The figure is the median per-round
 ratio of throughputs, ``exact examples/s / plain examples/s``, with a target of
 at least 0.95. The JSON line also reports how often the exact eval step
-compiled (once per batch size, the ragged last batch included).
+compiled (once: the ragged last batch is padded to the first's size).
 
     python -m benchmarks.bench_eval [--examples 10000] [--batch-size 128] [--rounds 15] [--cpu-devices N]
 
-On a CPU host split into several devices, a pmapped step over two devices
-runs this CNN about 10% slower than ``jit`` on one device, which uses every
-core itself; ``--cpu-devices 1`` isolates what the exact evaluation itself
-costs. The padded last batch costs a full batch of compute: keep the eval
+On a CPU host split into several devices, a step over two devices can run
+this CNN slower than ``jit`` on one device, which uses every core itself;
+``--cpu-devices 1`` isolates what the exact evaluation itself costs. The padded last batch costs a full batch of compute: keep the eval
 batch small relative to the dataset.
 """
 

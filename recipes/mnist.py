@@ -1,8 +1,10 @@
-"""Train Flax's MNIST CNN with flaxhooks, data-parallel over every local device.
+"""Train Flax's MNIST CNN with flaxhooks, data-parallel over every device.
 
 Run ``python -m recipes.mnist --help`` for the options. On a CPU-only host the
 recipe splits the CPU into one XLA device per core (``--cpu-devices`` or an
-``XLA_FLAGS`` device count overrides that) and trains across them with pmap.
+``XLA_FLAGS`` device count overrides that) and trains across them with one
+jitted step over a device mesh (``--mesh`` lays it out, ``--fsdp`` shards the
+state over it).
 
 Full MNIST is used when it can be found or downloaded; otherwise the recipe
 says so and trains on the real MNIST sample bundled in ``recipes/data``.

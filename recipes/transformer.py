@@ -3,8 +3,8 @@
 Each parameter is created with ``nn.with_logical_partitioning`` and each
 activation that a sharded run should keep laid out is constrained with
 ``nn.with_logical_constraint``; :data:`AXIS_RULES` maps the logical names to
-the axes of a ``("data", "model")`` mesh. Without a mesh the annotations
-change nothing: the same model trains data-parallel with pmap.
+the axes of a ``("data", "model")`` mesh. On a mesh whose ``model`` axis has
+size 1 the annotations split nothing: the same model trains data-parallel.
 
 Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
