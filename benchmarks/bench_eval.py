@@ -20,8 +20,9 @@ compiled (once: the ragged last batch is padded to the first's size).
 
 On a CPU host split into several devices, a step over two devices can run
 this CNN slower than ``jit`` on one device, which uses every core itself;
-``--cpu-devices 1`` isolates what the exact evaluation itself costs. The padded last batch costs a full batch of compute: keep the eval
-batch small relative to the dataset.
+``--cpu-devices 1`` isolates what the exact evaluation itself costs. The
+padded last batch costs a full batch of compute: keep the eval batch small
+relative to the dataset.
 """
 
 from __future__ import annotations
