@@ -86,8 +86,8 @@ class Trainer:
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
         axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``):
             the step sees the whole batch, so they reduce over all of it.
-        optimizer_metrics: every step also computes the gradient norm and the update ratio
-            (three passes over parameter-sized arrays: off for the last few percent of speed).
+        optimizer_metrics: the steps that also compute the gradient norm and the update ratio
+            (three passes over parameter-sized arrays): all (True), every n-th (n), or none (False).
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -113,7 +113,7 @@ class Trainer:
         example_loss_fn: ExampleLossFn | None = None, label_key: str | None = "label",
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
         axis_name: str = AXIS, mesh: Mesh | None = None, shard: ShardRule | None = None,
-        axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool = True,
+        axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
     ):
         if devices and jax.process_count() > 1:
             raise ValueError(
@@ -134,7 +134,8 @@ class Trainer:
                                        self.placement, wait=wait_ready)
         self.bus = HookBus(callbacks)
         self.batch_spec: BatchSpec | None = None
-        self._state: TrainState | None = None  # global arrays over the mesh
+        self._state: TrainState | None = None  # the loop's, which the next fit donates
+        self._final: TrainState | None = None  # a copy of it that fit returned: the caller's
         self._plan_made: StatePlan | None = None
         self._last: tuple[int, tuple[int, int]] | None = None  # the last fit's step and data position
         self._loop: Loop | None = None
@@ -152,7 +153,7 @@ class Trainer:
     @property
     def state(self) -> TrainState | None:
         """The latest train state, global arrays over the mesh (None before training)."""
-        return self._state
+        return self._final
 
     def _plan(self, batch: HostBatch, state: TrainState | None = None) -> StatePlan:
         """Checks ``batch`` (and a given ``state``) and plans the state on the
@@ -262,11 +263,10 @@ class Trainer:
         plan = cast(StatePlan, self._plan_made)
         if start.fresh:
             self._state = plan.build(self.seed, start.first)
-        elif start.state is not None:  # the next step donates it: the caller's arrays stay whole
+        elif start.state is not None and start.state is not self._state:  # the caller's stay whole
             given = set(map(id, jax.tree.leaves(start.state)))
             self._state = jax.tree.map(lambda x: x.copy() if id(x) in given else x,
                                        placed(start.state, plan.shardings))
-        assert self._state is not None
         loop = self._loop = Loop(
             state=self._state, step=start.step, epoch=start.epoch, epoch_step=start.skip,
             max_steps=steps, max_epochs=epochs, steps_per_epoch=source.length,
@@ -286,9 +286,9 @@ class Trainer:
             error = failed
             raise
         finally:
-            self._loop, self._state = None, loop.state
-            self._last = (loop.step, (loop.epoch, loop.epoch_step))
-            final = loop.state
+            self._loop, self._state, self._last = None, loop.state, (loop.step, (loop.epoch, loop.epoch_step))
+            # A copy: the next fit donates the loop's state (a step interrupted mid-way consumed it).
+            final = self._final = jax.tree.map(lambda x: x if x.is_deleted() else x.copy(), loop.state)
             self.model.update(final.params, final.model_state)
             stops.close(loop, error)
         signum = stops.interrupted(loop)

@@ -294,11 +294,12 @@ class Placement:
         )
 
     def replicated_constant(self, make: Any) -> Any:
-        """``make()``'s values (constants: zeros, empty metrics), whole on every
-        device, computed by each process for its own devices. ``device_put``
-        of host values onto devices of several processes would first check,
-        with a blocking collective, that every process gave the same."""
-        return jax.jit(make, out_shardings=self.replicated)()
+        """A compiled function making ``make()``'s values (constants: zeros,
+        empty metrics) whole on every device, each process for its own
+        devices: keep it, and call it for each new copy. ``device_put`` of host
+        values onto devices of several processes would first check, with a
+        blocking collective, that every process gave the same."""
+        return jax.jit(make, out_shardings=self.replicated)
 
     def put_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's share of a global batch, as global arrays split over

@@ -217,8 +217,7 @@ class Evaluator:
         self._step = jax.jit(lambda variables, totals, batch: traced(variables, totals, batch),
                              out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
-        # Made once: the same function object reuses its compiled program.
-        self._no_totals = lambda: (metrics.empty(), jnp.zeros((), jnp.int32))
+        self._no_totals = placement.replicated_constant(lambda: (metrics.empty(), jnp.zeros((), jnp.int32)))
         #: Waits for device values before they are read; the Trainer gives one
         #: that a lost peer ends (on several processes).
         self.wait: Callable[[Any], None] = jax.block_until_ready
@@ -310,7 +309,7 @@ class Evaluator:
         """
         several = jax.process_count() > 1
         variables = (state.params, state.model_state)
-        totals: Any = self.placement.replicated_constant(self._no_totals)
+        totals: Any = self._no_totals()
         batches = iter(batches)
         failure: Exception | None = None
         first: dict[str, np.ndarray] | None = None

@@ -30,13 +30,18 @@ class StepRunner:
         placement: the mesh, and where the batch and the state live on it.
         max_steps_in_flight: how many dispatched steps may queue ahead of
             the devices before the runner waits for the oldest.
-        optimizer_metrics: every step also computes :data:`OPTIMIZER_METRICS`.
+        optimizer_metrics: the steps that also compute :data:`OPTIMIZER_METRICS`:
+            every one (True), every n-th (an int n; a variant of its own), or none.
     """
 
     def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int,
-                 optimizer_metrics: bool = True):
+                 optimizer_metrics: bool | int = True):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
+        if not isinstance(optimizer_metrics, bool) and (not isinstance(optimizer_metrics, int)
+                                                        or optimizer_metrics < 1):
+            raise ValueError(f"optimizer_metrics must be True, False or a number of steps of at least 1, "
+                             f"got {optimizer_metrics!r}")
         self.model, self.loss_fn, self.placement = model, loss_fn, placement
         self.optimizer_metrics = optimizer_metrics
         self.axis = axis_name(model)
@@ -45,8 +50,9 @@ class StepRunner:
         #: How many times each compiled step was traced (each trace compiles),
         #: by name: ``train_step`` (lean) and ``instrumented_step`` (every variant).
         self.traces: collections.Counter[str] = collections.Counter()
-        self._variants: dict[tuple[StepContributor, ...], Any] = {}
+        self._variants: dict[tuple[tuple[StepContributor, ...], bool], Any] = {}
         self._shardings: Any = None
+        self._zero_totals: dict[tuple[str, ...], Any] = {}
         self._checked: set[Any] = set()
         #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
         #: optimizer's), known once :meth:`check` traced the step.
@@ -58,11 +64,17 @@ class StepRunner:
         self.contributors = tuple(cb for cb in callbacks if isinstance(cb, StepContributor))
         self._in_flight.clear()
 
-    def _step(self, contributors: tuple[StepContributor, ...]) -> Step:
+    def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None) -> Step:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
         # Each contributor sees only the values it asked for.
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
-        return build_step(self.model, self.loss_fn, taps, inside, self.optimizer_metrics)
+        norms = self.optimizer_metrics is not False if norms is None else norms
+        return build_step(self.model, self.loss_fn, taps, inside, norms)
+
+    def norms_due(self, step: int) -> bool:
+        """Whether ``step`` computes :data:`OPTIMIZER_METRICS`."""
+        every = self.optimizer_metrics
+        return every if isinstance(every, bool) else step % every == 0
 
     def place(self, shardings: Any) -> None:
         """Sets where the state lives: every compiled step keeps it there."""
@@ -71,18 +83,21 @@ class StepRunner:
             self._shardings, self._state_shardings = leaves, shardings
             self._variants.clear()
 
-    def variant(self, due: tuple[StepContributor, ...]) -> Any:
-        """The compiled step serving ``due`` (the lean step for none), built
+    def variant(self, due: tuple[StepContributor, ...], norms: bool | None = None) -> Any:
+        """The compiled step serving ``due`` (the lean step for none), with or
+        without the optimizer metrics (``norms``; default: as configured), built
         once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
         the totals being the running sums of the metrics (see :meth:`zero_totals`).
         Everything but the state comes back replicated."""
-        step = self._variants.get(due)
+        norms = self.optimizer_metrics is not False if norms is None else norms
+        step = self._variants.get((due, norms))
         if step is None:
             replicated = self.placement.replicated
             # The state is donated; the totals are not, so a reader may keep any step's.
-            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due)))), donate_argnums=(0,),
+            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due, norms)))),
+                           donate_argnums=(0,),
                            out_shardings=(self._state_shardings, replicated, replicated, replicated))
-            self._variants[due] = step
+            self._variants[(due, norms)] = step
         return step
 
     def _traced(self, step: Any) -> Any:
@@ -100,7 +115,11 @@ class StepRunner:
 
     def zero_totals(self) -> Totals:
         """Running totals of no step, replicated over the mesh (after :meth:`check`)."""
-        return self.placement.replicated_constant(functools.partial(zero_totals, self.metric_names))
+        make = self._zero_totals.get(self.metric_names)
+        if make is None:  # compiled once per set of metrics: each fit calls it
+            make = self._zero_totals[self.metric_names] = self.placement.replicated_constant(
+                functools.partial(zero_totals, self.metric_names))
+        return make()
 
     def _counted(self, step: Step) -> Step:
         name = step.__name__
@@ -149,7 +168,8 @@ class StepRunner:
         step = loop.step + 1
         # Decided on the host, per step: the lean step unless a contributor is due.
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
-        loop.state, loop.metrics, loop.totals, results = self.variant(due)(loop.state, batch, loop.totals)
+        step_fn = self.variant(due, self.norms_due(step))
+        loop.state, loop.metrics, loop.totals, results = step_fn(loop.state, batch, loop.totals)
         # One statement: a KeyboardInterrupt cannot land between the two.
         loop.step, loop.epoch_step = step, loop.epoch_step + 1
         for contributor, result in zip(due, results, strict=True):

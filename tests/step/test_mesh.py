@@ -298,3 +298,40 @@ def test_statistics_on_a_sharded_state_equal_those_on_one_device():
                 for column, value in row.items():
                     assert sharded[step][topic][layer][column] == pytest.approx(value, rel=1e-4, abs=1e-6), (
                         step, topic, layer, column)
+
+
+def test_optimizer_metrics_every_third_step_are_exact_there_and_their_means_are_over_those_steps():
+    batches = _batches(count=7)
+    seen: dict[str, dict[int, dict[str, float]]] = {"every": {}, "third": {}}
+
+    class Keep(flaxhooks.Callback):
+        def __init__(self, into):
+            self.into = into
+
+        def on_step_end(self, loop):
+            self.into[loop.step] = loop.host_metrics()
+
+        def on_fit_end(self, loop):
+            totals = jax.device_get(loop.totals)
+            self.means = flaxhooks.step.window_means(flaxhooks.step.window_sums(None, totals))
+
+    every, third = Keep(seen["every"]), Keep(seen["third"])
+    full = _trainer(devices=_needs(2), callbacks=[every])
+    initial = full.init(batches[0])
+    full.fit(batches, epochs=1, state=initial)
+    sampled = _trainer(devices=_needs(2), optimizer_metrics=3, callbacks=[third])
+    sampled.fit(batches, epochs=1, state=initial)
+    assert [step for step, metrics in sorted(seen["third"].items()) if "grad_norm" in metrics] == [3, 6]
+    for step in (3, 6):
+        for name in ("grad_norm", "update_ratio", "loss"):
+            assert seen["third"][step][name] == pytest.approx(seen["every"][step][name], rel=1e-5)
+    assert third.means["grad_norm"] == pytest.approx(
+        np.mean([seen["every"][3]["grad_norm"], seen["every"][6]["grad_norm"]]), rel=1e-5)
+    assert third.means["loss"] == pytest.approx(every.means["loss"], rel=1e-5)  # every step's loss
+    assert sampled.runner.traces == {"train_step": 2}  # with and without the norms
+
+
+def test_optimizer_metrics_must_be_a_switch_or_a_positive_number_of_steps():
+    for wrong in (0, -2, 1.5, "3"):
+        with pytest.raises(ValueError, match="optimizer_metrics must be True, False or a number of steps"):
+            _trainer(optimizer_metrics=wrong)
