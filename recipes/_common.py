@@ -204,3 +204,22 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
     if total != device_count:
         raise MeshError(f"the sizes multiply to {total}, not to the device count, {device_count}")
     return layout
+
+
+def mesh_of(layout: Mapping[str, int]) -> Any:
+    """The device mesh of ``layout`` (from :func:`parse_mesh`), its axes
+    automatic: XLA propagates the shardings."""
+    import jax
+
+    return jax.make_mesh(tuple(layout.values()), tuple(layout),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(layout))
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``.
+
+    Example:
+        >>> counted(2, "epoch")
+        '2 epochs'
+    """
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -112,13 +112,10 @@ class OptionError(ValueError):
 
 def sharding_arguments(config: Config, mesh_layout: dict[str, int]) -> dict[str, Any]:
     """The Trainer's ``mesh=``, ``shard=`` and ``axis_rules=`` for ``mesh_layout``."""
-    import jax
-
     import flaxhooks
     from recipes.transformer import AXIS_RULES
 
-    mesh = jax.make_mesh(tuple(mesh_layout.values()), tuple(mesh_layout),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_layout))
+    mesh = _common.mesh_of(mesh_layout)
     shard = flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated()
     # Rules to an axis this mesh lacks keep those dimensions whole.
     rules = tuple((name, axis if axis in mesh_layout else None) for name, axis in AXIS_RULES)
@@ -243,9 +240,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     layout = ",".join(f"{name}={size}" for name, size in mesh_layout.items())
     placement = f"mesh {layout}{', FSDP over data' if config.fsdp else ''}"
 
-    def counted(count: int, noun: str) -> str:  # "1 epoch", "2 epochs"
-        return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
+    counted = _common.counted
     lines += [
         f"training a {config.depth}-block Transformer (width {config.width}, {config.heads} heads) on "
         f"{len(sums.train_pairs)} {config.digits}-digit sums: {counted(config.epochs, 'epoch')} of "

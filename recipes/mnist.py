@@ -193,23 +193,19 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
             flaxhooks.ParamStats(every=config.stats_every),
         ]
     layout = _common.parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
-    mesh = jax.make_mesh(tuple(layout.values()), tuple(layout),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(layout))
     trainer = flaxhooks.Trainer(
         models[config.api](),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
         callbacks=callbacks,
-        mesh=mesh,
+        mesh=_common.mesh_of(layout),
         shard=flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated(),
     )
     say = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)
     where = f" on {processes} processes" if processes > 1 else ""
 
-    def counted(count: int, noun: str) -> str:  # "1 epoch", "2 epochs"
-        return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
+    counted = _common.counted
     devices = counted(jax.device_count(), f"{trainer.devices[0].platform.upper()} device")
     placed = (f", mesh {','.join(f'{k}={v}' for k, v in layout.items())}" if config.mesh else "") + (
         ", FSDP over data" if config.fsdp else "")

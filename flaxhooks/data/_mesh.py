@@ -191,12 +191,12 @@ class Placement:
         where = self.batch_sharding.devices_indices_map((self.data_size,))
         return max(len({where[d][0].start for d in self.local_devices}), 1)
 
-    @property
+    @functools.cached_property
     def replicated(self) -> NamedSharding:
         """Whole on every device of the mesh."""
         return NamedSharding(self.mesh, PartitionSpec())
 
-    @property
+    @functools.cached_property
     def batch_sharding(self) -> NamedSharding:
         """Split along the first axis over the data axis."""
         return NamedSharding(self.mesh, PartitionSpec(self.data_axis))

@@ -68,8 +68,11 @@ class StepRunner:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
         # Each contributor sees only the values it asked for.
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
-        norms = self.optimizer_metrics is not False if norms is None else norms
-        return build_step(self.model, self.loss_fn, taps, inside, norms)
+        return build_step(self.model, self.loss_fn, taps, inside, self._norms(norms))
+
+    def _norms(self, norms: bool | None) -> bool:
+        """``norms``, or by default whether any step computes the optimizer metrics."""
+        return self.optimizer_metrics is not False if norms is None else norms
 
     def norms_due(self, step: int) -> bool:
         """Whether ``step`` computes :data:`OPTIMIZER_METRICS`."""
@@ -89,7 +92,7 @@ class StepRunner:
         once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
         the totals being the running sums of the metrics (see :meth:`zero_totals`).
         Everything but the state comes back replicated."""
-        norms = self.optimizer_metrics is not False if norms is None else norms
+        norms = self._norms(norms)
         step = self._variants.get((due, norms))
         if step is None:
             replicated = self.placement.replicated
