@@ -63,8 +63,8 @@ class Trainer:
             modules also get NNX's own switch (``train()`` / ``eval()``).
         eval_model: a Linen model's eval-mode twin (same parameters), for a
             mode set in a config (see the README, "Your model").
-        rng_names: RNG streams a Linen model uses, each given a key per step and device, and per
-            batch in evaluation (an NNX module has its own ``nnx.Rngs``).
+        rng_names: RNG streams a Linen model uses, each given a key per step (for the whole
+            batch) and per batch in evaluation (an NNX module has its own ``nnx.Rngs``).
         seed: seeds initialization and the per-step keys.
         devices: local devices to train on, on one mesh axis ``data_axis`` (default: every
             device of every process); or give ``mesh``.
