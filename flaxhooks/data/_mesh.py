@@ -197,6 +197,15 @@ class Placement:
         return NamedSharding(self.mesh, PartitionSpec())
 
     @functools.cached_property
+    def spread(self) -> NamedSharding | None:
+        """An array's first axis split over every device of the mesh: where
+        the step shares out a reduction of a value every device holds whole
+        (None when a mesh axis is not ``AxisType.Auto``: XLA then decides)."""
+        if any(kind != AxisType.Auto for kind in self.mesh.axis_types):
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+
+    @functools.cached_property
     def batch_sharding(self) -> NamedSharding:
         """Split along the first axis over the data axis."""
         return NamedSharding(self.mesh, PartitionSpec(self.data_axis))

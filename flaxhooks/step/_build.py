@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import Sharding
 
 from flaxhooks.step._model import AXIS, Batch, Model, axis_name
 from flaxhooks.step._state import LossError, TrainState
@@ -70,7 +71,8 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
-               inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True) -> Step:
+               inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True,
+               norm_split: Sequence[Sharding | None] | None = None) -> Step:
     """Returns the pure train step, written for one share of the batch with
     collectives over the model's ``axis_name`` (the runner gives it the whole
     batch as one share: see :class:`~flaxhooks.step.StepRunner`).
@@ -82,7 +84,9 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     this batch's shapes, so any batch size works) in the same backward pass
     as the parameters', so the update is the same as the lean step's. Each
     function of ``inside`` gets a :class:`Tapped` view; their results come
-    back in the same order.
+    back in the same order. ``norm_split`` says, per parameter leaf, where
+    the optimizer metrics' reductions of that leaf are shared out (see
+    :func:`optimizer_metrics`).
     """
     taps = taps or Taps()
     axis = axis_name(model)
@@ -100,7 +104,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
             (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
             new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis,
-                                                with_optimizer_metrics)
+                                                with_optimizer_metrics, norm_split)
             return new_state, metrics, ()
 
         run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
@@ -126,7 +130,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
         )
         run.finish(activations, gradients)
         new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis,
-                                                      with_optimizer_metrics)
+                                                      with_optimizer_metrics, norm_split)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
             params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
@@ -138,22 +142,44 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     return train_step
 
 
-def optimizer_metrics(params: Any, grads: Any, updates: Any) -> dict[str, jax.Array]:
+def optimizer_metrics(params: Any, grads: Any, updates: Any,
+                      split: Sequence[Sharding | None] | None = None) -> dict[str, jax.Array]:
     """The global gradient norm and the update-to-parameter ratio
-    ``|update| / |params|`` (0 while every parameter is 0)."""
+    ``|update| / |params|`` (0 while every parameter is 0).
+
+    ``split``, one entry per parameter leaf: a sharding over every device
+    for a leaf every device holds whole (see :attr:`Placement.spread`), else
+    None. Such a leaf's sums of squares are shared out between the devices
+    instead of computed whole by each: on 2 CPU devices the three norms then
+    cost the recipe's step nothing measurable, where computed whole they
+    cost 7% (``benchmarks/bench_mesh.py``).
+    """
     # Without the barrier XLA fuses these reductions into the update's
-    # fusion, which made the 2-device CPU step 30% slower (bench_trainer);
-    # with it they cost nothing measurable.
+    # fusion, which made the 2-device CPU step 30% slower (bench_trainer).
     params, updates, grads = lax.optimization_barrier((params, updates, grads))
-    param_norm, update_norm, grad_norm = (_norm(tree) for tree in (params, updates, grads))
+    param_norm, update_norm, grad_norm = (_norm(tree, split) for tree in (params, updates, grads))
     ratio = update_norm / jnp.where(param_norm > 0, param_norm, jnp.inf)
     return {"grad_norm": grad_norm, "update_ratio": ratio}
 
 
-def _norm(tree: Any) -> jax.Array:
-    """The global L2 norm, in float32 or wider, as plain sums of squares XLA fuses."""
-    leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum((jnp.sum(x * x) for x in leaves), jnp.zeros((), jnp.float32)))
+#: Leaves smaller than this are reduced whole: sharing them out costs more than it saves.
+SPLIT_NORM_MIN_SIZE = 4096
+
+
+def _norm(tree: Any, split: Sequence[Sharding | None] | None = None) -> jax.Array:
+    """The global L2 norm, in float32 or wider, as plain sums of squares XLA
+    fuses; the large leaves ``split`` names reduced in parts, one per device."""
+    leaves = jax.tree.leaves(tree)
+    # An optimizer whose updates are laid out unlike the parameters: every leaf whole.
+    places = split if split is not None and len(split) == len(leaves) else [None] * len(leaves)
+    total = jnp.zeros((), jnp.float32)
+    for leaf, place in zip(leaves, places, strict=True):
+        x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+        parts = place.num_devices if place is not None else 1
+        if parts > 1 and x.size >= SPLIT_NORM_MIN_SIZE and x.size % parts == 0:
+            x = lax.with_sharding_constraint(x.reshape(parts, -1), place)
+        total = total + jnp.sum(x * x)
+    return jnp.sqrt(total)
 
 
 #: The metrics every step adds to ``loss_fn``'s (see :func:`optimizer_metrics`).
@@ -163,6 +189,7 @@ OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
     metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
+    norm_split: Sequence[Sharding | None] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
     """Applies the gradients, averaged over the shares of the batch; returns the new
     state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
@@ -184,5 +211,5 @@ def _updated(
     metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
     # Computed from the averaged (identical) values: the same on every device, no collective.
     if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
-        metrics.update(optimizer_metrics(state.params, grads, updates))
+        metrics.update(optimizer_metrics(state.params, grads, updates, norm_split))
     return new_state, metrics, grads, updates

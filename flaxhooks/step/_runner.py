@@ -52,6 +52,7 @@ class StepRunner:
         self.traces: collections.Counter[str] = collections.Counter()
         self._variants: dict[tuple[tuple[StepContributor, ...], bool], Any] = {}
         self._shardings: Any = None
+        self._norm_split: list[Any] | None = None
         self._zero_totals: dict[tuple[str, ...], Any] = {}
         self._checked: set[Any] = set()
         #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
@@ -68,7 +69,7 @@ class StepRunner:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
         # Each contributor sees only the values it asked for.
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
-        return build_step(self.model, self.loss_fn, taps, inside, self._norms(norms))
+        return build_step(self.model, self.loss_fn, taps, inside, self._norms(norms), self._norm_split)
 
     def _norms(self, norms: bool | None) -> bool:
         """``norms``, or by default whether any step computes the optimizer metrics."""
@@ -84,6 +85,9 @@ class StepRunner:
         leaves = jax.tree.leaves(shardings)
         if self._shardings is None or self._shardings != leaves:
             self._shardings, self._state_shardings = leaves, shardings
+            # The norms of a parameter every device holds whole are shared out between the devices.
+            params = jax.tree.leaves(getattr(shardings, "params", None))
+            self._norm_split = [self.placement.spread if s.is_fully_replicated else None for s in params]
             self._variants.clear()
 
     def variant(self, due: tuple[StepContributor, ...], norms: bool | None = None) -> Any:

@@ -335,3 +335,33 @@ def test_optimizer_metrics_must_be_a_switch_or_a_positive_number_of_steps():
     for wrong in (0, -2, 1.5, "3"):
         with pytest.raises(ValueError, match="optimizer_metrics must be True, False or a number of steps"):
             _trainer(optimizer_metrics=wrong)
+
+
+def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_and_stay_exact():
+    """A large replicated leaf's sums of squares are reduced in one part per
+    device (the compiled step holds a reduction of one eighth of it), and the
+    gradient norm and update ratio still equal float64 ones; leaves too small
+    or that do not divide stay whole."""
+    from flaxhooks.step._build import optimizer_metrics
+
+    mesh = _mesh((4, 2), ("data", "model"))
+    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), ())
+    rng = np.random.default_rng(3)
+    shapes = {"big": (64, 128), "odd": (4097,), "small": (10,)}
+    trees = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+             for _ in range(3)]
+    replicated = NamedSharding(mesh, P())
+    params, grads, updates = (jax.device_put(tree, replicated) for tree in trees)
+    split = [placement.spread] * len(shapes)
+    metrics = jax.jit(optimizer_metrics, static_argnums=3)
+    got = metrics(params, grads, updates, tuple(split))
+
+    def norm(tree):
+        return np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in tree.values()))
+
+    assert float(got["grad_norm"]) == pytest.approx(norm(trees[1]), rel=1e-6)
+    assert float(got["update_ratio"]) == pytest.approx(norm(trees[2]) / norm(trees[0]), rel=1e-6)
+    compiled = metrics.lower(params, grads, updates, tuple(split)).compile().as_text()
+    assert "f32[1,1024]" in compiled and "f32[4097]" in compiled, compiled
+    whole = jax.jit(optimizer_metrics).lower(params, grads, updates).compile().as_text()
+    assert "f32[1,1024]" not in whole
