@@ -302,10 +302,6 @@ def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | 
         return (f"the checkpoint in {workdir} does not fit this model: the model changed since it was "
                 "saved; resume it with the options it was started with, or leave --resume out to start a "
                 "new run")
-    several = bool(config.num_processes and config.num_processes > 1)
-    if isinstance(cause, CheckpointError) and config.fsdp and several:
-        return ("--fsdp on several processes splits the state across them, and Checkpoint cannot save such a "
-                "state yet: leave --fsdp out, or train on one process")
     if isinstance(cause, (CheckpointError, flaxhooks.LogdirError)):
         return f"{cause} (--workdir {workdir})"
     if isinstance(cause, flaxhooks.BatchError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -28,8 +29,18 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("flaxhooks")
 
-#: Bumped when the layout of what is saved changes.
+#: Bumped when the layout of what is saved changes. A state whole on process
+#: 0 is saved in format 1: each leaf whole, with one CRC32.
 FORMAT = 1
+#: A state split across processes is saved in format 2: every process writes
+#: its parts of each leaf, and each part has its own CRC32 (``"parts"``:
+#: ``{"index": [[start, stop], ...], "crc32": ...}``, together covering the
+#: leaf once).
+FORMAT_PARTS = 2
+
+#: Numbers each fit's saves on several processes; every process runs the
+#: same callbacks' ``fit_start`` in the same order, so the numbers agree.
+_exchanges = itertools.count()
 
 
 class CheckpointError(RuntimeError):
@@ -207,8 +218,37 @@ def _snapshot(x: jax.Array) -> Any:
     return _Parts(tuple(x.shape), x.dtype, tuple((s.index, jnp.copy(s.data)) for s in seen.values()))
 
 
+def _global_snapshot(x: jax.Array) -> jax.Array:
+    """A copy of a state leaf that every process takes of its own devices, with
+    no collective: a replicated leaf's local copy, else the same global array
+    made of copies of this process's shards (every process must take its own)."""
+    if x.is_fully_replicated:
+        return jnp.copy(x.addressable_shards[0].data)
+    copies = [jnp.copy(shard.data) for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """A shard's index as ``[[start, stop], ...]``, one pair per dimension."""
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+
+
 def _host(x: Any) -> np.ndarray:
     return x.host() if isinstance(x, _Parts) else np.asarray(jax.device_get(x))
+
+
+def _verified(array: np.ndarray, info: Mapping[str, Any], format: int) -> bool:
+    """Whether ``array`` has the CRC32 saved with it: whole (format 1), or of
+    each part, the parts covering it once (format 2)."""
+    if format == FORMAT:
+        return _checksum(array) == info["crc32"]
+    covered = 0
+    for part in info["parts"]:
+        index = tuple(slice(start, stop) for start, stop in part["index"])
+        covered += int(np.prod([stop - start for start, stop in part["index"]]))
+        if len(index) != array.ndim or _checksum(array[index]) != part["crc32"]:
+            return False
+    return covered == array.size
 
 
 def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
@@ -222,6 +262,17 @@ def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
+def _client() -> Any:
+    """JAX's distributed client: the key-value store the processes agree through."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise CheckpointError(
+            "several JAX processes but no distributed client: call jax.distributed.initialize first")
+    return client
+
+
 def _this_process_only() -> Any:
     """orbax options under which this process reads or writes alone: no
     orbax barrier, which would wait for (and time out on) slower processes."""
@@ -231,10 +282,25 @@ def _this_process_only() -> Any:
     return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
 
 
-def _writer(directory: str, keep: int) -> Any:
+def _every_process(prefix: str) -> Any:
+    """orbax options under which every process writes its part and process 0
+    commits. Naming the processes makes each orbax barrier a wait in JAX's
+    key-value store with a timeout (``get_barrier_sync_fn``), never
+    ``sync_global_devices``, a compiled collective that a background thread
+    could interleave with the train step's (a deadlock)."""
     import orbax.checkpoint as ocp
 
-    # Only process 0 writes; no process waits on another's barrier.
+    return ocp.options.MultiprocessingOptions(
+        primary_host=0, active_processes=set(range(jax.process_count())), barrier_sync_key_prefix=prefix,
+    )
+
+
+def _writer(directory: str, keep: int, every_process: str | None = None) -> Any:
+    """orbax's manager of ``directory``: process 0 alone writes, or with
+    ``every_process`` (a barrier prefix the processes agree on) every process
+    writes its part."""
+    import orbax.checkpoint as ocp
+
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=False,  # made (and checked) by Checkpoint itself
@@ -242,7 +308,8 @@ def _writer(directory: str, keep: int) -> Any:
         # renamed into place; it is removed when the next writer opens.
         cleanup_tmp_directories=True,
         enable_async_checkpointing=False,  # saves already run on their own thread
-        multiprocessing_options=_this_process_only(),
+        multiprocessing_options=(
+            _this_process_only() if every_process is None else _every_process(every_process)),
     )
     return ocp.CheckpointManager(directory, options=options)
 
@@ -303,7 +370,8 @@ class Checkpoint(Callback):
       newer one is complete.
     * A state holding NaN or inf is not saved (a warning says so), so it
       never replaces a good checkpoint.
-    * Every array's CRC32 is stored with it and checked on restore; a
+    * Every array's CRC32 (or each part's, for a state split across
+      processes) is stored with it and checked on restore; a
       checkpoint that fails to read or verify is skipped with a
       :class:`CheckpointWarning` and the one before it is used.
 
@@ -315,12 +383,24 @@ class Checkpoint(Callback):
     callbacks' state matches the saved parameters. A ``KeyboardInterrupt``
     raised elsewhere is saved only if it
     left such a boundary; otherwise the latest checkpoint stands. Saving copies the state on
-    device 0 and returns; the transfer and the writing happen on a background
+    the devices and returns; the transfer and the writing happen on a background
     thread, one save at a time; the fit's writers are asked to get their logs
     up to the step onto disk first (``loop.writers.sync_point()``). A failed
     save stops training with a :class:`CheckpointError` at the next step.
-    Only process 0 writes; every process reads on resume (use a shared
-    directory).
+
+    On several processes the directory must be one that every process sees
+    (a shared file system, as orbax assumes), and every process reads it on
+    resume, each leaf whole, onto any mesh, device count or number of
+    processes. A state that process 0 holds whole (replicated, or split only
+    over devices within each process) is written by process 0 alone. A state
+    split across processes (e.g. ``FSDP("data")`` over every process's
+    devices) is written by every process, its own parts, with no gather: each
+    copies its own shards at the same step, checks and checksums the parts it
+    writes, and the processes agree through JAX's key-value store whether to
+    save (a NaN in any process's part skips the save on all) and wait for
+    each other at orbax's key-value barriers (with timeouts, never a
+    collective, on the background thread); process 0 commits the checkpoint
+    once every part is written, so one missing a part never looks complete.
 
     Args:
         directory: where checkpoints go (one subdirectory per step); checked
@@ -355,6 +435,8 @@ class Checkpoint(Callback):
         #: Steps whose state was not saved because it was not finite.
         self.skipped_steps: list[int] = []
         self._writer: Any = None
+        self._across = False  # the fit's state is split across processes: every process writes
+        self._exchange = ""  # where this fit's processes agree on each save (JAX's key-value store)
         self._saving: _Background | None = None
         self._due = False
         self._saved_step: int | None = None
@@ -416,26 +498,29 @@ class Checkpoint(Callback):
 
         path = os.path.join(self.directory, str(step))
         # Every process reads on its own: a slower process (one that starts
-        # late) never makes another's read time out.
+        # late) never makes another's read time out. Each leaf is read whole,
+        # as host numpy, whoever wrote its parts (format 2): onto any mesh.
         alone = _this_process_only()
         handler = ocp.CompositeCheckpointHandler(
-            state=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+            state=ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
             meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone),
         )
         with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
-            read = checkpointer.restore(path, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
-            ))
-        meta, arrays = read.meta, read.state
-        if meta.get("format") != FORMAT or meta.get("step") != step:
-            raise CheckpointError(
-                f"{path!r} is not a flaxhooks checkpoint of format {FORMAT} for step {step}"
-            )
+            meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if meta.get("format") not in (FORMAT, FORMAT_PARTS) or meta.get("step") != step:
+                raise CheckpointError(
+                    f"{path!r} is not a flaxhooks checkpoint of format {FORMAT} or {FORMAT_PARTS} for "
+                    f"step {step}"
+                )
+            as_numpy = {str(i): ocp.RestoreArgs(restore_type=np.ndarray)
+                        for i, info in enumerate(meta["leaves"]) if np.prod(info["shape"])}
+            arrays = checkpointer.restore(path, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(restore_args=as_numpy))).state if as_numpy else {}
         leaves = {}
         for index, info in enumerate(meta["leaves"]):
             shape, dtype = tuple(info["shape"]), jnp.dtype(info["dtype"])
             array = np.asarray(arrays[str(index)]) if np.prod(shape) else np.zeros(shape, dtype)
-            if array.shape != shape or array.dtype != dtype or _checksum(array) != info["crc32"]:
+            if array.shape != shape or array.dtype != dtype or not _verified(array, info, meta["format"]):
                 raise CheckpointError(
                     f"{info['path']} does not match the shape, dtype and checksum saved with it"
                 )
@@ -452,20 +537,16 @@ class Checkpoint(Callback):
         on alone); checkpoints a resume found unreadable are not another run's."""
         if jax.process_index() == 0:
             check_writable(self.directory, "checkpoints", CheckpointError)
-        split = [path for path, leaf in state_leaves(plan.state) if not _whole_on_process_0(leaf)]
-        if split:
-            raise CheckpointError(
-                f"the train state is split across processes ({split[0]} and {len(split) - 1} more leaves), "
-                "and Checkpoint writes from process 0 alone, which holds only its own part: on several "
-                "processes split the state only over mesh axes within each process (or use "
-                "shard=Replicated())"
-            )
         later = [s for s in self.saved_steps() if s > plan.step]
         if later and plan.resumed_from != plan.step:
             raise CheckpointConflictError(self.directory, later, plan.step)
 
     def on_fit_start(self, loop: Loop) -> None:
         self._due = False
+        # A state that process 0 does not hold whole: every process writes its part.
+        self._across = jax.process_count() > 1 and not all(
+            _whole_on_process_0(leaf) for _, leaf in state_leaves(loop.state))
+        self._exchange = f"flaxhooks/checkpoint-{next(_exchanges)}"
         self._boundary = loop.step
         self._set_aside_unreadable(loop.step)
         self._saved_step = loop.step if loop.step in self.saved_steps() else None
@@ -581,14 +662,16 @@ class Checkpoint(Callback):
 
     def _save(self, loop: Loop) -> None:
         self._due = False
-        if jax.process_index() != 0:
+        if jax.process_index() != 0 and not self._across:
             return
         state = loop.state
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", loop.step)
+            self._decline(loop.step, "its state was consumed by an interrupted step")
             return
         (epoch, epoch_step), step = loop.position, loop.step
         if loop.exception is not None and not self._at_boundary(loop):
+            self._decline(step, "it was interrupted inside a step")
             return
         if step == self._saved_step:
             return
@@ -603,12 +686,26 @@ class Checkpoint(Callback):
             "callbacks": self._callback_states(loop),
         }
         self.wait()  # one save at a time
-        copy = jax.tree.map(_snapshot, state)  # the next step donates the original
+        # The next step donates the original. Split across processes, every
+        # process copies its own shards, at the same step as the others.
+        copy = jax.tree.map(_global_snapshot if self._across else _snapshot, state)
         # The TensorBoard logs up to this step reach the disk before the
         # checkpoint commits: a resumed run re-logs only what comes after it.
         logs_synced = loop.writers.sync_point()
-        self._saving = _Background(self._write, step, copy, meta, logs_synced)
+        # Where the processes agree on this save (None: process 0 alone), fixed now.
+        exchange = self._exchange if self._across else None
+        self._saving = _Background(self._write, step, copy, meta, logs_synced, exchange)
         self._saved_step = step
+
+    def _decline(self, step: int, why: str) -> None:
+        """Split across processes: tells the others this process does not save
+        ``step`` (none commits it), so that none waits for its part."""
+        if self._across:
+            index, base = jax.process_index(), f"{self._exchange}/{step}"
+            report = json.dumps({"declined": f"process {index}: {why}"})
+            _client().key_value_set(f"{base}/report/{index}", report)
+            if index == 0:
+                _client().key_value_set(f"{base}/decision", report)
 
     def _at_boundary(self, loop: Loop) -> bool:
         """Whether a KeyboardInterrupt raised anywhere left a state that can
@@ -638,35 +735,132 @@ class Checkpoint(Callback):
         return states
 
     def _write(
-        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any
+        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any, exchange: str | None
     ) -> None:
         import orbax.checkpoint as ocp
 
         paths, leaves = zip(*state_leaves(state), strict=True)
-        host = [_host(x) for x in leaves]
-        nonfinite = [
-            path for path, x in zip(paths, host, strict=True)
-            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all()
-        ]
-        if nonfinite:
-            self.skipped_steps.append(step)
-            warnings.warn(
-                f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
-                f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
-            )
+        arrays = (self._whole(step, paths, leaves, meta) if exchange is None else
+                  self._parts(step, paths, leaves, meta, exchange))
+        if arrays is None:
             return
-        meta["leaves"] = [
-            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype), "crc32": _checksum(x)}
-            for path, x in zip(paths, host, strict=True)
-        ]
-        arrays = {str(i): x for i, x in enumerate(host) if x.size}  # orbax refuses empty arrays
         if not logs_synced.wait(timeout=300):
             _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:
-            self._writer = _writer(self.directory, self.keep)
+            self._writer = _writer(self.directory, self.keep, exchange)
         self._writer.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
         ), force=True)
         self._writer.wait_until_finished()
         _log.info("saved checkpoint at step %d to %s", step, _shown(self.directory))
 
+    def _skip(self, step: int, nonfinite: Sequence[str]) -> None:
+        self.skipped_steps.append(step)
+        warnings.warn(
+            f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
+            f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
+        )
+
+    def _whole(
+        self, step: int, paths: Sequence[str], leaves: Sequence[Any], meta: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Format 1, process 0 alone: each leaf whole on the host, checked and
+        checksummed; None if one is not finite (the save is skipped)."""
+        host = [_host(x) for x in leaves]
+        nonfinite = [
+            path for path, x in zip(paths, host, strict=True)
+            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all()
+        ]
+        if nonfinite:
+            self._skip(step, nonfinite)
+            return None
+        meta["leaves"] = [
+            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype), "crc32": _checksum(x)}
+            for path, x in zip(paths, host, strict=True)
+        ]
+        return {str(i): x for i, x in enumerate(host) if x.size}  # orbax refuses empty arrays
+
+    def _parts(
+        self, step: int, paths: Sequence[str], leaves: Sequence[Any], meta: dict[str, Any], exchange: str
+    ) -> dict[str, Any] | None:
+        """Format 2, a state split across processes: this process checks and
+        checksums the parts it writes (the shards of which it holds replica 0;
+        process 0 also the replicated leaves), and every process agrees through
+        JAX's key-value store, never a collective, whether to save. None if a
+        process found a part not finite, or declined (none saves).
+
+        Returns what orbax saves: the split leaves as global arrays (each
+        process writes its parts), the replicated ones on the host (process 0
+        writes them).
+        """
+        index = jax.process_index()
+        arrays: dict[str, Any] = {}
+        nonfinite: list[str] = []
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for i, (path, x) in enumerate(zip(paths, leaves, strict=True)):
+            if x.is_fully_replicated:
+                whole = np.asarray(jax.device_get(x))
+                if whole.size:
+                    arrays[str(i)] = whole  # orbax refuses empty arrays
+                pieces: Any = [([[0, n] for n in whole.shape], whole)] if index == 0 else []
+            else:
+                arrays[str(i)] = x
+                pieces = (  # one part at a time on the host
+                    (_bounds(shard.index, x.shape), np.asarray(shard.data))
+                    for shard in x.addressable_shards if shard.replica_id == 0)
+            for bounds, data in pieces:
+                if jnp.issubdtype(data.dtype, jnp.inexact) and not np.isfinite(data).all():
+                    nonfinite += [path] if path not in nonfinite else []
+                parts.setdefault(str(i), []).append({"index": bounds, "crc32": _checksum(data)})
+        decision = self._agree(exchange, step, {"nonfinite": nonfinite, "parts": parts})
+        if decision.get("declined"):
+            _log.warning("not saving step %d: %s", step, decision["declined"])
+            return None
+        if decision["nonfinite"]:
+            self._skip(step, decision["nonfinite"])
+            return None
+        meta["format"] = FORMAT_PARTS
+        meta["leaves"] = [
+            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype),
+             "parts": sorted(decision.get("parts", {}).get(str(i), []), key=lambda p: p["index"])}
+            for i, (path, x) in enumerate(zip(paths, leaves, strict=True))
+        ]  # written by process 0, which has every process's parts
+        return arrays
+
+    #: Seconds a process waits for another's part of a save (orbax's own
+    #: barriers wait 300 s) before the save fails with a ``CheckpointError``.
+    PEER_WAIT_SECONDS = 300.0
+
+    def _agree(self, exchange: str, step: int, report: dict[str, Any]) -> dict[str, Any]:
+        """Every process's word on saving ``step``: process 0 reads every
+        report and posts the decision, with every part's checksum; the others
+        read it. Through JAX's key-value store, with a timeout."""
+        client, index = _client(), jax.process_index()
+        base = f"{exchange}/{step}"
+        client.key_value_set(f"{base}/report/{index}", json.dumps(report))
+        deadline = time.monotonic() + self.PEER_WAIT_SECONDS
+
+        def read(key: str, whose: str) -> dict[str, Any]:
+            try:
+                return json.loads(client.blocking_key_value_get(
+                    key, max(1, int(1000 * (deadline - time.monotonic())))))
+            except jax.errors.JaxRuntimeError as error:
+                raise CheckpointError(
+                    f"process {index} waited {self.PEER_WAIT_SECONDS:g} s for {whose} of the checkpoint "
+                    f"at step {step}: {error}"
+                ) from error
+
+        if index != 0:
+            return read(f"{base}/decision", "process 0's decision")
+        reports = [read(f"{base}/report/{p}", f"process {p}'s part") for p in range(jax.process_count())]
+        for p in range(jax.process_count()):
+            client.key_value_delete(f"{base}/report/{p}")
+        declined = "; ".join(r["declined"] for r in reports if "declined" in r)
+        nonfinite = [path for r in reports for path in r.get("nonfinite", [])]
+        parts: dict[str, list[Any]] = {}
+        for r in reports:
+            for leaf, pieces in r.get("parts", {}).items():
+                parts.setdefault(leaf, []).extend(pieces)
+        # The others need only the verdict; the checksums go into process 0's meta.
+        client.key_value_set(f"{base}/decision", json.dumps({"declined": declined, "nonfinite": nonfinite}))
+        return {"declined": declined, "nonfinite": nonfinite, "parts": parts}

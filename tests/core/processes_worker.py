@@ -371,7 +371,9 @@ def run_directories(index: int, count: int, out: str, root: str) -> dict[str, An
 @scenario
 def split_checkpoint(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
     """A state split over a mesh axis within each process is saved from process
-    0's parts; one split across the processes is refused before anything is written."""
+    0's parts; one split across the processes (FSDP over "data") is saved by
+    every process writing its part, resumed on both, and a NaN in process 1's
+    part alone skips that save on both."""
     import numpy as np
     from jax.sharding import AxisType
 
@@ -384,21 +386,77 @@ def split_checkpoint(index: int, count: int, out: str, workdir: str) -> dict[str
                          callbacks=[flaxhooks.Checkpoint(os.path.join(workdir, "within"), every=4)])
     state = within.fit(loader, epochs=2)
     kernel = state.params["Dense_0"]["kernel"]
+
+    class Poison(flaxhooks.Callback):
+        """At step ``at``, NaN in process 1's shards of the first leaf split across processes."""
+
+        at: int | None = None
+
+        def on_step_end(self, loop):
+            if loop.step != self.at:
+                return
+            leaves_, treedef = jax.tree.flatten(loop.state)
+            i = next(i for i, x in enumerate(leaves_) if not x.is_fully_replicated)
+            x = leaves_[i]
+            if index == 1:  # no collective: process 1 rebuilds the array from its own poisoned shards
+                leaves_[i] = jax.make_array_from_single_device_arrays(
+                    x.shape, x.sharding, [s.data * np.nan for s in x.addressable_shards])
+            loop.state = jax.tree.unflatten(treedef, leaves_)
+
+    poison = Poison()
+    across_checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "across"), every=4)
     across = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("data", min_size=16),
-                         callbacks=[flaxhooks.Checkpoint(os.path.join(workdir, "across"), every=4)])
-    try:
-        across.fit(loader, epochs=1)
-        refused = None
-    except Exception as error:  # noqa: BLE001
-        cause = error.__cause__ or error  # on several processes, the ProcessError's cause
-        refused = f"{type(cause).__name__}: {cause}"
+                         callbacks=[across_checkpoint, poison])
+    across_state = across.fit(loader, epochs=2)
+    across_kernel = across_state.params["Dense_0"]["kernel"]
+    saved = across_checkpoint.saved_steps()
+    # Resumed on both processes from their own parts' checkpoint; step 12's state
+    # has NaN in process 1's part only: neither process saves it.
+    poison.at = 12
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = across.fit(loader, epochs=3, resume=True)
     say(f"saved step {int(jax.device_get(state.step))}")
     return {
-        "leaves": leaves(state), "spec": str(kernel.sharding.spec), "refused": refused,
-        "across_exists": os.path.exists(os.path.join(workdir, "across", "4")),
+        "leaves": leaves(state), "spec": str(kernel.sharding.spec),
         "local_parts": len({tuple((s.start, s.stop) for s in x.index) for x in kernel.addressable_shards}),
         "whole": bool(np.all(np.isfinite(leaves(state)[0]))),
+        "across_leaves": leaves(across_state), "across_spec": str(across_kernel.sharding.spec),
+        "across_split": not across_kernel.is_fully_addressable, "across_saved": saved,
+        "resumed_step": int(jax.device_get(resumed.step)), "after_nan": across_checkpoint.saved_steps(),
+        "skipped": across_checkpoint.skipped_steps,
+        "nan_warnings": [str(w.message) for w in caught if "NaN or inf" in str(w.message)],
     }
+
+
+@scenario
+def lost_while_saving(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+    """A state split across the processes; process 1 dies (SIGKILL) at step 2's
+    save once it has written its part, before orbax's commit barrier."""
+    from jax.sharding import AxisType
+    from orbax.checkpoint._src.multihost import multihost
+
+    import flaxhooks
+    from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+
+    barrier = multihost.sync_global_processes
+
+    def dying(name: str, **kwargs: Any) -> None:
+        if index == 1 and name.endswith("Checkpointer:save"):
+            say("killing myself at the commit barrier")
+            os.kill(os.getpid(), signal.SIGKILL)
+        barrier(name, **kwargs)
+
+    multihost.sync_global_processes = dying
+    mesh = jax.make_mesh((count, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    trainer = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("data", min_size=16), callbacks=[
+        flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=2)])
+    loader = flaxhooks.ArrayLoader(make_arrays(1024), batch_size=16 // count, seed=1)
+    outcome = _outcome(lambda: trainer.fit(loader, epochs=1))
+    say(f"LOST: {outcome['error']}: {outcome['message']}")
+    return outcome
 
 
 def main() -> None:

@@ -132,11 +132,12 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         assert "BatchError" in got["bad_label"] or "another process" in got["bad_label"]
 
 
-def test_a_state_split_within_each_process_is_saved_and_resumes_on_one_process_bit_exactly(tmp_path):
-    """2 processes x 2 devices, FSDP over the "model" axis within each process:
-    process 0 saves its parts; 1 process with 4 devices resumes it, data
-    parallel, bit for bit. FSDP over "data", across the processes, is refused
-    on both before a checkpoint is written."""
+def test_a_state_split_within_or_across_processes_is_saved_and_resumes_on_one_process_bit_exactly(tmp_path):
+    """2 processes x 2 devices. FSDP over the "model" axis within each process:
+    process 0 saves its parts. FSDP over "data", across the processes: each
+    process writes its own part (no process holds a kernel whole), both
+    resume from it, and a NaN in process 1's part alone skips that save on
+    both. 1 process with 4 devices resumes either, data parallel, bit for bit."""
     if len(jax.local_devices()) < 4:
         pytest.skip("needs 4 local devices")
     run = tmp_path / "run"
@@ -146,14 +147,46 @@ def test_a_state_split_within_each_process_is_saved_and_resumes_on_one_process_b
     assert first["spec"] == "P(None, 'model')" and first["local_parts"] == 2
     for i in range(2):
         got = workers.result(i)
-        assert got["refused"].startswith("CheckpointError: the train state is split across processes"), got
-        assert not got["across_exists"]
-    restorer = flaxhooks.Checkpoint(run / "within")
-    assert restorer.saved_steps()[-1] == 8
-    resumed = sgd_trainer(BatchNormNet(), devices=jax.local_devices()[:4], callbacks=[restorer]).fit(
-        flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1), epochs=2, resume=True)
-    for got, saved in zip(jax.tree.leaves(resumed), first["leaves"], strict=True):
-        np.testing.assert_array_equal(np.asarray(got, np.float64).ravel(), saved)
+        assert got["across_spec"] == "P(None, 'data')" and got["across_split"], got
+        assert got["across_saved"] == [4, 8] and got["resumed_step"] == 12, got
+        # Step 12 has NaN in process 1's part only: no process saved it, each said so.
+        assert got["after_nan"] == [4, 8] and got["skipped"] == [12], got
+        assert len(got["nan_warnings"]) == 1 and "not saving step 12" in got["nan_warnings"][0], got
+        assert got["across_leaves"] == first["across_leaves"]
+    state_dir = run / "across" / "8" / "state"
+    for process in range(2):  # orbax wrote from both processes, each its own files
+        assert any((state_dir / f"ocdbt.process_{process}" / "d").iterdir()), sorted(state_dir.iterdir())
+    meta = json.loads((run / "across" / "8" / "meta" / "metadata").read_text())
+    assert meta["format"] == 2
+    kernel = next(leaf for leaf in meta["leaves"] if leaf["path"] == ".params['Dense_0']['kernel']")
+    assert [part["index"] for part in kernel["parts"]] == [[[0, 5], [0, 4]], [[0, 5], [4, 8]]]
+    assert not any(name.startswith("12") for name in os.listdir(run / "across"))
+
+    for directory, expected in (("within", first["leaves"]), ("across", first["across_leaves"])):
+        restorer = flaxhooks.Checkpoint(run / directory)
+        assert restorer.saved_steps()[-1] == 8
+        resumed = sgd_trainer(BatchNormNet(), devices=jax.local_devices()[:4], callbacks=[restorer]).fit(
+            flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1), epochs=2, resume=True)
+        for got, saved in zip(jax.tree.leaves(resumed), expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float64).ravel(), saved)
+
+
+def test_a_process_lost_inside_a_save_of_its_part_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    """FSDP across both processes; process 1 dies once it wrote its part of
+    step 2's checkpoint, before the commit: process 0 exits within seconds
+    (no wait on the save holds it), and step 2 never looks complete."""
+    run = tmp_path / "run"
+    workers = Workers("lost_while_saving", tmp_path, str(run), limit=90)
+    workers.wait_for(1, "killing myself")
+    killed = time.monotonic()
+    codes = workers.finish()
+    exited = workers.exited[0] - killed  # type: ignore[operator]
+    print(f"process 1 died inside a save: process 0 exited {exited:.1f} s later")
+    assert codes[0] == 1 and codes[1] in (-signal.SIGKILL, 128 + signal.SIGKILL), workers.output()
+    assert "PeerLost" in workers.output(0) and exited < 15, workers.output(0)
+    checkpoint = flaxhooks.Checkpoint(run / "checkpoints")
+    assert checkpoint.saved_steps() == [] and checkpoint.restore_latest() is None
+    assert not (run / "checkpoints" / "2").exists()
 
 
 def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):

@@ -233,3 +233,38 @@ def test_sigterm_saves_and_says_how_to_resume(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resuming from step {stopped}" in result.stdout + result.stderr
     assert "held-out accuracy" in result.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_saves_each_process_part(tmp_path):
+    """--fsdp on 2 processes of 1 CPU device each splits the state across
+    them: each writes its part of the checkpoint, which reads back whole."""
+    import socket
+
+    import flaxhooks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
+    workdir = tmp_path / "run"
+    args = [*QUICK[:-1], "1", "--fsdp", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--workdir", str(workdir)]
+    logs = [tmp_path / f"p{i}.txt" for i in range(2)]
+    processes = []
+    for i, log in enumerate(logs):  # into files: a full pipe would stall a process, and so both
+        with open(log, "w") as out:
+            processes.append(subprocess.Popen(
+                ["timeout", "-s", "KILL", "240", sys.executable, "-m", "recipes.mnist", *args,
+                 "--process-id", str(i)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+    for process in processes:
+        process.wait()
+    outputs = [log.read_text() for log in logs]
+    assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "P('data', None)" in outputs[0]  # Dense_0's kernel split over both processes' devices
+    state = workdir / "checkpoints" / "7" / "state"
+    assert all(any((state / f"ocdbt.process_{i}" / "d").iterdir()) for i in range(2))
+    restored = flaxhooks.Checkpoint(workdir / "checkpoints").restore_latest()
+    assert restored is not None and restored.step == 7
+    assert json.loads((workdir / "checkpoints" / "7" / "meta" / "metadata").read_text())["format"] == 2
