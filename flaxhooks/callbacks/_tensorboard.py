@@ -181,7 +181,7 @@ class TensorBoard(Callback):
             rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())
             self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
         if loop.totals is not None:  # the training category comes first in the layout
-            self._declare_charts(loop.totals["sum"], loop.step)
+            self._declare_charts(loop.totals.names, loop.step)
         return self.writer
 
     def close_writer(self, loop: Loop) -> None:

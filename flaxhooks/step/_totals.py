@@ -16,33 +16,70 @@ is left out of that step's count: its means are over the steps that took it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: ``{"sum": {name: f32}, "error": {name: f32}, "finite": {name: i32},
-#: "taken": {name: i32}, "steps": i32}``.
-Totals = dict[str, Any]
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """Running totals of the step metrics ``names`` (sorted), as two arrays.
+
+    Two arrays rather than four per metric: every array a compiled step
+    takes and returns costs it host and device time, which made the 2-device
+    CPU step at batch 4 about 6% slower with the 0.6 layout
+    (``benchmarks/bench_mesh.py``).
+
+    Attributes:
+        names: the metrics, sorted; column ``i`` of both arrays is ``names[i]``.
+        sums: float32 ``[2, len(names)]``: the rounded sums, and their rounding errors.
+        counts: int32 ``[3, len(names)]``: the finite values added, the steps
+            that computed the metric, and the steps (the same in every column).
+    """
+
+    names: tuple[str, ...]
+    sums: Any
+    counts: Any
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[str, ...]]:
+        return (self.sums, self.counts), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names: tuple[str, ...], arrays: Iterable[Any]) -> Totals:
+        return cls(names, *arrays)
+
+    @property
+    def steps(self) -> Any:
+        """The steps added up (0 without metrics)."""
+        return self.counts[2, 0] if self.names else 0
+
+    def __getitem__(self, key: str) -> Any:
+        """0.6's layout, ``totals["sum"]["loss"]`` (also ``"error"``,
+        ``"finite"``, ``"taken"``, ``"steps"``), for code that reads it."""
+        rows = {"sum": self.sums[0], "error": self.sums[1], "finite": self.counts[0],
+                "taken": self.counts[1]}
+        if key == "steps":
+            return self.steps
+        if key not in rows:
+            raise KeyError(f"{key!r}: totals hold 'sum', 'error', 'finite', 'taken' and 'steps'")
+        return {name: rows[key][i] for i, name in enumerate(self.names)}
 
 
-def zero_totals(names: Any) -> Totals:
+def zero_totals(names: Iterable[str]) -> Totals:
     """Totals of no step, for the metrics ``names`` (host arrays, to be replicated).
 
     Example:
-        >>> totals = zero_totals(["loss"])
-        >>> sorted(totals), int(totals["steps"])
-        (['error', 'finite', 'steps', 'sum', 'taken'], 0)
+        >>> totals = zero_totals(["loss", "accuracy"])
+        >>> totals.names, int(totals.steps)
+        (('accuracy', 'loss'), 0)
     """
-    names = sorted(names)
-    return {
-        "sum": {name: np.zeros((), np.float32) for name in names},
-        "error": {name: np.zeros((), np.float32) for name in names},
-        "finite": {name: np.zeros((), np.int32) for name in names},
-        "taken": {name: np.zeros((), np.int32) for name in names},
-        "steps": np.zeros((), np.int32),
-    }
+    names = tuple(sorted(names))
+    return Totals(names, np.zeros((2, len(names)), np.float32), np.zeros((3, len(names)), np.int32))
 
 
 def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
@@ -55,19 +92,17 @@ def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
 def add_to_totals(totals: Totals, metrics: Mapping[str, Any]) -> Totals:
     """The totals with one more step's metrics added (pure; traced into the
     step); a metric the step did not compute is left as it was."""
-    sums, errors, finite, taken = {}, {}, {}, {}
-    for name, total in totals["sum"].items():
-        if name not in metrics:
-            sums[name], errors[name] = total, totals["error"][name]
-            finite[name], taken[name] = totals["finite"][name], totals["taken"][name]
-            continue
-        value = jnp.asarray(metrics[name], jnp.float32)
-        ok = jnp.isfinite(value)
-        total, error = _two_sum(total, jnp.where(ok, value, 0))
-        sums[name], errors[name] = total, totals["error"][name] + error
-        finite[name] = totals["finite"][name] + ok.astype(jnp.int32)
-        taken[name] = totals["taken"][name] + 1
-    return {"sum": sums, "error": errors, "finite": finite, "taken": taken, "steps": totals["steps"] + 1}
+    if not totals.names:
+        return totals
+    taken = np.array([name in metrics for name in totals.names])
+    values = jnp.stack([jnp.asarray(metrics.get(name, 0), jnp.float32) for name in totals.names])
+    finite = jnp.isfinite(values) & taken
+    # Adding an exact 0 leaves a sum and its error as they were.
+    total, error = _two_sum(totals.sums[0], jnp.where(finite, values, 0))
+    sums = jnp.stack([total, totals.sums[1] + error])
+    counts = totals.counts + jnp.stack([finite.astype(jnp.int32), jnp.asarray(taken, jnp.int32),
+                                        jnp.ones(len(totals.names), jnp.int32)])
+    return Totals(totals.names, sums, counts)
 
 
 def window_sums(start: Totals | None, end: Totals) -> dict[str, Any]:
@@ -76,15 +111,19 @@ def window_sums(start: Totals | None, end: Totals) -> dict[str, Any]:
     int}, "taken": {name: int}, "steps": int}``, JSON-ready (a resumed run
     carries it over)."""
 
-    def total(totals: Totals, name: str) -> float:
-        return float(np.float64(totals["sum"][name]) + np.float64(totals["error"][name]))
+    def read(totals: Totals | None) -> tuple[np.ndarray, np.ndarray]:
+        if totals is None:
+            return np.zeros(len(end.names)), np.zeros((3, len(end.names)), np.int64)
+        sums = np.asarray(totals.sums, np.float64)
+        return sums[0] + sums[1], np.asarray(totals.counts, np.int64)
 
-    names = end["sum"]
+    (first, first_counts), (last, last_counts) = read(start), read(end)
+    counts = last_counts - first_counts
     return {
-        "sum": {n: total(end, n) - (total(start, n) if start else 0.0) for n in names},
-        "finite": {n: int(end["finite"][n]) - (int(start["finite"][n]) if start else 0) for n in names},
-        "taken": {n: int(end["taken"][n]) - (int(start["taken"][n]) if start else 0) for n in names},
-        "steps": int(end["steps"]) - (int(start["steps"]) if start else 0),
+        "sum": {n: float(last[i] - first[i]) for i, n in enumerate(end.names)},
+        "finite": {n: int(counts[0, i]) for i, n in enumerate(end.names)},
+        "taken": {n: int(counts[1, i]) for i, n in enumerate(end.names)},
+        "steps": int(counts[2, 0]) if end.names else 0,
     }
 
 

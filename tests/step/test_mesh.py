@@ -342,7 +342,7 @@ def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_a
     device (the compiled step holds a reduction of one eighth of it), and the
     gradient norm and update ratio still equal float64 ones; leaves too small
     or that do not divide stay whole."""
-    from flaxhooks.step._build import optimizer_metrics
+    from flaxhooks.step import optimizer_metrics
 
     mesh = _mesh((4, 2), ("data", "model"))
     placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), ())
