@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxhooks.step._model import AXIS, Batch, Model, axis_name
 from flaxhooks.step._state import LossError, TrainState
@@ -72,7 +72,7 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True,
-               norm_split: Sequence[Sharding | None] | None = None) -> Step:
+               norm_split: Sequence[NamedSharding | None] | None = None) -> Step:
     """Returns the pure train step, written for one share of the batch with
     collectives over the model's ``axis_name`` (the runner gives it the whole
     batch as one share: see :class:`~flaxhooks.step.StepRunner`).
@@ -143,7 +143,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
 
 def optimizer_metrics(params: Any, grads: Any, updates: Any,
-                      split: Sequence[Sharding | None] | None = None) -> dict[str, jax.Array]:
+                      split: Sequence[NamedSharding | None] | None = None) -> dict[str, jax.Array]:
     """The global gradient norm and the update-to-parameter ratio
     ``|update| / |params|`` (0 while every parameter is 0).
 
@@ -166,7 +166,7 @@ def optimizer_metrics(params: Any, grads: Any, updates: Any,
 SPLIT_NORM_MIN_SIZE = 4096
 
 
-def _norm(tree: Any, split: Sequence[Sharding | None] | None = None) -> jax.Array:
+def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax.Array:
     """The global L2 norm, in float32 or wider, as plain sums of squares XLA
     fuses; the large leaves ``split`` names reduced in parts, one per device."""
     leaves = jax.tree.leaves(tree)
@@ -177,7 +177,10 @@ def _norm(tree: Any, split: Sequence[Sharding | None] | None = None) -> jax.Arra
         x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
         parts = place.num_devices if place is not None else 1
         if parts > 1 and x.size >= SPLIT_NORM_MIN_SIZE and x.size % parts == 0:
-            x = lax.with_sharding_constraint(x.reshape(parts, -1), place)
+            # Pinned whole first: else XLA carries the split back into the
+            # update, which it then computes in parts and gathers every step.
+            whole = lax.with_sharding_constraint(x, NamedSharding(place.mesh, PartitionSpec()))
+            x = lax.with_sharding_constraint(whole.reshape(parts, -1), place)
         total = total + jnp.sum(x * x)
     return jnp.sqrt(total)
 
@@ -189,7 +192,7 @@ OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
     metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
-    norm_split: Sequence[Sharding | None] | None = None,
+    norm_split: Sequence[NamedSharding | None] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
     """Applies the gradients, averaged over the shares of the batch; returns the new
     state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),

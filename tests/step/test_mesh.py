@@ -365,3 +365,22 @@ def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_a
     assert "f32[1,1024]" in compiled and "f32[4097]" in compiled, compiled
     whole = jax.jit(optimizer_metrics).lower(params, grads, updates).compile().as_text()
     assert "f32[1,1024]" not in whole
+
+
+def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_device():
+    """XLA would carry the norms' split back into the update (computed in
+    halves, then gathered every step): the compiled step gathers nothing."""
+
+    class Big(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(CLASSES)(nn.relu(nn.Dense(256)(x)))  # a 16 x 256 kernel: 4096 values
+
+    trainer = _trainer(Big(), devices=_needs(2))
+    batch = _batches(count=1)[0]
+    state = trainer.init(batch)
+    step = trainer.runner.variant((), True)
+    compiled = step.lower(state, trainer.placement.put_batch(batch), trainer.runner.zero_totals()).compile()
+    text = compiled.as_text()
+    assert "f32[1,2048]" in text  # the kernel's squares, half per device
+    assert "all-gather" not in text

@@ -52,3 +52,13 @@ def test_windows_combine_across_a_resume():
     after = window_sums(None, _at(every, 1))  # a resumed run's first steps, from zero
     assert window_means(combine_windows(before, after))["loss"] == pytest.approx(np.mean([3, 4, 5, 1, 2]))
     assert combine_windows(None, after) == after
+
+
+def test_totals_are_two_arrays_and_still_read_in_0_6s_layout():
+    every = _run(np.array([1.0, np.inf, 3.0], np.float32))
+    last = _at(every, 2)
+    assert last.names == ("loss",) and [np.shape(x) for x in jax.tree.leaves(last)] == [(2, 1), (3, 1)]
+    assert float(last["sum"]["loss"]) + float(last["error"]["loss"]) == 4.0
+    assert (int(last["finite"]["loss"]), int(last["taken"]["loss"]), int(last["steps"])) == (2, 3, 3)
+    with pytest.raises(KeyError, match="'sum', 'error'"):
+        last["mean"]
