@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.core import Callback, Every, Loop, PeerLost, as_every
+from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
+from flaxhooks.core._processes import WAIT_NOTE_SECONDS, peer_gone
 from flaxhooks.data import device0_copy
 from flaxhooks.writers import check_writable
 
@@ -302,6 +303,17 @@ def _writer(directory: str, keep: int, every_process: str | None = None) -> Any:
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
+        # The step's temporary directories are made by process 0 between two
+        # of orbax's key-value barriers (``atomicity.create_all``), never
+        # "asynchronously": then the other processes would wait for a signal
+        # keyed by orbax's per-process count of saves
+        # (``awaitable_signals_contract_<n>``), and that count differs between
+        # processes once process 0 saved alone (format 1, an earlier fit): a
+        # process could read a stale signal and write its part before the
+        # directory exists, or into one process 0 then replaces. orbax 0.12.8
+        # already turns this off without async checkpointing; said here so
+        # that it stays off.
+        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
         max_to_keep=keep,
         create=False,  # made (and checked) by Checkpoint itself
         # A save killed halfway leaves a temporary directory that was never
@@ -401,6 +413,10 @@ class Checkpoint(Callback):
     each other at orbax's key-value barriers (with timeouts, never a
     collective, on the background thread); process 0 commits the checkpoint
     once every part is written, so one missing a part never looks complete.
+    Where training waits for such a save (one save at a time, and at the end
+    of ``fit``), a process lost meanwhile ends the wait with
+    :class:`~flaxhooks.PeerLost` naming it, and a wait of more than a few
+    seconds is logged, naming the process waited for.
 
     Args:
         directory: where checkpoints go (one subdirectory per step); checked
@@ -438,6 +454,10 @@ class Checkpoint(Callback):
         self._across = False  # the fit's state is split across processes: every process writes
         self._exchange = ""  # where this fit's processes agree on each save (JAX's key-value store)
         self._saving: _Background | None = None
+        # The step of the save in progress, and whose part it waits for (as
+        # its thread last said): for a main thread that waits for it.
+        self._saving_step: int | None = None
+        self._waiting_for = "the other processes' parts"
         self._due = False
         self._saved_step: int | None = None
         self._boundary: int | None = None  # the last step whose events all ran
@@ -615,12 +635,15 @@ class Checkpoint(Callback):
             self._save(loop)
         lost = isinstance(loop.exception, PeerLost)
         wait = self.LOST_PEER_WAIT_SECONDS if lost else self.FAILING_WAIT_SECONDS if failed else None
-        if self.wait(timeout=wait):
+        # Failing already: a peer lost meanwhile ends the wait, and the error
+        # that ends the fit stays the first one.
+        if self._wait(wait, step=loop.step, raise_lost=loop.exception is None):
             self._close_writer()  # each fit opens its own: nothing left behind between fits
         else:
             _log.warning(
-                "the checkpoint save in progress did not finish within %g s of the failure; the "
-                "checkpoints %s are intact", wait, self.saved_steps(),
+                "the checkpoint save in progress did not finish %s; the checkpoints %s are intact",
+                "before a process was lost" if wait is None else f"within {wait:g} s of the failure",
+                self.saved_steps(),
             )
 
     def _close_writer(self) -> None:
@@ -639,13 +662,23 @@ class Checkpoint(Callback):
 
         Raises:
             CheckpointError: it failed.
+            ProcessError: during a fit whose state is split across
+                processes, a peer was lost (:class:`~flaxhooks.PeerLost`) or
+                left the run while this process waited for its part.
         """
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None, step: int | None = None, raise_lost: bool = True) -> bool:
+        """:meth:`wait`; with ``raise_lost`` False a lost peer ends the wait
+        (False) instead of raising. ``step``: where the loop is, for the error."""
         saving = self._saving
         if saving is None:
             return True
         try:
-            if not saving.result(timeout):
+            if not self._finished(saving, timeout, step, raise_lost):
                 return False
+        except ProcessError:
+            raise
         except Exception as error:
             raise CheckpointError(
                 f"saving a checkpoint to {self.directory!r} failed: {type(error).__name__}: {error}; "
@@ -656,6 +689,40 @@ class Checkpoint(Callback):
                 self._saving = None
         return True
 
+    def _finished(
+        self, saving: _Background, timeout: float | None, step: int | None, raise_lost: bool
+    ) -> bool:
+        """Waits up to ``timeout`` for ``saving``; whether it finished.
+
+        A save of a state split across processes waits for the others (for
+        their word, and at orbax's barriers, which time out only after
+        minutes): the main thread then polls, so that a peer lost meanwhile
+        ends the wait with the loop's own :class:`~flaxhooks.PeerLost` (not
+        the process's end, seconds later, for being stuck), and says whom it
+        waits for when that takes long.
+        """
+        if not self._across:
+            return saving.result(timeout)
+        start = noted = time.monotonic()
+        while True:
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            if saving.result(0.1 if left is None else max(0.0, min(0.1, left))):
+                return True
+            if left is not None and left <= 0.1:
+                return False
+            gone = peer_gone(step)
+            if gone is not None:
+                if raise_lost:
+                    raise gone
+                return False
+            now = time.monotonic()
+            if now - noted >= WAIT_NOTE_SECONDS:
+                noted = now
+                _log.warning(
+                    "process %d is waiting for %s of the checkpoint at step %s (%.0f s so far)",
+                    jax.process_index(), self._waiting_for, self._saving_step, now - start,
+                )
+
     def _raise_failed_save(self) -> None:
         if self._saving is not None and self._saving.done():
             self.wait()
@@ -664,16 +731,15 @@ class Checkpoint(Callback):
         self._due = False
         if jax.process_index() != 0 and not self._across:
             return
-        state = loop.state
+        state, (epoch, epoch_step), step = loop.state, loop.position, loop.step
+        if step == self._saved_step:
+            return  # saved (or being saved) already: never declined after the others agreed to save it
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
-            _log.warning("step %d's state was consumed by an interrupted step: not saved", loop.step)
-            self._decline(loop.step, "its state was consumed by an interrupted step")
+            _log.warning("step %d's state was consumed by an interrupted step: not saved", step)
+            self._decline(step, "its state was consumed by an interrupted step")
             return
-        (epoch, epoch_step), step = loop.position, loop.step
         if loop.exception is not None and not self._at_boundary(loop):
             self._decline(step, "it was interrupted inside a step")
-            return
-        if step == self._saved_step:
             return
         meta = {
             "format": FORMAT,
@@ -685,7 +751,7 @@ class Checkpoint(Callback):
             "stop_reason": loop.stop_reason if loop.interrupted is None else None,
             "callbacks": self._callback_states(loop),
         }
-        self.wait()  # one save at a time
+        self._wait(None, step=step)  # one save at a time
         # The next step donates the original. Split across processes, every
         # process copies its own shards, at the same step as the others.
         copy = jax.tree.map(_global_snapshot if self._across else _snapshot, state)
@@ -694,6 +760,7 @@ class Checkpoint(Callback):
         logs_synced = loop.writers.sync_point()
         # Where the processes agree on this save (None: process 0 alone), fixed now.
         exchange = self._exchange if self._across else None
+        self._saving_step, self._waiting_for = step, "the other processes' parts"
         self._saving = _Background(self._write, step, copy, meta, logs_synced, exchange)
         self._saved_step = step
 
@@ -703,9 +770,11 @@ class Checkpoint(Callback):
         if self._across:
             index, base = jax.process_index(), f"{self._exchange}/{step}"
             report = json.dumps({"declined": f"process {index}: {why}"})
-            _client().key_value_set(f"{base}/report/{index}", report)
+            # Overwriting: a step can be declined twice (at the interrupted
+            # step's end and at the fit's); never one this process saves.
+            _client().key_value_set(f"{base}/report/{index}", report, allow_overwrite=True)
             if index == 0:
-                _client().key_value_set(f"{base}/decision", report)
+                _client().key_value_set(f"{base}/decision", report, allow_overwrite=True)
 
     def _at_boundary(self, loop: Loop) -> bool:
         """Whether a KeyboardInterrupt raised anywhere left a state that can
@@ -804,7 +873,8 @@ class Checkpoint(Callback):
                     arrays[str(i)] = whole  # orbax refuses empty arrays
                 pieces: Any = [([[0, n] for n in whole.shape], whole)] if index == 0 else []
             else:
-                arrays[str(i)] = x
+                if x.size:  # orbax refuses empty arrays; restore makes them zeros
+                    arrays[str(i)] = x
                 pieces = (  # one part at a time on the host
                     (_bounds(shard.index, x.shape), np.asarray(shard.data))
                     for shard in x.addressable_shards if shard.replica_id == 0)
@@ -841,6 +911,7 @@ class Checkpoint(Callback):
         deadline = time.monotonic() + self.PEER_WAIT_SECONDS
 
         def read(key: str, whose: str) -> dict[str, Any]:
+            self._waiting_for = whose
             try:
                 return json.loads(client.blocking_key_value_get(
                     key, max(1, int(1000 * (deadline - time.monotonic())))))
@@ -851,8 +922,17 @@ class Checkpoint(Callback):
                 ) from error
 
         if index != 0:
-            return read(f"{base}/decision", "process 0's decision")
-        reports = [read(f"{base}/report/{p}", f"process {p}'s part") for p in range(jax.process_count())]
+            decision = read(f"{base}/decision", "process 0's decision")
+        else:
+            decision = self._decide(client, base, [
+                read(f"{base}/report/{p}", f"process {p}'s part") for p in range(jax.process_count())])
+        others = [p for p in range(jax.process_count()) if p != index]
+        self._waiting_for = f"process{'es' if len(others) > 1 else ''} {', '.join(map(str, others))}'s part"
+        return decision
+
+    @staticmethod
+    def _decide(client: Any, base: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Process 0: the decision from every process's report, posted for the others."""
         for p in range(jax.process_count()):
             client.key_value_delete(f"{base}/report/{p}")
         declined = "; ".join(r["declined"] for r in reports if "declined" in r)

@@ -13,6 +13,7 @@ import jax
 from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
 from flaxhooks.core._events import ALWAYS_RUN, Event, Phase
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._processes import ProcessError
 
 _log = logging.getLogger("flaxhooks")
 
@@ -184,3 +185,11 @@ class HookBus:
             self.emit(phase.end, loop)
         except StopTraining as stop:
             loop.stop(str(stop) or "a callback raised StopTraining")
+        except CallbackError as error:
+            # A peer lost (or gone) while an end hook waited for it, e.g. for
+            # its part of a checkpoint: reported as anywhere else in the loop
+            # (``failure`` names it, and this process leaves the run).
+            if loop.exception is not None or not isinstance(error.__cause__, ProcessError):
+                raise
+            reported = loop.exception = self.failure(loop, error.__cause__)
+            raise reported from error

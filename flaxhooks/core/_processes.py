@@ -108,6 +108,21 @@ def wait_ready(tree: Any) -> None:
             stops.wait_until_ready(leaf)
 
 
+def peer_gone(step: int | None = None) -> ProcessError | None:
+    """During a fit on several processes: the error naming a peer that its
+    watcher found lost, or that left the run (at ``step``, default the last
+    step dispatched); None if every peer is there, or outside such a fit.
+
+    For a wait outside the train step that depends on the other processes
+    (a checkpoint's save), which polls and raises this instead of blocking
+    until the process is ended for being stuck.
+    """
+    if not _watching or _watching[-1].gone is None:
+        return None
+    stops = _watching[-1]
+    return stops._gone_error(stops._dispatched if step is None else step)
+
+
 class ProcessError(RuntimeError):
     """Training failed on one of the processes, so it stopped on all of them.
 

@@ -571,3 +571,46 @@ def test_device_step_of_a_restored_state_matches(tmp_path):
     state = restored.train_state(trainer.state)
     assert int(state.step) == 3 and state.tx is trainer.optimizer
     assert jnp.array_equal(state.rng, trainer.state.rng)
+
+
+def test_a_state_split_across_processes_never_declines_a_step_already_saved(tmp_path, monkeypatch):
+    """With ``every=N``: step S saved, then a KeyboardInterrupt inside step
+    S+1 leaves the loop at S. The processes agreed to save S, so no process
+    declines it (JAX's key-value store refuses a second decision); a step
+    declined twice (at the interrupted step and at the fit's end) is fine."""
+    from types import SimpleNamespace
+    from typing import NamedTuple
+
+    from flaxhooks.callbacks import _checkpoint
+
+    class Store:  # JAX's key-value store: a key is set once unless overwritten
+        def __init__(self):
+            self.keys = {}
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            if key in self.keys and not allow_overwrite:
+                raise jax.errors.JaxRuntimeError(f"ALREADY_EXISTS: {key}")
+            self.keys[key] = value
+
+    store = Store()
+    monkeypatch.setattr(_checkpoint, "_client", lambda: store)
+
+    class State(NamedTuple):
+        step: jax.Array
+
+    checkpoint = Checkpoint(tmp_path, every=2)
+    checkpoint._across, checkpoint._exchange = True, "exchange"
+    checkpoint._saved_step, checkpoint._boundary = 2, 2
+    store.keys["exchange/2/decision"] = '{"declined": "", "nonfinite": []}'  # the save of step 2
+    interrupted = KeyboardInterrupt()
+    loop = SimpleNamespace(state=State(jnp.asarray(3)), step=2, position=(0, 2), exception=interrupted)
+    checkpoint._save(loop)  # step 2 is saved already: nothing to decline
+    assert list(store.keys) == ["exchange/2/decision"] and checkpoint._saving is None
+    del store.keys["exchange/2/decision"]
+
+    loop.step, checkpoint._boundary = 3, 2  # inside step 4: step 3's state is not at a boundary
+    loop.state = State(jnp.asarray(4))
+    checkpoint._save(loop)
+    checkpoint._save(loop)  # declined again at the fit's end
+    assert set(store.keys) == {"exchange/3/report/0", "exchange/3/decision"}
+    assert "interrupted inside a step" in store.keys["exchange/3/decision"]

@@ -7,7 +7,7 @@ import pytest
 
 import flaxhooks
 from flaxhooks import EVENTS, Callback, CallbackError, Event, StopTraining
-from flaxhooks.core import ALWAYS_RUN, HookBus
+from flaxhooks.core import ALWAYS_RUN, HookBus, Phase
 from tests.helpers import Recorder, make_arrays, make_batches, sgd_trainer
 
 
@@ -278,3 +278,35 @@ def test_work_after_an_event_does_not_run_when_a_handler_fails():
     with pytest.raises(CallbackError, match="Fails"):
         sgd_trainer(callbacks=[Then(), Fails()]).fit(make_batches(2), epochs=1)
     assert ran == []
+
+
+def test_a_peer_lost_while_an_end_hook_waits_is_the_loops_failure_not_the_callbacks():
+    """A fit_end handler that waited for a lost peer (a checkpoint's save of a
+    state split across processes) fails the fit as a lost peer anywhere in
+    the loop does: through the bus's ``failure`` (which names it, and makes
+    this process leave the run), not as that callback's own error."""
+
+    class WaitsForAPeer(Callback):
+        def on_fit_end(self, loop):
+            raise flaxhooks.PeerLost("process 1 was lost at step 3", [1], 3)
+
+    bus = HookBus([WaitsForAPeer()])
+    named = flaxhooks.PeerLost("named by failure", [1], 3)
+    seen = []
+    bus.failure = lambda loop, error: seen.append(error) or named
+    loop = flaxhooks.Loop(state=None)
+    with pytest.raises(flaxhooks.PeerLost, match="named by failure") as info, bus.phase(Phase.FIT, loop):
+        pass
+    assert loop.exception is named and isinstance(info.value.__cause__, CallbackError)
+    assert [type(e) for e in seen] == [flaxhooks.PeerLost]
+
+    class FailsAtTheEnd(Callback):  # any other error in an end hook stays the callback's
+        def on_fit_end(self, loop):
+            raise RuntimeError("cleanup failed")
+
+    bus = HookBus([FailsAtTheEnd()])
+    bus.failure = lambda loop, error: pytest.fail("not a failure of the loop")
+    loop = flaxhooks.Loop(state=None)
+    with pytest.raises(CallbackError, match="cleanup failed"), bus.phase(Phase.FIT, loop):
+        pass
+    assert loop.exception is None
