@@ -150,14 +150,18 @@ def optimizer_metrics(params: Any, grads: Any, updates: Any,
     ``split``, one entry per parameter leaf: a sharding over every device
     for a leaf every device holds whole (see :attr:`Placement.spread`), else
     None. Such a leaf's sums of squares are shared out between the devices
-    instead of computed whole by each: on 2 CPU devices the three norms then
-    cost the recipe's step nothing measurable, where computed whole they
-    cost 7% (``benchmarks/bench_mesh.py``).
+    instead of computed whole by each (``benchmarks/bench_mesh.py``).
     """
+    return _with_norm_of(_norm(params, split), grads, updates, split)
+
+
+def _with_norm_of(param_norm: jax.Array, grads: Any, updates: Any,
+                  split: Sequence[NamedSharding | None] | None) -> dict[str, jax.Array]:
+    """:func:`optimizer_metrics`, given the parameters' norm."""
     # Without the barrier XLA fuses these reductions into the update's
     # fusion, which made the 2-device CPU step 30% slower (bench_trainer).
-    params, updates, grads = lax.optimization_barrier((params, updates, grads))
-    param_norm, update_norm, grad_norm = (_norm(tree, split) for tree in (params, updates, grads))
+    updates, grads = lax.optimization_barrier((updates, grads))
+    update_norm, grad_norm = _norm(updates, split), _norm(grads, split)
     ratio = update_norm / jnp.where(param_norm > 0, param_norm, jnp.inf)
     return {"grad_norm": grad_norm, "update_ratio": ratio}
 
@@ -198,10 +202,11 @@ def _updated(
     state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
     the averaged gradients and the updates applied."""
     grads = lax.pmean(grads, axis)
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = state.params
+    updates, opt_state = state.tx.update(grads, state.opt_state, params)
     new_state = state.replace(
         step=state.step + 1,
-        params=optax.apply_updates(state.params, updates),
+        params=optax.apply_updates(params, updates),
         model_state=mean_over_devices(dict(model_state), axis),
         opt_state=opt_state,
     )
@@ -214,5 +219,10 @@ def _updated(
     metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
     # Computed from the averaged (identical) values: the same on every device, no collective.
     if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
-        metrics.update(optimizer_metrics(state.params, grads, updates, norm_split))
+        # The parameters before the update, as the updated ones less the
+        # update: read from them, XLA would keep a copy of every parameter
+        # (they are donated, written over in place).
+        before = jax.tree.map(lambda update, new: new if update is None else new - update.astype(new.dtype),
+                              updates, new_state.params, is_leaf=lambda x: x is None)
+        metrics.update(_with_norm_of(_norm(before, norm_split), grads, updates, norm_split))
     return new_state, metrics, grads, updates

@@ -5,6 +5,8 @@ placements named before anything compiles."""
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -369,7 +371,8 @@ def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_a
 
 def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_device():
     """XLA would carry the norms' split back into the update (computed in
-    halves, then gathered every step): the compiled step gathers nothing."""
+    halves, then gathered every step), and would copy every parameter for
+    their norm: the compiled step gathers and copies none."""
 
     class Big(nn.Module):
         @nn.compact
@@ -384,3 +387,5 @@ def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_de
     text = compiled.as_text()
     assert "f32[1,2048]" in text  # the kernel's squares, half per device
     assert "all-gather" not in text
+    # The parameters' norm does not keep the donated kernel alive past its update.
+    assert not re.search(r"f32\[16,256\]\{1,0\} copy\(", text)
