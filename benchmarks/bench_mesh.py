@@ -19,11 +19,11 @@ What is compared
         mesh (every device on ``data``). Its step also computes the gradient
         norm, the update ratio and the running totals of the metrics.
     (d) ``lean``: the same with ``optimizer_metrics=False``: no gradient norm
-        or update ratio (three passes over parameter-sized arrays, about 45
-        more XLA kernels per step for the CNN).
+        or update ratio (three reductions over parameter-sized arrays, about
+        40 more XLA kernels per step for the CNN).
     (e) ``every10``: ``optimizer_metrics=10``, the norms every 10th step.
 
-    Each round times the three back to back, rotating which goes first; the
+    Each round times the five back to back, rotating which goes first; the
     results are the medians of the per-round ratios ``trainer / pmap``,
     ``trainer / jit``, ``lean / jit`` and ``every10 / jit`` (targets: at least 0.98).
 
