@@ -113,4 +113,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.7.0.dev0"
+__version__ = "0.7.0"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -160,14 +159,6 @@ def chart_title(stat: str, subject: str = "") -> str:
     return f"{subject}{_TITLES.get(stat, stat)}{' (log10)' if stat in LOG_SCALE else ''}"
 
 
-_DEPRECATED_TAGS = (
-    "{name}(legacy_tags=True) also writes the per-layer tags of flaxhooks 0.5, "
-    "stats/{prefix}/<layer>/<statistic> in the main run, linear; they go in 0.7. Chart the tag "
-    "stats/{prefix}/<statistic> (log10_<statistic> for std, rms, l2, norms and ratios) of the runs "
-    "layers/<layer> instead: one line per layer."
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class TapStats:
     """Statistics of every logged value at one step.
@@ -266,7 +257,6 @@ class _TapStatistics(InstrumentedCallback):
         if_nonfinite: str,
         prefix: str,
         stats: StatsSpec,
-        legacy_tags: bool,
     ):
         if if_nonfinite not in ("stop", "raise", "warn"):
             raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
@@ -281,7 +271,6 @@ class _TapStatistics(InstrumentedCallback):
         self.count_nonfinite = count_nonfinite
         self.if_nonfinite = if_nonfinite
         self.prefix = prefix
-        self.legacy_tags = _legacy_tags(legacy_tags, type(self).__name__, prefix, constructors=2)
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
         #: Every value the taps found (with a model output that repeats a module's), in execution order.
@@ -375,7 +364,7 @@ class _TapStatistics(InstrumentedCallback):
         # The writer ignores an unchanged declaration; each fit opens a new one.
         loop.writers.charts(self.chart_category, self.charts(latest), step)
         # Read on the writer's thread: step outputs are never donated.
-        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix, self.legacy_tags), step)
+        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix), step)
         if self.bins:
             loop.writers.histograms(lambda: _histograms(latest, self.prefix, self.bins), step)
 
@@ -443,12 +432,11 @@ def _nonfinite(stats: TapStats) -> np.ndarray:
     return stats.table()[:, stats.columns.index("nonfinite")]
 
 
-def _layer_scalars(stats: TapStats, prefix: str, legacy: bool = False) -> dict[str, dict[str, float]]:
+def _layer_scalars(stats: TapStats, prefix: str) -> dict[str, dict[str, float]]:
     """One step's statistics by run (reads the values): ``{layers/<name>:
     {stat_tag: value}}``, and in the main run ``stats/<prefix>/nonfinite``
     (how many values had NaN or infinite entries, or how many entries when
-    counted) where the table has that column. ``legacy`` adds the 0.5 tags
-    ``stats/<prefix>/<name>/<statistic>`` (linear) to the main run."""
+    counted) where the table has that column."""
     table = stats.table()
     column = {c: i for i, c in enumerate(stats.columns)}
     runs: dict[str, dict[str, float]] = {}
@@ -458,8 +446,6 @@ def _layer_scalars(stats: TapStats, prefix: str, legacy: bool = False) -> dict[s
             row = {c: float(table[i, column[c]]) for c in stats.statistics(i)}
             runs[layer_run(name)] = {stat_tag(prefix, c): float(np.log10(v)) if c in LOG_SCALE else v
                                      for c, v in row.items()}
-            if legacy:
-                main.update({tag(prefix, name, c): v for c, v in row.items()})
     if "nonfinite" in column:
         flags = table[:, column["nonfinite"]]
         main[tag(prefix, "nonfinite")] = float(np.where(np.isnan(flags), 1.0, flags).sum())
@@ -545,9 +531,6 @@ class ActivationStats(_TapStatistics):
             whose iterations share parameters) apart, instead of one value
             over all of them; scans over layers are always logged per layer.
         stats: None (the defaults above), ``"all"``, or statistic names.
-        legacy_tags: also write flaxhooks 0.5's tags,
-            ``stats/<prefix>/<value>/<statistic>`` in the main run, linear
-            (deprecated: they go in 0.7).
 
     Raises:
         ValueError: ``stats`` names an unknown statistic (the message lists them).
@@ -582,12 +565,10 @@ class ActivationStats(_TapStatistics):
         prefix: str = "activations",
         split_steps: bool = False,
         stats: StatsSpec = None,
-        legacy_tags: bool = False,
     ):
         taps = Taps(collections=tuple(collections), capture=as_module_filter(capture),
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats,
-                         legacy_tags)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
 
     def _nothing_found(self) -> str:
         return (
@@ -626,7 +607,7 @@ class ActivationGradStats(_TapStatistics):
         model_perturbations: also log the model's own ``perturb`` sites.
         histograms, bins, count_nonfinite, if_nonfinite: as for :class:`ActivationStats`.
         prefix: the tag prefix and published topic.
-        split_steps, legacy_tags: as for :class:`ActivationStats`.
+        split_steps: as for :class:`ActivationStats`.
         stats: None (``rms``), ``"all"``, or statistic names.
 
     Raises:
@@ -660,12 +641,10 @@ class ActivationGradStats(_TapStatistics):
         prefix: str = "activation_grads",
         split_steps: bool = False,
         stats: StatsSpec = None,
-        legacy_tags: bool = False,
     ):
         taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations,
                     split_steps=split_steps)
-        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats,
-                         legacy_tags)
+        super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
 
     def _nothing_found(self) -> str:
         return "the model has no perturb sites and perturb selects no module"
@@ -695,8 +674,6 @@ class ParamStats(InstrumentedCallback):
     Args:
         every: when to log (steps, or an :class:`Every`).
         prefix: the tag prefix and published topic.
-        legacy_tags: also write flaxhooks 0.5's tags ``stats/<prefix>/<module>/grad_norm``
-            and ``.../update_ratio`` in the main run (deprecated: they go in 0.7).
 
     Example:
         >>> import flaxhooks
@@ -706,10 +683,9 @@ class ParamStats(InstrumentedCallback):
 
     taps = Taps()
 
-    def __init__(self, every: Every | int = 100, *, prefix: str = "params", legacy_tags: bool = False):
+    def __init__(self, every: Every | int = 100, *, prefix: str = "params"):
         self.every = as_every(every)
         self.prefix = prefix
-        self.legacy_tags = _legacy_tags(legacy_tags, type(self).__name__, prefix)
         self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
         #: The modules, in natural order of their names (found while the step is traced).
         self.names: tuple[str, ...] = ()
@@ -737,16 +713,7 @@ class ParamStats(InstrumentedCallback):
         self.latest = latest
         loop.publish(self.prefix, latest)
         loop.writers.charts(self.chart_category, self.charts(), step)
-        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix, self.legacy_tags), step)
+        loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix), step)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(every={self.every!r})"
-
-
-def _legacy_tags(wanted: bool, name: str, prefix: str, constructors: int = 1) -> bool:
-    """``legacy_tags``: warns, at the user's line (``constructors`` frames up),
-    that the 0.5 tags it asks for are deprecated."""
-    if wanted:
-        warnings.warn(_DEPRECATED_TAGS.format(name=name, prefix=prefix), DeprecationWarning,
-                      stacklevel=2 + constructors)
-    return wanted

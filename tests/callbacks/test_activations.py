@@ -554,20 +554,21 @@ def test_the_scale_statistics_are_written_as_their_log10_and_the_rest_as_they_ar
                 np.testing.assert_allclose(got, row[stat], rtol=1e-6, err_msg=f"{name} {stat}")
 
 
-def test_legacy_tags_write_the_0_5_tags_too_and_are_deprecated(tmp_path):
-    with pytest.warns(DeprecationWarning, match=r"ActivationStats\(legacy_tags=True\) also writes .* 0\.7.*"
-                      r"stats/activations/<statistic>.* of the runs layers/<layer>"):
-        stats = flaxhooks.ActivationStats(every=2, legacy_tags=True)
-    with pytest.warns(DeprecationWarning, match="ParamStats"):
-        params = flaxhooks.ParamStats(every=2, legacy_tags=True)
+def test_the_0_5_per_layer_tags_are_gone_from_the_main_run(tmp_path):
+    """0.6 deprecated ``legacy_tags``; 0.7 removed it: per-layer statistics
+    live in the ``layers/<layer>`` runs only."""
+    with pytest.raises(TypeError, match="legacy_tags"):
+        flaxhooks.ActivationStats(every=2, legacy_tags=True)
+    stats, params = flaxhooks.ActivationStats(every=2), flaxhooks.ParamStats(every=2)
     sgd_trainer(Tapped(), callbacks=[flaxhooks.TensorBoard(tmp_path, every=100), stats, params]).fit(
         make_batches(2, batch_size=8), epochs=1)
-    main = read_runs(tmp_path)["."]
-    old = {"stats/activations/relu/zero_fraction", "stats/activations/head/std",
-           "stats/params/head/update_ratio"}
-    assert old <= set(main.Tags()["scalars"])
-    assert main.Scalars("stats/activations/head/std")[-1].value == pytest.approx(
-        stats.latest.to_dict()["head"]["std"], rel=1e-6)  # as in 0.5: not a logarithm
+    runs = read_runs(tmp_path)
+    layers = set(stats.latest.to_dict())
+    assert {f"layers/{name}" for name in layers} <= set(runs)
+    per_layer = [tag for tag in runs["."].Tags()["scalars"]
+                 if any(tag.startswith(f"stats/{prefix}/{name}/") for prefix in ("activations", "params")
+                        for name in layers)]
+    assert per_layer == []
 
 
 class OneRunWriter(flaxhooks.Callback):
