@@ -36,6 +36,7 @@ What is compared
 How to run
     python -m benchmarks.bench_mesh [--steps 50] [--rounds 5] [--batch-size 128]
         [--cpu-devices 2] [--fsdp-devices 8]
+    python -m benchmarks.bench_mesh --compiled [--batch-size 4]   # the compiled steps alone
 
     The FSDP part runs in a subprocess of its own with ``--fsdp-devices`` CPU
     devices. The last line of output is one JSON object with the results.
@@ -157,6 +158,59 @@ def fsdp_bytes(devices: int) -> dict[str, Any]:
             "fsdp_share": held["fsdp"] / whole, "target_share": TARGET_FSDP / devices}
 
 
+def compiled_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """The compiled steps alone, side by side, every batch already on the
+    devices (no input, no loop): the hand ``jit`` step against the Trainer's
+    lean step and its step with the optimizer metrics."""
+    batches = make_batches(args.steps, args.batch_size)
+    model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
+    trainer = flaxhooks.Trainer(model, tx, cross_entropy_loss)
+    initial = trainer.init(batches[0])
+    trainer.fit(batches[:1], steps=1, state=initial)  # places and checks: the variants exist
+    hand = JitLoop(model, tx, trainer.placement.mesh)
+    on_devices = [jax.device_put(b, hand.split) for b in batches]
+    params = jax.device_get(initial.params)
+
+    def hand_run() -> None:
+        state = jax.device_put(train_state.TrainState.create(apply_fn=None, params=params, tx=tx),
+                               hand.replicated)
+        jax.block_until_ready(_bounded(hand._step, state, iter(on_devices)).params)
+
+    def trainer_run(norms: bool) -> Callable[[], None]:
+        step = trainer.runner.variant((), norms)
+
+        def run() -> None:
+            state, totals = jax.tree.map(lambda x: x.copy(), initial), trainer.runner.zero_totals()
+            in_flight: collections.deque[jax.Array] = collections.deque()
+            for batch in on_devices:
+                state, metrics, totals, _ = step(state, batch, totals)
+                in_flight.append(metrics["loss"])
+                if len(in_flight) > IN_FLIGHT:
+                    in_flight.popleft().block_until_ready()
+            jax.block_until_ready(state.params)
+
+        return run
+
+    runs = {"jit": hand_run, "lean_step": trainer_run(False), "step_with_norms": trainer_run(True)}
+    for run in runs.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(args.rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            start = time.perf_counter()
+            runs[name]()
+            rates[name].append(args.steps / (time.perf_counter() - start))
+    result = {"benchmark": "mesh_compiled", "batch_size": args.batch_size, "steps": args.steps,
+              "rounds": args.rounds, **{f"steps_per_s_{n}": statistics.median(r) for n, r in rates.items()}}
+    for name in ("lean_step", "step_with_norms"):
+        ratio = statistics.median(a / b for a, b in zip(rates[name], rates["jit"], strict=True))
+        result[f"{name}_over_jit"] = ratio
+        print(f"median ratio compiled {name.replace('_', ' ')} / hand jit step: {ratio:.4f}")
+    print(json.dumps(result))
+    return result
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps per round (default 50)")
@@ -166,6 +220,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fsdp-devices", type=int, default=8,
                         help="CPU devices for the FSDP part (default 8)")
     parser.add_argument("--fsdp-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true",
+                        help="time the compiled steps alone, every batch already on the devices")
     return parser.parse_args(argv)
 
 
@@ -177,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(result))
         return result
     flaxhooks.use_cpu_devices(args.cpu_devices)
+    if args.compiled:
+        return compiled_steps(args)
     devices = jax.local_device_count()
     batches = make_batches(args.steps, args.batch_size)
     model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
