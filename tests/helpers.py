@@ -163,7 +163,23 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
     )
 
 
+def assert_tables_close(got, expected, rel: float, abs: float) -> None:
+    """Published statistics ``{step: {topic: {layer: {column: value}}}}``:
+    the same steps, topics and layers, each value within tolerance."""
+    import pytest
+
+    assert sorted(got) == sorted(expected)
+    for step, tables in expected.items():
+        for topic, table in tables.items():
+            assert got[step][topic].keys() == table.keys()
+            for layer, row in table.items():
+                for column, value in row.items():
+                    assert got[step][topic][layer][column] == pytest.approx(value, rel=rel, abs=abs), (
+                        step, topic, layer, column)
+
+
 __all__ = [
-    "MLP", "BatchNormNet", "HostReads", "Recorder", "ResumeNet", "cross_entropy", "jnp", "make_arrays",
-    "make_batches", "resume_data", "resume_trainer", "sgd_trainer", "split_batches", "tree_allclose",
+    "MLP", "BatchNormNet", "HostReads", "Recorder", "ResumeNet", "assert_tables_close", "cross_entropy",
+    "jnp", "make_arrays", "make_batches", "resume_data", "resume_trainer", "sgd_trainer", "split_batches",
+    "tree_allclose",
 ]

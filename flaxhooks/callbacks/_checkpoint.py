@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
-from flaxhooks.core._processes import WAIT_NOTE_SECONDS, peer_gone
+from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
 from flaxhooks.data import device0_copy
 from flaxhooks.writers import check_writable
 
@@ -261,17 +261,6 @@ def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     parts = ([f"this train state has {few(missing)}, which it lacks"] if missing else []) + (
         [f"it holds {few(unexpected)}, which this train state lacks"] if unexpected else [])
     return "; ".join(parts)
-
-
-def _client() -> Any:
-    """JAX's distributed client: the key-value store the processes agree through."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise CheckpointError(
-            "several JAX processes but no distributed client: call jax.distributed.initialize first")
-    return client
 
 
 def _this_process_only() -> Any:
@@ -772,9 +761,10 @@ class Checkpoint(Callback):
             report = json.dumps({"declined": f"process {index}: {why}"})
             # Overwriting: a step can be declined twice (at the interrupted
             # step's end and at the fit's); never one this process saves.
-            _client().key_value_set(f"{base}/report/{index}", report, allow_overwrite=True)
+            client = distributed_client()
+            client.key_value_set(f"{base}/report/{index}", report, allow_overwrite=True)
             if index == 0:
-                _client().key_value_set(f"{base}/decision", report, allow_overwrite=True)
+                client.key_value_set(f"{base}/decision", report, allow_overwrite=True)
 
     def _at_boundary(self, loop: Loop) -> bool:
         """Whether a KeyboardInterrupt raised anywhere left a state that can
@@ -905,7 +895,7 @@ class Checkpoint(Callback):
         """Every process's word on saving ``step``: process 0 reads every
         report and posts the decision, with every part's checksum; the others
         read it. Through JAX's key-value store, with a timeout."""
-        client, index = _client(), jax.process_index()
+        client, index = distributed_client(), jax.process_index()
         base = f"{exchange}/{step}"
         client.key_value_set(f"{base}/report/{index}", json.dumps(report))
         deadline = time.monotonic() + self.PEER_WAIT_SECONDS

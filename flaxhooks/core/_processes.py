@@ -153,7 +153,8 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _client() -> Any:
+def distributed_client() -> Any:
+    """JAX's distributed client: the key-value store the processes agree through."""
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -206,7 +207,7 @@ class Peers:
     """
 
     def __init__(self, timeout: float):
-        self.client = _client()
+        self.client = distributed_client()
         self.index = jax.process_index()
         self.count = jax.process_count()
         self.timeout = timeout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from flaxhooks.core._processes import ProcessError, _client
+from flaxhooks.core._processes import ProcessError, distributed_client
 
 #: A run directory's name: the local time it was made, and a count after a
 #: second run made in the same second.
@@ -52,7 +52,7 @@ def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout
     root = Path(root)
     if jax.process_count() == 1:
         return _pick(root, resume)
-    client = _client()
+    client = distributed_client()
     key = f"flaxhooks/run_directory/{next(_calls)}"
     if jax.process_index() == 0:
         chosen = _pick(root, resume)

@@ -593,7 +593,7 @@ def test_a_state_split_across_processes_never_declines_a_step_already_saved(tmp_
             self.keys[key] = value
 
     store = Store()
-    monkeypatch.setattr(_checkpoint, "_client", lambda: store)
+    monkeypatch.setattr(_checkpoint, "distributed_client", lambda: store)
 
     class State(NamedTuple):
         step: jax.Array

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import flaxhooks
-from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+from tests.helpers import BatchNormNet, assert_tables_close, make_arrays, sgd_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # several processes
@@ -117,14 +117,8 @@ def test_every_compiled_step_spans_every_process(tmp_path):
             np.testing.assert_allclose(fsdp, without, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(with_stats, ref, rtol=1e-4, atol=1e-5)
         stats = {int(step): tables for step, tables in got["stats"].items()}
-        assert sorted(stats) == sorted(history) == list(range(1, 9))
-        for step, tables in history.items():
-            for topic, table in tables.items():
-                assert stats[step][topic].keys() == table.keys()
-                for name, row in table.items():
-                    for column, value in row.items():
-                        assert stats[step][topic][name][column] == pytest.approx(value, rel=1e-3, abs=1e-5), (
-                            step, topic, name, column)
+        assert sorted(history) == list(range(1, 9))
+        assert_tables_close(stats, history, rel=1e-3, abs=1e-5)
         examples, loss, accuracy = got["eval"]
         assert examples == 1001 and got["tiny"] == 1
         assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
