@@ -4,6 +4,7 @@ context, schedules, signals, agreement between processes, and the Trainer."""
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
 from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
+from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
@@ -22,8 +23,10 @@ __all__ = [
     "Event",
     "Every",
     "Fit",
+    "Finding",
     "FitPlan",
     "HookBus",
+    "KINDS",
     "Loop",
     "PeerLost",
     "PeerTimeout",

@@ -15,6 +15,8 @@ class Event(str, enum.Enum):
     ``step_start`` / ``step_end``: around each optimizer step.
     ``eval_start`` / ``eval_end``: around each evaluation; the payload is an
     :class:`~flaxhooks.eval.EvalStart`, then the :class:`~flaxhooks.EvalResult`.
+    ``finding``: a diagnosis found a problem (the payload is a
+    :class:`~flaxhooks.Finding`); emitted once per problem, when it appears.
     ``exception``: training failed or was interrupted; the payload (and
     ``loop.exception``) is the error. ``epoch_end`` and ``fit_end`` still follow.
 
@@ -30,6 +32,7 @@ class Event(str, enum.Enum):
     STEP_END = "step_end"
     EVAL_START = "eval_start"
     EVAL_END = "eval_end"
+    FINDING = "finding"
     EPOCH_END = "epoch_end"
     FIT_END = "fit_end"
     EXCEPTION = "exception"

@@ -14,7 +14,7 @@ from tests.helpers import Recorder, make_arrays, make_batches, sgd_trainer
 def test_events_are_data_in_loop_order():
     assert EVENTS == (
         "fit_start", "epoch_start", "step_start", "step_end",
-        "eval_start", "eval_end", "epoch_end", "fit_end", "exception",
+        "eval_start", "eval_end", "finding", "epoch_end", "fit_end", "exception",
     )
     assert [event.value for event in Event] == list(EVENTS)
     assert [event.handler for event in Event][:2] == ["on_fit_start", "on_epoch_start"]
