@@ -19,7 +19,8 @@ LAYERS = {
     "step": {"data"},
     "eval": {"step", "data"},
     "core": {"step", "data", "eval", "writers"},
-    "callbacks": {"core", "step", "data", "eval", "writers"},
+    "diagnose": {"core", "step", "data", "writers"},
+    "callbacks": {"core", "step", "data", "eval", "writers", "diagnose"},
 }
 
 
