@@ -4,7 +4,6 @@ from flaxhooks.callbacks._activations import (
     ActivationGradStats,
     ActivationStats,
     InstrumentedCallback,
-    NonFiniteError,
     ParamStats,
     TapStats,
 )
@@ -22,6 +21,7 @@ from flaxhooks.callbacks._profile import Profile
 from flaxhooks.callbacks._progress import Progress
 from flaxhooks.callbacks._summary import Summary
 from flaxhooks.callbacks._tensorboard import TensorBoard
+from flaxhooks.core import NonFiniteError
 
 __all__ = [
     "ActivationGradStats",

@@ -4,9 +4,9 @@ figures of the parameter update."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, NonFiniteError, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
@@ -254,12 +254,18 @@ class _TapStatistics(InstrumentedCallback):
         histograms: bool,
         bins: int,
         count_nonfinite: bool,
-        if_nonfinite: str,
+        if_nonfinite: str | None,
         prefix: str,
         stats: StatsSpec,
     ):
-        if if_nonfinite not in ("stop", "raise", "warn"):
-            raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
+        if if_nonfinite is not None:
+            if if_nonfinite not in ("stop", "raise", "warn"):
+                raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
+            warnings.warn(
+                f"{type(self).__name__}(if_nonfinite=...) is deprecated and goes in 0.9: one guard watches "
+                f"every Trainer's loss, set with Trainer(if_nonfinite={_guard_mode(if_nonfinite)!r})",
+                DeprecationWarning, stacklevel=3,
+            )
         if histograms and bins < 1:
             raise ValueError(f"bins must be at least 1, got {bins}")
         self.choice = _choose(stats, self.columns, self.default)
@@ -269,7 +275,8 @@ class _TapStatistics(InstrumentedCallback):
         self.taps = taps
         self.bins = bins if histograms else 0
         self.count_nonfinite = count_nonfinite
-        self.if_nonfinite = if_nonfinite
+        #: The guard's mode this callback asks for (deprecated ``if_nonfinite``), or None.
+        self.guard_mode = None if if_nonfinite is None else _guard_mode(if_nonfinite)
         self.prefix = prefix
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
@@ -282,9 +289,6 @@ class _TapStatistics(InstrumentedCallback):
         self._warned = False
         #: The latest statistics (a :class:`TapStats`), also published under ``prefix``.
         self.latest: TapStats | None = None
-        #: Steps dispatched but not yet checked: (step, its loss, its statistics or None).
-        self._unchecked: collections.deque[tuple[int, Any, TapStats | None]] = collections.deque()
-        self._taken: dict[int, TapStats] = {}  # statistics taken at a step, until its step_end
 
     @property
     def table_columns(self) -> tuple[str, ...]:
@@ -337,21 +341,6 @@ class _TapStatistics(InstrumentedCallback):
             self._charts = (key, found)
         return self._charts[1]
 
-    def on_fit_start(self, loop: Loop) -> None:
-        self._unchecked.clear()
-        self._taken.clear()
-
-    def on_step_end(self, loop: Loop) -> None:
-        # Every step's loss is watched: kept as a device array, read once the
-        # loop has waited for its step anyway (no host sync of its own), and
-        # every one at the epoch's last step, before epoch-end handlers
-        # (evaluation, checkpoints) see the state.
-        self._unchecked.append((loop.step, loop.metrics["loss"], self._taken.pop(loop.step, None)))
-        last = loop.epoch_step == loop.steps_per_epoch or loop.step == loop.max_steps
-        settled = loop.step if last else loop.settled_step
-        while self._unchecked and settled is not None and self._unchecked[0][0] <= settled:
-            self._check(loop, *self._unchecked.popleft())
-
     def take(self, loop: Loop, result: Mapping[str, Any]) -> None:
         step = loop.step
         stats = device0_copy(result["stats"])
@@ -360,7 +349,6 @@ class _TapStatistics(InstrumentedCallback):
         latest = TapStats(step, names, modules, self.table_columns, stats, histograms, logged)
         self.latest = latest
         loop.publish(self.prefix, latest)
-        self._taken[step] = latest
         # The writer ignores an unchanged declaration; each fit opens a new one.
         loop.writers.charts(self.chart_category, self.charts(latest), step)
         # Read on the writer's thread: step outputs are never donated.
@@ -368,68 +356,13 @@ class _TapStatistics(InstrumentedCallback):
         if self.bins:
             loop.writers.histograms(lambda: _histograms(latest, self.prefix, self.bins), step)
 
-    def on_epoch_end(self, loop: Loop) -> None:
-        if loop.exception is not None:
-            return  # the steps may never finish: reading them could wait forever
-        while self._unchecked:
-            self._check(loop, *self._unchecked.popleft())
-
-    on_fit_end = on_epoch_end
-
-    def _check(self, loop: Loop, step: int, loss: Any, stats: TapStats | None) -> None:
-        """Stops (or raises) if the loss or any value at ``step`` is not finite."""
-        if loop.should_stop and self.if_nonfinite != "warn":
-            return  # stopping already (maybe for this): report the first cause only
-        loss_value = float(np.asarray(jax.device_get(loss.addressable_shards[0].data)).reshape(-1)[0])
-        if stats is None:
-            if np.isfinite(loss_value):
-                return
-            message = (
-                f"the loss is {loss_value} at step {step}, a step without statistics ({self!r}): to find "
-                f"the layer, run that step instrumented, e.g. resume from a checkpoint before step {step} "
-                f"with {type(self).__name__}(every=1)"
-            )
-            return self._act(loop, step, message)
-        nonfinite = _nonfinite(stats)
-        bad = np.flatnonzero(np.isnan(nonfinite) | (nonfinite > 0))
-        if not bad.size and np.isfinite(loss_value):
-            return
-        what = "output" if self.kind == "activations" else "gradient"
-        if bad.size:
-            first = int(bad[0])
-            module = "/".join(stats.modules[first]) or "the model itself"
-            count = nonfinite[first]
-            how_many = "NaN or infinite values"
-            if np.isfinite(count):
-                how_many = f"{int(count)} {how_many}"
-            message = (
-                f"non-finite values at step {step}: the first module, in execution order, whose "
-                f"{what} went non-finite is {module!r} ({layer_run(stats.names[first])} in TensorBoard has "
-                f"{how_many}); loss = {loss_value}"
-            )
-        else:
-            message = (
-                f"the loss is {loss_value} at step {step}, yet every tapped {what} is finite: "
-                f"it went non-finite in loss_fn or after the last tapped module"
-            )
-        self._act(loop, step, message)
-
-    def _act(self, loop: Loop, step: int, message: str) -> None:
-        if self.if_nonfinite == "raise":
-            raise NonFiniteError(message, step)
-        _log.error("%s", message)
-        if self.if_nonfinite == "stop":
-            if loop.diverged is None:
-                loop.diverged = step
-            loop.stop(message)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(every={self.every!r})"
 
 
-def _nonfinite(stats: TapStats) -> np.ndarray:
-    """Each value's non-finite flag: NaN (some, not counted), or their number."""
-    return stats.table()[:, stats.columns.index("nonfinite")]
+def _guard_mode(if_nonfinite: str) -> str:
+    """The guard's mode for a deprecated ``if_nonfinite`` (``raise``: the guard stops, fit raises)."""
+    return "warn" if if_nonfinite == "warn" else "stop"
 
 
 def _layer_scalars(stats: TapStats, prefix: str) -> dict[str, dict[str, float]]:
@@ -524,8 +457,9 @@ class ActivationStats(_TapStatistics):
         histograms: also write histograms (a second, slower pass).
         bins: histogram bins.
         count_nonfinite: count NaN and infinite entries exactly (slower).
-        if_nonfinite: ``"stop"`` (stop training cleanly, end hooks run),
-            ``"raise"`` (:class:`NonFiniteError`) or ``"warn"``.
+        if_nonfinite: deprecated (goes in 0.9): ``Trainer(if_nonfinite=...)``
+            sets the guard every Trainer has; ``"warn"`` given here still
+            makes that guard warn instead of stopping.
         prefix: the tag prefix, and the topic the latest figures are published under.
         split_steps: log each time step of a recurrence (``nn.RNN``, a scan
             whose iterations share parameters) apart, instead of one value
@@ -561,7 +495,7 @@ class ActivationStats(_TapStatistics):
         histograms: bool = False,
         bins: int = 30,
         count_nonfinite: bool = False,
-        if_nonfinite: str = "stop",
+        if_nonfinite: str | None = None,
         prefix: str = "activations",
         split_steps: bool = False,
         stats: StatsSpec = None,
@@ -637,7 +571,7 @@ class ActivationGradStats(_TapStatistics):
         histograms: bool = False,
         bins: int = 30,
         count_nonfinite: bool = False,
-        if_nonfinite: str = "stop",
+        if_nonfinite: str | None = None,
         prefix: str = "activation_grads",
         split_steps: bool = False,
         stats: StatsSpec = None,

@@ -6,6 +6,7 @@ from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, St
 from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
 from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
+from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
 from flaxhooks.core._processes import PeerLost, PeerTimeout, ProcessError
@@ -36,6 +37,7 @@ __all__ = [
     "SavedRun",
     "Restorer",
     "NonFiniteError",
+    "NonFiniteGuard",
     "StopTraining",
     "Trainer",
     "TrainingInterrupted",

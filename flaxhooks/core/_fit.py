@@ -46,6 +46,7 @@ class Fit:
     def run(self, source: DataSource, first_epoch: Iterator[HostBatch] | None) -> None:
         """Trains until the loop's limits or a stop; every end hook runs."""
         loop, bus, stops = self.loop, self.bus, self.stops
+        loop.replay = lambda batch, contributors: self.runner.replay(loop.state, batch, contributors)
         # Writers open before fit_start and close after fit_end: every handler can write.
         writer_callbacks = bus.of(WriterCallback)
         try:

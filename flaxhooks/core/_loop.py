@@ -73,6 +73,11 @@ class Loop:
             for a callback that evaluates in its own way: it emits
             ``Event.EVAL_END`` with its own ``EvalResult``, which logging and
             early stopping consume as any other.
+        replay: ``loop.replay(batch, contributors)`` runs the step from
+            ``loop.state`` on ``batch`` (a device batch kept from an earlier
+            step) with the given step contributors due, and returns their
+            results; the loop's state is left as it is. The non-finite guard
+            uses it to name the layer of a NaN.
     """
 
     state: TrainState
@@ -102,6 +107,7 @@ class Loop:
     writers: Writers = dataclasses.field(default_factory=Writers)
     evaluate: Callable[..., EvalResult] | None = dataclasses.field(default=None, repr=False)
     emit: Callable[[Any, Any], None] | None = dataclasses.field(default=None, repr=False)
+    replay: Callable[[Any, Any], tuple[Any, ...]] | None = dataclasses.field(default=None, repr=False)
     _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
     _after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list, repr=False)
 

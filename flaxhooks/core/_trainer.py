@@ -17,6 +17,7 @@ from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
 from flaxhooks.core._fit import Fit, prepare
+from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._processes import stops_for, wait_ready
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
@@ -88,6 +89,8 @@ class Trainer:
             the step sees the whole batch, so they reduce over all of it.
         optimizer_metrics: the steps that also compute the gradient norm and the update ratio
             (three passes over parameter-sized arrays): all (True), every n-th (n), or none (False).
+        if_nonfinite: the mode of the non-finite guard every Trainer has (:class:`flaxhooks.NonFiniteGuard`,
+            or give one in ``callbacks``): ``"stop"`` (``fit`` raises ``NonFiniteError``), ``"warn"``, "off".
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -114,12 +117,8 @@ class Trainer:
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
         axis_name: str = AXIS, mesh: Mesh | None = None, shard: ShardRule | None = None,
         axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
+        if_nonfinite: str = "stop",
     ):
-        if devices and jax.process_count() > 1:
-            raise ValueError(
-                f"devices= picks local devices, but this run has {jax.process_count()} processes: every "
-                "compiled step spans every device of every process, so leave devices out"
-            )
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
         model = as_model(model, input_keys, train_arg, rng_names, state_collections, eval_model=eval_model,
@@ -132,7 +131,7 @@ class Trainer:
         self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight, optimizer_metrics)
         self.evaluations = Evaluations(model, example_loss_fn or per_example(loss_fn), label_key,
                                        self.placement, wait=wait_ready)
-        self.bus = HookBus(callbacks)
+        self.bus = HookBus(NonFiniteGuard.added_to(callbacks, if_nonfinite))
         self.batch_spec: BatchSpec | None = None
         self._state: TrainState | None = None  # the loop's, which the next fit donates
         self._final: TrainState | None = None  # a copy of it that fit returned: the caller's

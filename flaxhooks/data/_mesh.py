@@ -149,6 +149,11 @@ class Placement:
         """
         if mesh is not None and devices:
             raise ShardingError("give devices= or mesh=, not both: a mesh names its devices")
+        if devices and jax.process_count() > 1:
+            raise ShardingError(
+                f"devices= picks local devices, but this run has {jax.process_count()} processes: every "
+                "compiled step spans every device of every process, so leave devices out"
+            )
         mesh = mesh if mesh is not None else default_mesh(devices, data_axis)
         if data_axis not in mesh.shape:
             raise ShardingError(

@@ -11,6 +11,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from flaxhooks.data import BatchSpec, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
@@ -50,7 +51,7 @@ class StepRunner:
         #: How many times each compiled step was traced (each trace compiles),
         #: by name: ``train_step`` (lean) and ``instrumented_step`` (every variant).
         self.traces: collections.Counter[str] = collections.Counter()
-        self._variants: dict[tuple[tuple[StepContributor, ...], bool], Any] = {}
+        self._variants: dict[tuple[tuple[StepContributor, ...], bool, bool], Any] = {}
         self._shardings: Any = None
         self._norm_split: list[Any] | None = None
         self._zero_totals: dict[tuple[str, ...], Any] = {}
@@ -59,11 +60,21 @@ class StepRunner:
         #: optimizer's), known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
         self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+        self._freezers: tuple[Any, ...] = ()
 
     def use(self, callbacks: Sequence[Any]) -> None:
-        """Takes the step contributors among ``callbacks``, in their order."""
+        """Takes the step contributors among ``callbacks``, in their order, and
+        whether a callback asks the step to keep the state from before the first
+        non-finite loss (``freezes_on_nonfinite``, the non-finite guard's)."""
         self.contributors = tuple(cb for cb in callbacks if isinstance(cb, StepContributor))
+        self._freezers = tuple(cb for cb in callbacks if hasattr(cb, "freezes_on_nonfinite"))
         self._in_flight.clear()
+
+    @property
+    def freeze(self) -> bool:
+        """Whether every step leaves the state as it was once a loss was not
+        finite (this fit's first such step, and every step after it)."""
+        return any(cb.freezes_on_nonfinite for cb in self._freezers)
 
     def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None) -> Step:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
@@ -96,15 +107,15 @@ class StepRunner:
         once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
         the totals being the running sums of the metrics (see :meth:`zero_totals`).
         Everything but the state comes back replicated."""
-        norms = self._norms(norms)
-        step = self._variants.get((due, norms))
+        norms, freeze = self._norms(norms), self.freeze
+        step = self._variants.get((due, norms, freeze))
         if step is None:
             replicated = self.placement.replicated
             # The state is donated; the totals are not, so a reader may keep any step's.
-            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due, norms)))),
+            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due, norms), freeze))),
                            donate_argnums=(0,),
                            out_shardings=(self._state_shardings, replicated, replicated, replicated))
-            self._variants[(due, norms)] = step
+            self._variants[(due, norms, freeze)] = step
         return step
 
     def _traced(self, step: Any) -> Any:
@@ -166,6 +177,17 @@ class StepRunner:
             jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
         self._checked.add(key)
 
+    def replay(self, state: Any, batch: Any, contributors: Sequence[StepContributor]) -> tuple[Any, ...]:
+        """The step from ``state`` on ``batch`` with ``contributors`` due (even
+        if they are not), without optimizer metrics: their results, as
+        :meth:`run` hands them out. ``state`` is left as it is (a copy is
+        donated); the variant is compiled once per set of contributors.
+        """
+        step_fn = self.variant(tuple(contributors), norms=False)
+        copied = jax.tree.map(lambda x: x.copy(), state)
+        _, _, _, results = step_fn(copied, batch, self.zero_totals())
+        return tuple(results)
+
     def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:
         """Dispatches the step after ``loop.step`` on ``batch`` and updates the
         loop; hands each due contributor its result. Then waits (reading
@@ -206,11 +228,31 @@ def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:
     return whole
 
 
-def _with_totals(step: Step) -> Any:
-    """``step`` that also adds its metrics to the running totals it is given."""
+#: The metrics whose first non-finite value freezes the state (see :func:`_with_totals`).
+_WATCHED = ("loss", "grad_norm")
+
+
+def _with_totals(step: Step, freeze: bool = False) -> Any:
+    """``step`` that also adds its metrics to the running totals it is given.
+
+    With ``freeze``, a step whose loss (or, where computed, gradient norm) is
+    not finite, and every step after it (the totals have counted it), returns
+    the state it was given: the guard then finds the state from before the first such step,
+    which it replays instrumented to name the layer. The choice is one
+    select per leaf, fused into the update that writes it.
+    """
 
     def stepped(state: Any, batch: Any, totals: Totals) -> tuple[Any, Any, Totals, Any]:
+        before = state
         state, metrics, results = step(state, batch)
+        if freeze and "loss" in totals.names:
+            watched = [totals.names.index(name) for name in _WATCHED if name in totals.names]
+            # Every loss and gradient norm so far was finite (each step's added to the totals).
+            keep = jnp.all(totals.counts[0, watched] == totals.counts[1, watched])
+            for name in _WATCHED:  # the gradient norm where this step computes it: caught at its step
+                if name in metrics:
+                    keep = keep & jnp.isfinite(metrics[name])
+            state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), state, before)
         return state, metrics, add_to_totals(totals, metrics), results
 
     stepped.__name__ = step.__name__  # compile counts are kept by name

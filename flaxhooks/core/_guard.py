@@ -1,0 +1,229 @@
+"""The non-finite guard every Trainer has: it watches every step's loss, and
+at the first NaN or infinity names the call that made it, replaying the
+failing step instrumented from the state before it."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxhooks.core._callback import Callback
+from flaxhooks.core._events import Event
+from flaxhooks.core._findings import Finding
+from flaxhooks.core._loop import Loop
+from flaxhooks.core._plan import FitPlan
+from flaxhooks.step import RepeatedTap, Tapped, Taps
+
+_log = logging.getLogger("flaxhooks")
+
+#: What the guard does at a non-finite loss.
+MODES = ("stop", "warn", "off")
+
+
+class _Probe:
+    """The step contributor of a replay: every module call's output and the
+    gradient with respect to it, each reduced to a non-finite flag."""
+
+    taps = Taps(capture=lambda module, method: method == "__call__",
+                perturb=lambda module, method: method == "__call__")
+
+    def __init__(self) -> None:
+        self.activations: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self.gradients: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self.params: tuple[str, ...] = ()
+
+    def due(self, step: int) -> bool:
+        return False  # only ever replayed
+
+    def inside_step(self, tapped: Tapped) -> dict[str, jax.Array]:
+        # Names are fixed by the model while traced; the flags are the values.
+        acts = [t for t in tapped.activations if not isinstance(t, RepeatedTap)]
+        grads = [t for t in tapped.gradients if not isinstance(t, RepeatedTap)]
+        self.activations = tuple((t.name, t.module) for t in acts)
+        self.gradients = tuple((t.name, t.module) for t in grads)
+        paths = jax.tree_util.tree_flatten_with_path(tapped.params)[0]
+        self.params = tuple("/".join(_key(k) for k in path) for path, _ in paths)
+
+        def bad(values: list[jax.Array]) -> jax.Array:
+            return jnp.stack([~jnp.all(jnp.isfinite(v)) for v in values]) if values else jnp.zeros(0, bool)
+
+        return {"activations": bad([t.value for t in acts]), "gradients": bad([t.value for t in grads]),
+                "params": bad([leaf for _, leaf in paths]),
+                "param_grads": bad(jax.tree.leaves(tapped.grads)),
+                "loss": ~jnp.isfinite(tapped.loss)}
+
+    def take(self, loop: Any, result: Any) -> None:  # replays hand results back directly
+        pass
+
+
+def _key(entry: Any) -> str:
+    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
+
+
+class NonFiniteGuard(Callback):
+    """Watches every step's loss; at the first NaN or infinity it names the
+    call whose output (or gradient) first went non-finite and stops training.
+
+    Every Trainer has one (``Trainer(if_nonfinite=...)`` sets its mode). Each
+    loss is read once the loop has waited for its step anyway: no host sync
+    of its own. With ``"stop"`` the step keeps the state from before the
+    first non-finite loss (one select per leaf, fused into the update), so
+    the guard replays that step, on the same batch with the same keys, with
+    every module call's output and gradient tapped, and says which call went
+    first, and what the replay cost. ``fit`` then raises
+    :class:`~flaxhooks.NonFiniteError`; the state it leaves is the one from
+    before that step. A ``finding`` event (kind ``nonfinite``) carries the same.
+
+    Args:
+        mode: ``"stop"``, ``"warn"`` (log the first non-finite loss, train on;
+            nothing is replayed) or ``"off"``.
+        replay: replay the failing step to name the call (``"stop"`` only).
+
+    Example:
+        >>> from flaxhooks.core import NonFiniteGuard
+        >>> NonFiniteGuard("warn").freezes_on_nonfinite
+        False
+    """
+
+    order = -1000  # first at step_end: a stop is decided before anything reads the state
+
+    def __init__(self, mode: str = "stop", *, replay: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"if_nonfinite must be one of {list(MODES)}, got {mode!r}")
+        self.mode, self.replay = mode, replay
+        self._unchecked: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
+        self._warned = False
+        #: ``(step, loss)`` of the latest step checked: a finite float, read on the host.
+        self.latest: tuple[int, float] | None = None
+        #: The finding of this fit's non-finite step, once there was one.
+        self.finding: Finding | None = None
+
+    @classmethod
+    def added_to(cls, callbacks: Sequence[Callback], mode: str = "stop") -> list[Callback]:
+        """``callbacks`` with a guard of ``mode`` first, unless they hold one."""
+        given = any(isinstance(cb, cls) for cb in callbacks)
+        return list(callbacks) if given else [cls(mode), *callbacks]
+
+    @property
+    def freezes_on_nonfinite(self) -> bool:
+        """Whether the step keeps the state from before the first non-finite loss."""
+        return self.mode == "stop"
+
+    def __repr__(self) -> str:
+        return f"NonFiniteGuard({self.mode!r})"
+
+    def check_fit(self, plan: FitPlan) -> None:
+        # A statistics callback's deprecated ``if_nonfinite="warn"`` still makes the guard warn.
+        if self.mode == "stop" and any(getattr(cb, "guard_mode", None) == "warn" for cb in plan.callbacks):
+            self.mode = "warn"
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._unchecked.clear()
+        self._warned, self.finding = False, None
+
+    def on_step_end(self, loop: Loop) -> None:
+        if self.mode == "off" or loop.metrics is None:
+            return
+        # The batch is kept (a reference) until its loss is read: a replay needs it.
+        self._unchecked.append((loop.step, loop.metrics["loss"], loop.metrics.get("grad_norm"), loop.batch))
+        last = loop.epoch_step == loop.steps_per_epoch or loop.step == loop.max_steps
+        self._check_settled(loop, loop.step if last else loop.settled_step)
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        if loop.exception is None:  # else the steps may never finish: reading them could wait forever
+            self._check_settled(loop, loop.step)
+
+    on_fit_end = on_epoch_end
+
+    def _check_settled(self, loop: Loop, settled: int | None) -> None:
+        while self._unchecked and settled is not None and self._unchecked[0][0] <= settled:
+            step, loss, grad_norm, batch = self._unchecked.popleft()
+            if self.finding is not None:
+                continue  # stopping already: the first cause only
+            value = _host_float(loss)
+            norm = _host_float(grad_norm) if grad_norm is not None else 0.0
+            if np.isfinite(value) and np.isfinite(norm):
+                self.latest = (step, value)
+                loop.publish("loss", self.latest)
+                continue
+            what = f"the loss is {value}" if not np.isfinite(value) else f"the gradient norm is {norm}"
+            if self.mode == "warn":
+                if not self._warned:
+                    self._warned = True
+                    _log.warning("%s at step %d; training goes on (if_nonfinite='warn')", what, step)
+                continue
+            self._diverged(loop, step, what, value, batch)
+
+    def _diverged(self, loop: Loop, step: int, what: str, value: float, batch: Any) -> None:
+        cause, values = self._cause(loop, step, value, batch)
+        message = f"{what} at step {step}: {cause}"
+        self.finding = Finding("nonfinite", step, values.pop("layer", None), message, _ADVICE,
+                               values={"loss": value, **values})
+        self._unchecked.clear()
+        _log.error("%s", message)
+        loop.diverged = step
+        loop.stop(message)
+        if loop.emit is not None:
+            loop.emit(Event.FINDING, self.finding)
+
+    def _cause(self, loop: Loop, step: int, value: float, batch: Any) -> tuple[str, dict[str, Any]]:
+        """Replays ``step`` from the state before it and says which call went non-finite first."""
+        replay = getattr(loop, "replay", None)
+        if not self.replay or replay is None or batch is None:
+            return "the step was not replayed to find the layer (NonFiniteGuard(replay=False))", {}
+        before = int(jax.device_get(loop.state.step.addressable_shards[0].data))
+        if before != step - 1:
+            return (f"the state from before it was not kept (the state is at step {before}), so the step "
+                    "could not be replayed"), {}
+        probe = _Probe()
+        started = time.perf_counter()
+        (flags,) = replay(batch, (probe,))
+        flags = {k: np.asarray(jax.device_get(v.addressable_shards[0].data)) for k, v in flags.items()}
+        cost = f"found by replaying step {step} instrumented, in {time.perf_counter() - started:.1f} s"
+        params = [name for name, bad in zip(probe.params, flags["params"], strict=True) if bad]
+        if params:
+            return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"
+                    f"{', ...' if len(params) > 3 else ''}): an earlier step's gradient or update was "
+                    f"non-finite while its loss was finite ({cost})"), {"layer": params[0].rsplit("/", 1)[0]}
+        acts = [i for i, bad in enumerate(flags["activations"]) if bad]
+        if acts:
+            name, module = probe.activations[acts[0]]
+            layer = "/".join(module) or "the model itself"
+            return (f"the first call, in execution order, whose output went non-finite is {name!r} "
+                    f"(module {layer!r}) ({cost})"), {"layer": "/".join(module) or None, "call": name}
+        grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
+        if grads:
+            # The backward pass runs from the loss to the input: it went non-finite in the
+            # call after the deepest output whose gradient is not finite, which took that output in.
+            name, module = probe.gradients[grads[-1]]
+            if grads[-1] + 1 < len(probe.gradients):
+                consumer, at = probe.gradients[grads[-1] + 1]
+                where, layer = f"in the backward pass of {consumer!r}", "/".join(at) or None
+            else:
+                where, layer = "in loss_fn's gradient", None
+            return (f"every output is finite, but the gradient went non-finite {where}: the deepest output "
+                    f"with a non-finite gradient is {name!r}, the next call's is finite ({cost})"), {"layer": layer}
+        param_grads = [name for name, bad in zip(probe.params, flags["param_grads"], strict=True) if bad]
+        if param_grads:
+            return (f"every module output and its gradient is finite, but the gradient of the parameter "
+                    f"{param_grads[0]!r} is not ({cost})"), {"layer": param_grads[0].rsplit("/", 1)[0]}
+        if not bool(flags["loss"]) and not np.isfinite(value):
+            return f"a replay of the step gives a finite loss: the failure does not repeat ({cost})", {}
+        return f"every module call's output is finite: it went non-finite in loss_fn ({cost})", {}
+
+
+_ADVICE = ("lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), look for "
+           "log/sqrt/division of values that reach 0 or below in that layer, or train in float32")
+
+
+def _host_float(value: Any) -> float:
+    """A replicated scalar's value, read from this process's first shard."""
+    return float(np.asarray(jax.device_get(value.addressable_shards[0].data)).reshape(-1)[0])
+
