@@ -16,6 +16,7 @@ from flaxhooks.callbacks._checkpoint import (
     Restored,
 )
 from flaxhooks.callbacks._console import ConsoleLog
+from flaxhooks.callbacks._diagnose import AFFINE, Diagnose
 from flaxhooks.callbacks._evaluate import EarlyStopping, Evaluate
 from flaxhooks.callbacks._profile import Profile
 from flaxhooks.callbacks._progress import Progress
@@ -24,6 +25,7 @@ from flaxhooks.callbacks._tensorboard import TensorBoard
 from flaxhooks.core import NonFiniteError
 
 __all__ = [
+    "AFFINE",
     "ActivationGradStats",
     "ActivationStats",
     "Checkpoint",
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointWarning",
     "ConsoleLog",
+    "Diagnose",
     "EarlyStopping",
     "Evaluate",
     "InstrumentedCallback",

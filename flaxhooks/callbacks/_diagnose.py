@@ -1,0 +1,256 @@
+"""Diagnose: names what is wrong with training (which layer, since when, what
+to try), once per problem, from values reduced inside the train step."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxhooks.callbacks._activations import InstrumentedCallback
+from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
+from flaxhooks.diagnose._instep import Window, add_windows, step_window
+from flaxhooks.diagnose._layers import LayerFigures, Thresholds, layer_figures, layer_findings, param_findings
+from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter, param_stats
+
+_log = logging.getLogger("flaxhooks")
+
+#: The modules whose outputs are a layer's pre-activations: affine maps with
+#: parameters, after which models apply their activation functions.
+AFFINE: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum,
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum,
+)
+
+#: Kinds about the whole model: said once whichever layer they name.
+_MODEL_WIDE = frozenset({"vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low",
+                         "loss_spike", "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams",
+                         "nonfinite"})
+
+
+def _once_key(finding: Finding) -> tuple[str, str | None]:
+    return (finding.kind, None) if finding.kind in _MODEL_WIDE else finding.key
+
+
+def _host(x: Any) -> np.ndarray:
+    """A replicated array on the host (on several processes: this process's copy)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(jax.device_get(x.addressable_shards[0].data))
+
+
+@dataclasses.dataclass
+class _Pending:
+    start: int
+    end: int
+    sums: Window
+
+
+class Diagnose(InstrumentedCallback):
+    """Names what is wrong with training: which layer, since when, and what to try.
+
+    Inside the sampled steps (``every``), for each layer (the outputs of its
+    affine modules, :data:`AFFINE`: its pre-activations) it reduces the
+    pre-activations and the loss's gradient with respect to them, and per
+    module the update ratio; the sums are added up on the devices over a
+    ``window`` of steps and read once the loop has waited for its last step
+    anyway. From them it finds dead and dormant units, saturation, vanishing
+    and exploding gradients, update ratios far from 1e-3 and parameters that
+    never change; from every step's loss (read by the guard every Trainer
+    has), loss spikes, plateaus and an initial loss far from ``log(classes)``;
+    before training, set-up traps (dropout left on in evaluation, RNG
+    streams). The thresholds and their sources are in the README.
+
+    Each problem is said once when it appears (again only if it clears and
+    comes back): logged (above the progress bar), emitted as a ``finding``
+    event (:class:`~flaxhooks.Finding`) other callbacks can act on, written
+    to TensorBoard (a text entry under ``health/findings`` and a ``health/``
+    chart counting the active findings by kind), and listed in a table when
+    ``fit`` ends. A healthy model gives no finding.
+
+    Args:
+        every: the steps sampled (an int or :class:`~flaxhooks.Every`).
+        window: the steps whose sums make one judgment.
+        layers: the modules whose outputs are layers (default :data:`AFFINE`).
+        thresholds: when figures become findings (:class:`flaxhooks.diagnose.Thresholds`).
+        label_key: the batch key of class labels, to recognize a classifier.
+        table: print the findings in a table when ``fit`` ends.
+
+    Example:
+        >>> import flaxhooks
+        >>> flaxhooks.Diagnose(every=10, window=200)
+        Diagnose(every=Every(steps=10), window=200)
+    """
+
+    def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
+                 thresholds: Thresholds | None = None, label_key: str = "label", table: bool = True):
+        if window < 1:
+            raise ValueError(f"window must be at least 1 step, got {window}")
+        self.every = as_every(every)
+        self.window = window
+        select = as_module_filter(AFFINE if layers is None else layers)
+        self.taps = Taps(capture=select, perturb=select)
+        self.thresholds = thresholds or Thresholds()
+        self.label_key = label_key
+        self.table = table
+        #: Every finding said during the last fit, in order (the guard's too).
+        self.findings: list[Finding] = []
+        self._layers: tuple[str, ...] = ()
+        self._units: tuple[int, ...] = ()
+        self._modules: tuple[str, ...] = ()
+        self.num_classes: int | None = None
+        self._add = jax.jit(add_windows)
+        self._reset(0)
+
+    def __repr__(self) -> str:
+        return f"Diagnose(every={self.every!r}, window={self.window})"
+
+    def _reset(self, step: int) -> None:
+        self._sums: Window | None = None
+        self._start = step + 1
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._active: dict[tuple[str, str | None], Finding] = {}
+        self._absent: collections.Counter[tuple[str, str | None]] = collections.Counter()
+        self._first: dict[str, LayerFigures] = {}
+        self._first_max_grad: float | None = None
+        self._counted: collections.Counter[str] = collections.Counter()
+
+    def check_fit(self, plan: FitPlan) -> None:
+        super().check_fit(plan)
+        self._plan = plan
+
+    # -- inside the step ----------------------------------------------------
+
+    def inside_step(self, tapped: Tapped) -> Window:
+        gradients = {t.name: t for t in tapped.gradients if not isinstance(t, RepeatedTap)}
+        pairs, names, units = [], [], []
+        for tap in tapped.activations:
+            grad = gradients.get(tap.name)
+            if isinstance(tap, RepeatedTap) or grad is None or grad.value.shape != tap.value.shape:
+                continue
+            if not jnp.issubdtype(tap.value.dtype, jnp.floating):
+                continue
+            pairs.append((tap.value, grad.value))
+            names.append(tap.name)
+            units.append(int(tap.value.shape[-1]) if tap.value.ndim else 1)
+        # Fixed by the model while traced: the host reads the sums by them.
+        self._layers, self._units = tuple(names), tuple(units)
+        modules, table = param_stats(tapped.params, tapped.grads, tapped.updates)
+        self._modules = modules
+        self.num_classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
+        return step_window(pairs, table)
+
+    def take(self, loop: Loop, result: Window) -> None:
+        # Added up on the devices: nothing is read until the window is judged.
+        self._sums = result if self._sums is None else self._add(self._sums, result)
+
+    # -- on the host ----------------------------------------------------------
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self.findings = []
+        self._reset(loop.step)
+
+    def on_finding(self, loop: Loop) -> None:
+        finding = loop.payload
+        if isinstance(finding, Finding) and not any(finding is f for f in self.findings):
+            self.findings.append(finding)  # another's (the guard's): in the table too
+
+    def on_step_end(self, loop: Loop) -> None:
+        if loop.should_stop and loop.diverged is not None:
+            return
+        if loop.step % self.window == 0:
+            self._close(loop.step)
+        settled = loop.settled_step
+        while self._pending and settled is not None and self._pending[0].end <= settled:
+            self._judge(loop, self._pending.popleft())
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if loop.exception is None and loop.diverged is None:
+            # A last part-window is judged if it is at least half a window.
+            if loop.step - self._start + 1 >= self.window / 2:
+                self._close(loop.step)
+            while self._pending:
+                self._judge(loop, self._pending.popleft())
+        self._pending.clear()
+        if self.table and self.findings and jax.process_index() == 0:
+            _print_table(self.findings)
+
+    def _close(self, step: int) -> None:
+        if self._sums is not None:
+            self._pending.append(_Pending(self._start, step, self._sums))
+        self._sums, self._start = None, step + 1
+
+    def _judge(self, loop: Loop, pending: _Pending) -> None:
+        sums = jax.tree.map(_host, pending.sums)
+        steps = (pending.start, pending.end)
+        read = {"layers": sums.layers, "reached": sums.reached, "mass": sums.mass}
+        figures = layer_figures(self._layers, self._units, read, self.thresholds)
+        for f in figures:
+            self._first.setdefault(f.name, f)
+        grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
+        found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
+        if self._first_max_grad is None and grads:
+            self._first_max_grad = max(grads)
+        found += param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
+        self.update(loop, found, pending.end)
+
+    def update(self, loop: Loop, found: Sequence[Finding], step: int) -> None:
+        """Says the findings that appeared; forgets those absent twice in a row."""
+        current = {_once_key(f): f for f in found}
+        for key in list(self._active):
+            if key in current:
+                self._absent.pop(key, None)
+                continue
+            self._absent[key] += 1
+            if self._absent[key] >= 2:  # cleared: said again if it comes back
+                del self._active[key]
+                self._absent.pop(key, None)
+        for key, finding in current.items():
+            if key not in self._active:
+                self._active[key] = finding
+                self._say(loop, finding)
+        counts = collections.Counter(kind for kind, _ in self._active)
+        loop.writers.scalars({kind: float(counts.get(kind, 0)) for kind in KINDS}, step, prefix="health")
+
+    def _say(self, loop: Loop, finding: Finding) -> None:
+        self.findings.append(finding)
+        if jax.process_index() == 0:
+            _log.warning("%s", finding.message())
+        loop.writers.text("health/findings", _markdown(finding), finding.step)
+        if loop.emit is not None:
+            loop.emit(Event.FINDING, finding)
+
+
+def _classes(outputs: Any, labels: Any) -> int | None:
+    """The number of classes of a classifier's logits (integer labels of the
+    outputs' leading shape), else None."""
+    if labels is None or not isinstance(outputs, jax.Array) or outputs.ndim < 2:
+        return None
+    if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != outputs.shape[:-1]:
+        return None
+    return int(outputs.shape[-1]) if outputs.shape[-1] >= 2 else None
+
+
+def _markdown(finding: Finding) -> str:
+    where = f"`{finding.layer}`: " if finding.layer else ""
+    return f"**{finding.kind}** at step {finding.step}: {where}{finding.evidence}.\n\n*Try:* {finding.advice}"
+
+
+def _print_table(findings: Sequence[Finding]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Diagnose: what was found", show_lines=True)
+    for column in ("step", "finding", "layer", "evidence", "try"):
+        table.add_column(column, overflow="fold")
+    for f in findings:
+        table.add_row(str(f.step), f.kind, f.layer or "-", f.evidence, f.advice)
+    Console(stderr=True).print(table)

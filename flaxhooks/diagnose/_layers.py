@@ -1,0 +1,245 @@
+"""From a window's sums to each layer's figures, and from the figures to
+findings: dead and dormant units, saturation, vanishing and exploding
+gradients, update ratios far from 1e-3, parameters that never change."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+import numpy as np
+
+from flaxhooks.core import Finding
+from flaxhooks.diagnose._instep import COLUMNS, SLOPE_BINS
+
+_BINS = len(SLOPE_BINS) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """When a layer's figures become a finding; the README gives each one's source.
+
+    Attributes:
+        dead_fraction: the share of a layer's units that got no gradient over a
+            window, from which it is reported (10%: keras-contrib's ``DeadReluDetector``).
+        dormant_score: a unit is dormant when its mean output ``max(z, 0)`` is at most
+            this share of its layer's mean (ReDo's tau = 0.025, Sokar et al. 2023).
+        dormant_fraction: the share of dormant units from which a layer is reported.
+        flat_slope: a ``|z|`` bin is in the activation's flat region when the mean
+            gradient there is below this share of the mean at ``|z| < 0.5``.
+        saturated_fraction: the share of pre-activations in the flat region from which
+            a layer is reported (tanh is flat beyond ``|z|`` 2.5, sigmoid beyond 5).
+        vanishing_ratio: a layer's gradient RMS below this share of the largest of the
+            layers after it (nearer the loss) is vanishing.
+        exploding_ratio: a layer's gradient RMS above this multiple of the smallest of
+            the layers after it is exploding.
+        exploding_growth: the model's largest gradient RMS grown this many times since
+            the first window is exploding.
+        update_ratio_high: a module's mean ``|update| / |params|`` over a window above
+            this is learning too fast (CS231n: about 1e-3 is healthy).
+        update_ratio_low: below this (but not 0) it is barely learning.
+    """
+
+    dead_fraction: float = 0.10
+    dormant_score: float = 0.025
+    dormant_fraction: float = 0.10
+    flat_slope: float = 0.05
+    saturated_fraction: float = 0.25
+    vanishing_ratio: float = 1e-4
+    exploding_ratio: float = 1e4
+    exploding_growth: float = 100.0
+    update_ratio_high: float = 0.1
+    update_ratio_low: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFigures:
+    """One layer's figures over one window (host floats).
+
+    Attributes:
+        name: the layer, by the statistics' path.
+        mean: its pre-activations' mean.
+        grad_rms: the RMS of the loss's gradient with respect to them.
+        dead: the share of its units that got no gradient at any entry.
+        dormant: the share of its units whose ReDo score is at most the threshold
+            (NaN unless a ReLU follows: no gradient wherever ``z <= 0``).
+        saturated: the share of its pre-activations in the flat region of the
+            activation that follows (NaN unless that activation flattens).
+        slopes: the mean gradient in each ``|z|`` bin over that at ``|z| < 0.5``.
+    """
+
+    name: str
+    mean: float
+    grad_rms: float
+    dead: float
+    dormant: float
+    saturated: float
+    slopes: tuple[float, ...]
+
+
+def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str, np.ndarray],
+                  thresholds: Thresholds) -> list[LayerFigures]:
+    """Each layer's figures from a window read on the host (``layers``, ``reached``, ``mass``)."""
+    table = np.asarray(sums["layers"], np.float64)
+    reached, mass = np.asarray(sums["reached"], np.float64), np.asarray(sums["mass"], np.float64)
+    col = {c: i for i, c in enumerate(COLUMNS)}
+    bin_counts = table[:, col["bin0_count"]:col["bin0_count"] + _BINS]
+    bin_grads = table[:, col["bin0_abs_g"]:col["bin0_abs_g"] + _BINS]
+    figures, offset = [], 0
+    for i, (name, n) in enumerate(zip(names, units, strict=True)):
+        row, unit_reached, unit_mass = table[i], reached[offset:offset + n], mass[offset:offset + n]
+        offset += n
+        count = max(row[col["count"]], 1.0)
+        relu_like = row[col["nonpositive_with_gradient"]] == 0 and row[col["nonpositive"]] > 0
+        dormant = float("nan")
+        if relu_like and unit_mass.mean() > 0:
+            dormant = float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean_g = bin_grads[i] / bin_counts[i]
+            slopes = mean_g / mean_g[0] if bin_counts[i, 0] > 0 and bin_grads[i, 0] > 0 else np.full(_BINS, np.nan)
+        flat = np.isfinite(slopes) & (slopes < thresholds.flat_slope) & (bin_counts[i] > 0)
+        # A flat region is the top of the range: every bin beyond the first flat one
+        # (ReLU's negative half gives no gradient at any |z|, which is not saturation).
+        saturated = float("nan")
+        if flat.any() and not relu_like:
+            first = int(np.argmax(flat))
+            if first > 0 and np.all(flat[first:] | (bin_counts[i, first:] == 0)):
+                saturated = float(bin_counts[i, first:].sum() / count)
+        figures.append(LayerFigures(
+            name, float(row[col["sum_z"]] / count), float(np.sqrt(row[col["sum_g2"]] / count)),
+            float(1.0 - unit_reached.mean()) if n else 0.0, dormant, saturated, tuple(map(float, slopes)),
+        ))
+    return figures
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFigures], steps: tuple[int, int],
+                   thresholds: Thresholds, first_max_grad: float | None = None) -> list[Finding]:
+    """The findings of one window's figures; ``first``: each layer's figures in
+    its first window (for the trend); ``steps``: the window's first and last step."""
+    start, end = steps
+    found: list[Finding] = []
+    for f in figures:
+        before = first.get(f.name)
+        trend = ""
+        if before is not None and before is not f:
+            trend = f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the first window"
+        if f.dead >= thresholds.dead_fraction:
+            found.append(Finding(
+                "dead_units", end, f.name,
+                f"{_pct(f.dead)} of its units got no gradient on any example over steps {start}-{end} (dead, "
+                f"threshold {_pct(thresholds.dead_fraction)}){trend}",
+                "a lower learning rate, LeakyReLU or GELU, or check the bias init (a large negative bias "
+                "kills ReLU units)", since=start, values={"dead": f.dead, "mean": f.mean},
+            ))
+        elif np.isfinite(f.dormant) and f.dormant >= thresholds.dormant_fraction:
+            found.append(Finding(
+                "dormant_units", end, f.name,
+                f"{_pct(f.dormant)} of its ReLU units are dormant over steps {start}-{end} (mean output at most "
+                f"{thresholds.dormant_score} of the layer's, ReDo; threshold {_pct(thresholds.dormant_fraction)})"
+                f"{trend}",
+                "reinitialize dormant units (ReDo), a lower learning rate, or LeakyReLU/GELU",
+                since=start, values={"dormant": f.dormant},
+            ))
+        if np.isfinite(f.saturated) and f.saturated >= thresholds.saturated_fraction:
+            found.append(Finding(
+                "saturation", end, f.name,
+                f"{_pct(f.saturated)} of its pre-activations sit where the activation after it is flat (its "
+                f"gradient there is under {thresholds.flat_slope:g} of its slope near 0) over steps "
+                f"{start}-{end}",
+                "normalize the inputs of that layer (LayerNorm/BatchNorm), a smaller init scale "
+                "(Glorot/He), or ReLU/GELU instead of tanh/sigmoid", since=start, values={"saturated": f.saturated},
+            ))
+    found += _gradient_findings(figures, steps, thresholds, first_max_grad)
+    return found
+
+
+def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], thresholds: Thresholds,
+                       first_max_grad: float | None) -> list[Finding]:
+    start, end = steps
+    rms = np.array([f.grad_rms for f in figures])
+    usable = np.isfinite(rms) & (rms > 0)
+    found = []
+    vanishing, exploding = [], []
+    for i in range(len(figures) - 1):
+        later = rms[i + 1:][usable[i + 1:]]
+        if not usable[i] or not later.size:
+            continue
+        if rms[i] < thresholds.vanishing_ratio * later.max():
+            vanishing.append((i, rms[i] / later.max()))
+        if rms[i] > thresholds.exploding_ratio * later.min():
+            exploding.append((i, rms[i] / later.min()))
+    if vanishing:
+        i, ratio = vanishing[-1]  # nearest the loss: where it begins
+        found.append(Finding(
+            "vanishing_gradients", end, figures[i].name,
+            f"its gradient RMS is {rms[i]:.2g}, {ratio:.1g} of the largest of the layers after it over steps "
+            f"{start}-{end} ({len(vanishing)} layer{'s' if len(vanishing) > 1 else ''} from the input up to it; "
+            f"threshold {thresholds.vanishing_ratio:g})",
+            "residual connections, normalization (LayerNorm/BatchNorm), ReLU/GELU instead of sigmoid/tanh, "
+            "or He/Glorot init", since=start, values={"ratio": float(ratio)},
+        ))
+    if exploding:
+        i, ratio = exploding[-1]
+        found.append(Finding(
+            "exploding_gradients", end, figures[i].name,
+            f"its gradient RMS is {rms[i]:.2g}, {ratio:.2g} times the smallest of the layers after it over steps "
+            f"{start}-{end} (threshold {thresholds.exploding_ratio:g})",
+            "clip gradients (optax.clip_by_global_norm), a lower learning rate, or normalization",
+            since=start, values={"ratio": float(ratio)},
+        ))
+    elif first_max_grad and usable.any() and rms[usable].max() > thresholds.exploding_growth * first_max_grad:
+        i = int(np.nanargmax(np.where(usable, rms, np.nan)))
+        growth = rms[i] / first_max_grad
+        found.append(Finding(
+            "exploding_gradients", end, figures[i].name,
+            f"the largest gradient RMS, this layer's, grew {growth:.3g} times since the first window, to "
+            f"{rms[i]:.2g} over steps {start}-{end} (threshold {thresholds.exploding_growth:g} times)",
+            "clip gradients (optax.clip_by_global_norm), a lower learning rate, or warmup",
+            since=start, values={"growth": float(growth)},
+        ))
+    return found
+
+
+def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float, steps: tuple[int, int],
+                   thresholds: Thresholds) -> list[Finding]:
+    """Findings from each module's summed ``[update ratio, gradient norm, zero updates]``."""
+    start, end = steps
+    if steps_added <= 0 or not len(modules):
+        return []
+    table = np.asarray(sums, np.float64) / steps_added
+    ratio, grad_norm, zero = table[:, 0], table[:, 1], table[:, 2]
+    found = []
+    frozen = [i for i in range(len(modules)) if zero[i] >= 1.0]
+    for i in frozen:
+        why = "while it gets a gradient" if grad_norm[i] > 0 else "and it gets no gradient (is it used by the loss?)"
+        found.append(Finding(
+            "frozen_params", end, modules[i],
+            f"its parameters did not change at any step over steps {start}-{end}, {why} (mean gradient norm "
+            f"{grad_norm[i]:.3g})",
+            "check the optimizer's masks (optax.masked, multi_transform, set_to_zero) and the learning "
+            "rate schedule, or freeze it on purpose and ignore this", since=start,
+            values={"grad_norm": float(grad_norm[i])},
+        ))
+    moving = [i for i in range(len(modules)) if i not in frozen]
+    high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high), key=lambda i: -ratio[i])
+    low = sorted((i for i in moving if 0 < ratio[i] < thresholds.update_ratio_low), key=lambda i: ratio[i])
+    for kind, chosen, words, advice in (
+        ("update_ratio_high", high, f"above {thresholds.update_ratio_high:g}", "a lower learning rate (about "
+         "10x lower per decade above 1e-3), warmup, or gradient clipping"),
+        ("update_ratio_low", low, f"below {thresholds.update_ratio_low:g}", "a higher learning rate, or check "
+         "the schedule and weight decay"),
+    ):
+        if chosen:
+            listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g}" for i in chosen[:4])
+            more = f" and {len(chosen) - 4} more" if len(chosen) > 4 else ""
+            found.append(Finding(
+                kind, end, modules[chosen[0]],
+                f"the mean update / parameter norm over steps {start}-{end} is {words} (healthy: about 1e-3, "
+                f"CS231n) for {len(chosen)} of {len(modules)} modules: {listed}{more}",
+                advice, since=start, values={m: float(ratio[i]) for m, i in ((modules[i], i) for i in chosen)},
+            ))
+    return found
+
