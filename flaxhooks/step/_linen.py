@@ -230,7 +230,7 @@ class _LinenTapRun:
         self.recorder: CallRecorder | None = None
 
     def _run(self, params: Any, perturbations: Any, mutable: Sequence[str]) -> tuple[Any, dict[str, Any]]:
-        self.recorder = CallRecorder(self.taps.perturb, self.taps.capture)
+        self.recorder = CallRecorder(self.taps.perturb, self.taps.capture, self.collections)
         variables = {"params": params, **self.model_state}
         if perturbations:
             variables[PERTURBATIONS] = perturbations
@@ -357,15 +357,29 @@ def _is_probe(module: nn.Module) -> bool:
 
 
 class CallRecorder:
-    """A method interceptor: records which modules ran, in the order their
-    calls completed, finds the scans they ran in (``nn.scan`` in class or
+    """A method interceptor: records which module calls ran, in the order they
+    completed, finds the scans they ran in (``nn.scan`` in class or
     method form, ``nn.RNN``), and perturbs the outputs of selected modules so
-    the loss can be differentiated with respect to them."""
+    the loss can be differentiated with respect to them.
 
-    def __init__(self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None):
+    ``sown`` names the collections whose sown values are attributed to the
+    call that sowed them (the innermost one of the module that was running).
+    """
+
+    def __init__(
+        self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None,
+        sown: Sequence[str] = (),
+    ):
         self.perturb = perturb
         self.capture = capture
+        self.sown = tuple(sown)
+        self._done = 0  # calls completed so far: the next one's rank
         self._completed: dict[tuple[str, ...], int] = {}  # path -> rank of its first completed call
+        #: (path, method, call) -> rank of that call (the first time it ran: nn.scan traces its body twice).
+        self._ranks: dict[tuple[tuple[str, ...], str, int], int] = {}
+        #: (path, collection, name, entry) -> rank of the call that sowed that entry of the
+        #: sown tuple (entry None: a value that is no tuple, by the call that last wrote it).
+        self._sown_ranks: dict[tuple[tuple[str, ...], str, str, int | None], int] = {}
         self.scans: dict[tuple[str, ...], Scan] = {}  # path of the module a scan runs -> the scan
         #: (module path, variable) -> (module, method) of each perturbed output.
         self.perturbed: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
@@ -436,13 +450,16 @@ class CallRecorder:
         path = module_path(module)
         self._enter(module, method, path)
         outer = self._outer(module, method)
+        counted = outer and method != "setup"
+        before = self._sown_state(module) if counted else {}
         self._running.append((path, method))
         try:
             output = next_fun(*args, **kwargs)
         finally:
             self._running.pop()
-        if method == "setup" or not outer:
+        if not counted:
             return output
+        call = self._count(module, path, method)
         captured = self.capture is not None and self.capture(module, method)
         perturbed = self.perturb is not None and self.perturb(module, method)
         for scan in self.scans:
@@ -460,11 +477,57 @@ class CallRecorder:
         # output repeats a module's when it is the very array that module returned.
         repeats = self._repeats(output) if not path and outermost else None
         if perturbed:
-            output = self._perturbed(module, path, method, output, repeats)
+            output = self._perturbed(module, path, method, call, output, repeats)
         self._note_returned(output, path, captured, perturbed, repeats)
-        if outermost:  # a parent completes after its children: the order module outputs were produced
-            self._completed.setdefault(path, len(self._completed))
+        # A parent's call completes after its children's: the order the outputs were produced in.
+        rank = self._done
+        self._done += 1
+        self._ranks.setdefault((path, method, call), rank)
+        self._note_sown(module, path, before, rank)
+        if outermost:
+            self._completed.setdefault(path, rank)
         return output
+
+    def _count(self, module: nn.Module, path: tuple[str, ...], method: str) -> int:
+        """Numbers this call of ``method`` from 0, as the captured tuple and
+        the perturbation names (``__call__#1``) do. Calls are counted per
+        scope tree: nn.scan traces its body twice, each time in a new one,
+        while a shared module's calls share one."""
+        assert module.scope is not None, "interceptors see bound modules"
+        root = module.scope.root
+        key = (path, method, id(root))
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        self._scopes.append(root)
+        return call
+
+    def _sown_state(self, module: nn.Module) -> dict[tuple[str, str], Any]:
+        """The values the module's own scope holds in the sown collections."""
+        if not self.sown or module.scope is None:
+            return {}
+        variables = module.variables
+        return {
+            (collection, name): value
+            for collection in self.sown
+            for name, value in variables.get(collection, {}).items()
+            if not isinstance(value, Mapping)  # a submodule's
+        }
+
+    def _note_sown(
+        self, module: nn.Module, path: tuple[str, ...], before: Mapping[Any, Any], rank: int,
+    ) -> None:
+        """Attributes what the module sowed during this call to it: each entry
+        a sow appended to a tuple, or a value (other reductions) it last wrote."""
+        for (collection, name), value in self._sown_state(module).items():
+            old = before.get((collection, name))
+            if value is old:
+                continue
+            start = len(old) if isinstance(old, tuple) else 0
+            if isinstance(value, tuple) and (old is None or isinstance(old, tuple)) and start <= len(value):
+                for entry in range(start, len(value)):
+                    self._sown_ranks.setdefault((path, collection, name, entry), rank)
+            else:
+                self._sown_ranks[(path, collection, name, None)] = rank
 
     def _repeats(self, output: Any) -> list[ReturnedBy | None]:
         """For each leaf of the model's output, the submodule call that returned this very array."""
@@ -483,17 +546,9 @@ class CallRecorder:
                 self.repeated_outputs[id(leaf)] = ReturnedBy(leaf, source.path, True, source.perturbed)
 
     def _perturbed(
-        self, module: nn.Module, path: tuple[str, ...], method: str, output: Any,
+        self, module: nn.Module, path: tuple[str, ...], method: str, call: int, output: Any,
         repeats: list[ReturnedBy | None] | None = None,
     ) -> Any:
-        # Calls are counted per scope tree: nn.scan traces its body twice,
-        # each time in a new one, while a shared module's calls share one.
-        assert module.scope is not None, "interceptors see bound modules"
-        root = module.scope.root
-        key = (path, method, id(root))
-        call = self._calls.get(key, 0)
-        self._calls[key] = call + 1
-        self._scopes.append(root)
         leaves, treedef = jax.tree.flatten(output)
         name = method if call == 0 else f"{method}#{call}"
         for i, leaf in enumerate(leaves):
@@ -508,20 +563,41 @@ class CallRecorder:
 
     def rank(self, path: tuple[str, ...]) -> int:
         """The order in which ``path``'s module first completed a call (last if never)."""
-        return self._completed.get(path, len(self._completed))
+        return self._completed.get(path, self._done)
+
+    def call_rank(self, path: tuple[str, ...], method: str, call: int) -> int:
+        """The order in which call ``call`` (from 0) of ``path``'s ``method`` completed;
+        the module's first call's if unknown."""
+        return self._ranks.get((path, method, call), self.rank(path))
+
+    def sown_rank(self, path: tuple[str, ...], collection: str, name: str, entry: int | None) -> int:
+        """The rank of the call that sowed ``entry`` of the module's sown
+        ``name`` (None: a value that is no tuple); the module's first call's if unknown."""
+        return self._sown_ranks.get((path, collection, name, entry), self.rank(path))
 
 
 def sown_values(value: Any, name: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
     """The floating arrays in a sown value (a tuple of calls, each any pytree)."""
+    for _, item_name, array in sown_entries(value, name):
+        yield item_name, array
+
+
+def sown_entries(
+    value: Any, name: tuple[str, ...],
+) -> Iterator[tuple[int | None, tuple[str, ...], jax.Array]]:
+    """:func:`sown_values`, each with the entry of the tuple (the call, or
+    the ``sow``) it is in; None for a value that is no tuple."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            yield from sown_values(item, (*name, str(key)))
+            for item_name, array in sown_values(item, (*name, str(key))):
+                yield None, item_name, array
     elif isinstance(value, (tuple, list)):
         many = sum(item is not None for item in value) > 1
         for i, item in enumerate(value):
-            yield from sown_values(item, (*name, str(i)) if many else name)
+            for item_name, array in sown_values(item, (*name, str(i)) if many else name):
+                yield i, item_name, array
     elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
-        yield name, value
+        yield None, name, value
 
 
 def _sites(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
@@ -531,6 +607,12 @@ def _sites(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tupl
             yield from _sites(value, (*path, key))
         else:
             yield path, key, value
+
+
+def _perturbation_call(name: str) -> tuple[str, int]:
+    """``__call__#2:1`` as ``("__call__", 2)``: the method and call it perturbs."""
+    method, _, call = name.partition(":")[0].partition("#")
+    return method, int(call) if call.isdigit() else 0
 
 
 def _perturbation_name(name: str, siblings: set[str]) -> tuple[str, ...]:
@@ -580,7 +662,9 @@ def _split_scanned(
 def collect_taps(
     collections: Mapping[str, Mapping[str, Any]], recorder: CallRecorder, split_steps: bool = False,
 ) -> list[Tap]:
-    """Taps for every floating value in ``collections``, in execution order.
+    """Taps for every floating value in ``collections``, in execution order:
+    each in the order the call that made it completed (a shared module's
+    outputs each by its own call), a parent's after its children's.
 
     Values stacked by a scan over layers are split into one tap per layer;
     those of a recurrence stay one value over every time step unless ``split_steps``.
@@ -591,19 +675,27 @@ def collect_taps(
         origins = {PERTURBATIONS: recorder.perturbed, INTERMEDIATES: recorder.captured}.get(collection, {})
         for module, key, value in sites:
             origin = origins.get((module, key))
+            entries: Iterator[tuple[int, tuple[str, ...], Any]]
             if collection == PERTURBATIONS:
                 siblings = {k for m, k, _ in sites if m == module}
-                entries: Iterator[Any] = iter([(_perturbation_name(key, siblings), value)])
+                # An interceptor's site names its call; the model's own perturb sites do not.
+                rank = recorder.call_rank(module, *_perturbation_call(key)) if origin is not None \
+                    else recorder.rank(module)
+                entries = iter([(rank, _perturbation_name(key, siblings), value)])
+            elif origin is not None:  # a captured output: one entry per call
+                entries = ((recorder.call_rank(module, key, call or 0), name, array)
+                           for call, name, array in sown_entries(value, (key,)))
             else:
-                entries = sown_values(value, (key,))
-            for name, array in entries:
+                entries = ((recorder.sown_rank(module, collection, key, entry), name, array)
+                           for entry, name, array in sown_entries(value, (key,)))
+            for rank, name, array in entries:
                 name = output_name(module, name) if origin is not None else name
                 scanned = _split_scanned(module, name, array, collection, recorder.scans, split_steps)
                 for display, layer_value in scanned:
                     tap = Tap("/".join(display), module, collection, layer_value, key, origin)
                     if origin is not None and not module:
                         tap = as_repeated(tap, _repeated(recorder, collection, key, layer_value))
-                    found.append((recorder.rank(module), len(found), tap))
+                    found.append((rank, len(found), tap))
     taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
     names = [t.name for t in taps]
     return [

@@ -343,7 +343,8 @@ class _Recorder:
                  perturbations: Mapping[str, jax.Array] | None):
         self.modules = {id(m): (tuple(str(p) for p in path), m) for path, m in nnx.iter_modules(root)}
         self.capture, self.perturb, self.perturbations = capture, perturb, perturbations
-        self.completed: dict[Path, int] = {}
+        self.completed: dict[Path, int] = {}  # path -> rank of its first completed call
+        self.ranks: dict[tuple[Path, int], int] = {}  # (path, call) -> the order that call completed in
         self.calls: dict[Path, int] = {}
         self.outputs: list[tuple[Path, int, int, int, jax.Array, nnx.Module]] = []  # path, call, leaf, leaves
         self.perturbed: list[tuple[Path, int, int, int, str, nnx.Module]] = []
@@ -399,7 +400,9 @@ class _Recorder:
         if path:
             for leaf in jax.tree.leaves(output):  # as the caller receives them
                 self._returned[id(leaf)] = ReturnedBy(leaf, path, captured, perturbed)
-        self.completed.setdefault(path, len(self.completed))
+        # A parent's call completes after its children's: the order the outputs were produced in.
+        rank = self.ranks[(path, call)] = len(self.ranks)
+        self.completed.setdefault(path, rank)
         return output
 
     def _note_repeats(self, call: int, outputs: Sequence[jax.Array]) -> None:
@@ -413,7 +416,12 @@ class _Recorder:
                 self.repeated_sites[(call, n)] = source.path
 
     def rank(self, path: Path) -> int:
-        return self.completed.get(path, len(self.completed))
+        """The order in which ``path``'s module first completed a call (last if never)."""
+        return self.completed.get(path, len(self.ranks))
+
+    def call_rank(self, path: Path, call: int) -> int:
+        """The order in which call ``call`` (from 0) of ``path``'s module completed."""
+        return self.ranks.get((path, call), self.rank(path))
 
     def name(self, path: Path, call: int, leaf: int, leaves: int) -> str:
         parts = [*path, *output_name(path, ())]
@@ -491,7 +499,7 @@ class _NNXTapRun:
                       (source, "__call__"))
             if not path:
                 tap = as_repeated(tap, recorder.repeated_outputs.get((call, leaf)))
-            found.append((recorder.rank(path), len(found), tap))
+            found.append((recorder.call_rank(path, call), len(found), tap))
         for var_type, state in captured.items():
             if var_type is nnx.Perturbation:
                 continue
@@ -514,7 +522,7 @@ class _NNXTapRun:
                       perturbation_grads["outputs"][key], "__call__", (source, "__call__"))
             if not path:
                 tap = as_repeated(tap, recorder.repeated_sites.get((call, leaf)))
-            found.append((recorder.rank(path), len(found), tap))
+            found.append((recorder.call_rank(path, call), len(found), tap))
         for module_path, key, value in _sites(perturbation_grads.get("model", {})):
             for name, array in sown_values(value, (key,)):
                 tap = Tap("/".join((*module_path, *name)), module_path, PERTURBATIONS, array, key)
