@@ -3,4 +3,6 @@ watchers that turn statistics into findings (:class:`flaxhooks.Finding`),
 and the pictures that show them. The callback itself is
 :class:`flaxhooks.Diagnose`."""
 
-__all__: list[str] = []
+from flaxhooks.diagnose._loss import LossThresholds, LossWatch
+
+__all__: list[str] = ["LossThresholds", "LossWatch"]
