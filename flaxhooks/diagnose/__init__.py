@@ -3,13 +3,9 @@ watchers that turn statistics into findings (:class:`flaxhooks.Finding`),
 and the pictures that show them. The callback itself is
 :class:`flaxhooks.Diagnose`."""
 
-from flaxhooks.diagnose._instep import COLUMNS, SLOPE_BINS, Window, add_windows, layer_sums, step_window
-from flaxhooks.diagnose._layers import LayerFigures, Thresholds, layer_figures, layer_findings, param_findings
-
-__all__ = [
-    "COLUMNS",
-    "SLOPE_BINS",
+from flaxhooks.diagnose._instep import (
     "LayerFigures",
+    "SLOPE_BINS",
     "Thresholds",
     "Window",
     "add_windows",
@@ -18,4 +14,47 @@ __all__ = [
     "layer_sums",
     "param_findings",
     "step_window",
+    COLUMNS,
+    SLOPE_BINS,
+    Thresholds,
+    Window,
+    ],
+    add_windows,
+    layer_figures,
+    layer_findings,
+    layer_sums,
+    param_findings  __all__ = [     "COLUMNS",
+    step_window from flaxhooks.diagnose._layers import LayerFigures,
+)
+from flaxhooks.diagnose._loss import (
+    "LossWatch"],
+    LossThresholds,
+    LossWatch  __all__: list[str] = ["LossThresholds",
+)
+
+__all__ = [
+    ""LayerFigures"",
+    ""LossWatch"]",
+    ""SLOPE_BINS"",
+    ""Thresholds"",
+    ""Window"",
+    ""add_windows"",
+    ""layer_figures"",
+    ""layer_findings"",
+    ""layer_sums"",
+    ""param_findings"",
+    ""step_window"",
+    "COLUMNS",
+    "LossThresholds",
+    "LossWatch  __all__: list[str] = ["LossThresholds"",
+    "SLOPE_BINS",
+    "Thresholds",
+    "Window",
+    "]",
+    "add_windows",
+    "layer_figures",
+    "layer_findings",
+    "layer_sums",
+    "param_findings  __all__ = [     "COLUMNS"",
+    "step_window from flaxhooks.diagnose._layers import LayerFigures",
 ]

@@ -1,0 +1,447 @@
+"""The loss, step by step: a spike, a plateau, and a first loss that an
+untrained classifier cannot have (:class:`LossWatch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+from flaxhooks.core import Finding
+
+
+@dataclasses.dataclass(frozen=True)
+class LossThresholds:
+    """When the loss is a problem; the defaults of the spike rules are their sources' own.
+
+    Attributes:
+        spike_window: LLM-Foundry's rule: the finite losses whose mean a spike is measured against (100).
+        spike_factor: a loss at or above this times that mean is high (2).
+        spike_patience: high losses in a row that are tolerated; one more is a spike (4).
+        outlier_window: MaxText's rule: the losses whose mean and standard deviation one loss is
+            measured against (128).
+        outlier_sigmas: a loss this many standard deviations above that mean is a spike (6).
+        outlier_min_rise: and only if it is also this fraction of the mean above it, so that a loss
+            that hardly varies (a converged run) is not called spiky for a wobble (0.1; ours).
+        plateau_window: W, the losses each plateau mean is taken over (200).
+        plateau_min_fall: the loss fell from one window to a later one if their means differ by at
+            least this fraction (0.01) ...
+        plateau_sigmas: ... and by this many standard errors of that difference, so noise is no fall (2).
+        plateau_clear: a plateau said is over once the mean falls this fraction below where it was (0.1).
+        initial_high_nats: a first loss more than ``max(this, initial_high_ratio * log(C))`` above
+            ``log(C)`` is too high (1.0).
+        initial_high_ratio: see ``initial_high_nats`` (0.5).
+        initial_low_ratio: a first loss below this times ``log(C)`` is too low, for C >= 3 (0.25).
+
+    Example:
+        >>> from flaxhooks.diagnose import LossThresholds
+        >>> LossThresholds(plateau_window=500).plateau_window
+        500
+    """
+
+    spike_window: int = 100
+    spike_factor: float = 2.0
+    spike_patience: int = 4
+    outlier_window: int = 128
+    outlier_sigmas: float = 6.0
+    outlier_min_rise: float = 0.1
+    plateau_window: int = 200
+    plateau_min_fall: float = 0.01
+    plateau_sigmas: float = 2.0
+    plateau_clear: float = 0.1
+    initial_high_nats: float = 1.0
+    initial_high_ratio: float = 0.5
+    initial_low_ratio: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("spike_window", "outlier_window", "plateau_window"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be at least 2, got {getattr(self, name)}")
+        if self.spike_factor <= 1:
+            raise ValueError(f"spike_factor must be above 1, got {self.spike_factor}")
+
+
+class _Window:
+    """The last ``size`` losses with their steps, and their mean and standard deviation.
+
+    The sums are kept about a shift (the mean when last recomputed) and recomputed
+    exactly every ``size`` pushes, so rounding neither drifts nor cancels, at O(1)
+    amortized per push.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.steps: deque[int] = deque(maxlen=size)
+        self.values: deque[float] = deque(maxlen=size)
+        self._shift = 0.0
+        self._sum = 0.0
+        self._sum_sq = 0.0
+        self._until_exact = size
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @property
+    def full(self) -> bool:
+        return len(self.values) == self.size
+
+    def push(self, step: int, value: float) -> tuple[int, float] | None:
+        """Adds a loss; returns the ``(step, loss)`` it pushed out, if any."""
+        evicted = (self.steps[0], self.values[0]) if self.full else None
+        self.steps.append(step)
+        self.values.append(value)
+        self._count(value, 1.0)
+        if evicted is not None:
+            self._count(evicted[1], -1.0)
+        self._until_exact -= 1
+        if self._until_exact == 0:
+            self._recompute()
+        return evicted
+
+    def _count(self, value: float, sign: float) -> None:
+        offset = value - self._shift
+        self._sum += sign * offset
+        self._sum_sq += sign * offset * offset
+
+    def _recompute(self) -> None:
+        self._shift = math.fsum(self.values) / len(self.values)
+        offsets = [value - self._shift for value in self.values]
+        self._sum = math.fsum(offsets)
+        self._sum_sq = math.fsum(offset * offset for offset in offsets)
+        self._until_exact = self.size
+
+    @property
+    def mean(self) -> float:
+        return self._shift + self._sum / len(self.values)
+
+    @property
+    def std(self) -> float:
+        """With Bessel's correction, as MaxText's rule computes it."""
+        n = len(self.values)
+        if n < 2:
+            return 0.0
+        return math.sqrt(max(0.0, (self._sum_sq - self._sum * self._sum / n) / (n - 1)))
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.steps[0], self.steps[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Level:
+    """A window's mean, the steps it covers (as the evidence names them) and its spread."""
+
+    mean: float
+    first: int
+    last: int
+    std: float = 0.0
+    count: int = 1
+
+    @staticmethod
+    def of(window: _Window) -> _Level:
+        return _Level(window.mean, *window.span, window.std, len(window))
+
+    def steps(self) -> str:
+        return f"steps {self.first}-{self.last}"
+
+
+def _num(value: float) -> str:
+    """A loss as the evidence writes it: two decimals where that reads well."""
+    return f"{value:.2f}" if 1 <= abs(value) < 1e5 else f"{value:.3g}"
+
+
+def _spike_advice(since: int, step: int) -> str:
+    steps = f"step {step}" if since == step else f"steps {since}-{step}"
+    return ("lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), "
+            f"and check the data of {steps}")
+
+
+def _outlier_finding(step: int, loss: float, level: _Level) -> Finding:
+    """MaxText's rule: one loss far above the previous window."""
+    std = level.std
+    if std > 0:
+        sigmas = (loss - level.mean) / std
+        how_far = f"{sigmas:.1f} standard deviations above its mean of {_num(level.mean)}"
+    else:
+        sigmas = math.inf
+        how_far = f"from a constant {_num(level.mean)}"
+    return Finding(
+        "loss_spike", step, None,
+        f"the loss rose to {_num(loss)} at step {step}, {how_far} over {level.steps()}",
+        _spike_advice(step, step),
+        since=step,
+        values={"rule": "outlier", "loss": loss, "mean": level.mean, "std": std, "sigmas": sigmas,
+                "window": (level.first, level.last)},
+    )
+
+
+def _sustained_finding(step: int, since: int, count: int, baseline: _Level, factor: float,
+                       peak: tuple[float, int]) -> Finding:
+    """LLM-Foundry's rule: several losses in a row far above the window before them."""
+    return Finding(
+        "loss_spike", step, None,
+        f"the loss stayed at or above {factor:g}x its mean of {_num(baseline.mean)} over {baseline.steps()} "
+        f"for {count} losses in a row, steps {since}-{step}, reaching {_num(peak[0])} at step {peak[1]}",
+        _spike_advice(since, step),
+        since=since,
+        values={"rule": "sustained", "loss": peak[0], "mean": baseline.mean, "factor": factor,
+                "steps_high": count, "window": (baseline.first, baseline.last)},
+    )
+
+
+def _fell(before: _Level, after: _Level, min_fall: float, sigmas: float) -> bool:
+    """Whether the loss fell from one window to a later one: by a real amount, beyond their noise."""
+    drop = before.mean - after.mean
+    noise = math.sqrt(before.std**2 / before.count + after.std**2 / after.count)
+    return drop > min_fall * abs(before.mean) and drop > sigmas * noise
+
+
+def _plateau_finding(step: int, recent: _Level, previous: _Level, start: _Level) -> Finding:
+    return Finding(
+        "loss_plateau", step, None,
+        f"the loss has not fallen since training began: its mean is {_num(recent.mean)} over "
+        f"{recent.steps()}, against {_num(previous.mean)} over {previous.steps()} and "
+        f"{_num(start.mean)} over {start.steps()}",
+        "check the learning rate is not too low (the schedule, a long warmup), that gradients reach "
+        "the parameters and that the labels match the inputs; try to overfit a single batch",
+        since=start.first,
+        values={"recent_mean": recent.mean, "previous_mean": previous.mean, "start_mean": start.mean,
+                "recent": (recent.first, recent.last), "previous": (previous.first, previous.last),
+                "start": (start.first, start.last)},
+    )
+
+
+def _initial_finding(step: int, loss: float, num_classes: int, thresholds: LossThresholds) -> Finding | None:
+    """Karpathy's "verify loss @ init": an untrained classifier's loss is about log(C)."""
+    chance = math.log(num_classes)
+    high = chance + max(thresholds.initial_high_nats, thresholds.initial_high_ratio * chance)
+    # For two classes a quarter of log(2) is within reach of an imbalanced label prior.
+    low = thresholds.initial_low_ratio * chance if num_classes >= 3 else -math.inf
+    expected = f"log({num_classes}) = {chance:.2f}"
+    values = {"loss": loss, "expected": chance, "num_classes": num_classes, "high": high, "low": low}
+    if loss > high:
+        return Finding(
+            "initial_loss", step, None,
+            f"the first loss is {_num(loss)}, far above {expected}, the loss of a classifier that gives "
+            "every class the same probability: its first logits are too large",
+            "shrink the last layer's initialization (or start it at zero), normalize the inputs, and "
+            "check the loss is given logits, as optax.softmax_cross_entropy expects",
+            since=step, values=values,
+        )
+    if loss < low:
+        return Finding(
+            "initial_loss", step, None,
+            f"the first loss is {_num(loss)}, far below {expected}: an untrained classifier cannot "
+            "predict the labels yet",
+            "check the labels do not leak into the inputs, that the loss is averaged over the examples "
+            "(not divided by too much or mostly masked) and that the number of classes is right",
+            since=step, values=values,
+        )
+    return None
+
+
+class LossWatch:
+    """Finds problems in the loss, one step at a time, and says each once.
+
+    ``loss_spike`` follows two published rules; either one is enough:
+
+    * LLM-Foundry's ``KillLossSpike`` callback: the loss stays at or above
+      ``spike_factor`` (2) times the mean of the ``spike_window`` (100) finite
+      losses before the spike began, for more than ``spike_patience`` (4) steps
+      in a row.
+    * MaxText's ``skip_step_on_spikes`` (``skip_step_interval: 128``,
+      ``skip_step_scaling_factor: 6.0``, after OLMo-core's skip-step optimizer):
+      one loss more than ``outlier_sigmas`` (6) standard deviations above the
+      mean of the previous ``outlier_window`` (128) losses, once that many are
+      known; we add that it must also be ``outlier_min_rise`` (10%) of that
+      mean above it.
+
+    A spike is said again only after ``spike_patience + 1`` ordinary losses in
+    a row, so one ragged spike is one finding.
+
+    ``loss_plateau``, training that makes no progress: more than
+    ``3 * plateau_window`` (W) losses are known, and the mean of the last W has
+    fallen neither from the mean of the first W nor from the W before it. A fall
+    counts when it is ``plateau_min_fall`` (1%) of the earlier mean and
+    ``plateau_sigmas`` (2) standard errors of the difference: noise is no fall.
+    A converged run fell far from where it began, and a slow one keeps falling
+    from there, so neither is reported: we cannot know the lowest loss, only
+    whether the loss moved. A run whose loss moves less than its noise over 3W
+    steps looks stuck; raise W for slow, noisy fine-tuning. A plateau is said
+    again only after the mean fell ``plateau_clear`` (10%) below where it was
+    said, and then stuck again. A resumed run (``fresh=False``) is not judged:
+    where it resumed is not where training began, and a converged run would
+    look stuck.
+
+    ``initial_loss`` (:meth:`initial`; Karpathy, "A Recipe for Training Neural
+    Networks", 2019: verify the loss at init): an untrained classifier of C
+    classes should start near ``log(C)``. Far above it, the first logits are too
+    large; far below it, something gives the labels away.
+
+    Non-finite losses are skipped: another guard owns them, and they stay out
+    of the windows. Each step costs O(1) (amortized), and the watch holds at
+    most ``spike_window + outlier_window + 2 * plateau_window`` losses.
+
+    Args:
+        thresholds: when the loss is a problem.
+        fresh: whether the first loss it takes is training's first (False for a resumed run).
+
+    Example:
+        >>> from flaxhooks.diagnose import LossWatch
+        >>> watch = LossWatch()
+        >>> [f.kind for f in watch.initial(0, 30.0, num_classes=10)]
+        ['initial_loss']
+        >>> losses = [1.0 + 0.01 * (step % 3) for step in range(300)]
+        >>> losses[250] = 9.0
+        >>> found = [f for step, loss in enumerate(losses) for f in watch.add(step, loss)]
+        >>> [(f.kind, f.since) for f in found]
+        [('loss_spike', 250)]
+        >>> print(found[0].evidence)  # doctest: +NORMALIZE_WHITESPACE
+        the loss rose to 9.00 at step 250, 971.0 standard deviations above its mean of 1.01
+        over steps 122-249
+    """
+
+    def __init__(self, thresholds: LossThresholds = LossThresholds(), *, fresh: bool = True):
+        self.thresholds = thresholds
+        self.fresh = fresh
+        self._spike_window = _Window(thresholds.spike_window)
+        self._outlier_window = _Window(thresholds.outlier_window)
+        self._recent = _Window(thresholds.plateau_window)
+        self._previous = _Window(thresholds.plateau_window)
+        self._seen = 0
+        self._start: _Level | None = None
+        # LLM-Foundry's rule: the run of high losses, against the baseline from before it began.
+        self._high_baseline: _Level | None = None
+        self._high_since = 0
+        self._high_steps = 0
+        self._high_peak = (0.0, 0)
+        # What has been said and not yet cleared.
+        self._spike_said = False
+        self._calm_steps = 0
+        self._plateau_at: _Level | None = None
+        self._initial_said = False
+
+    @property
+    def retained(self) -> int:
+        """How many losses the watch holds: bounded by its windows, however long the run."""
+        windows = (self._spike_window, self._outlier_window, self._recent, self._previous)
+        return sum(len(window) for window in windows)
+
+    def add(self, step: int, loss: float) -> list[Finding]:
+        """Takes one step's loss, in step order; returns the findings that appear at this step.
+
+        Example:
+            >>> from flaxhooks.diagnose import LossWatch
+            >>> LossWatch().add(0, float("nan"))
+            []
+        """
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return []
+        found = self._spike(step, loss)
+        self._push(step, loss)
+        return found + self._plateau(step)
+
+    def initial(self, step: int, loss: float, num_classes: int | None) -> list[Finding]:
+        """Checks the first loss of a fresh run against ``log(num_classes)``.
+
+        Call it once, at the first step of a run that starts from initialization
+        (not one resumed); ``add`` still takes that loss as well.
+
+        Args:
+            step: the first step.
+            loss: its loss, a mean softmax cross-entropy in nats.
+            num_classes: the classes, or None when the model is not a classifier (no check).
+
+        Example:
+            >>> from flaxhooks.diagnose import LossWatch
+            >>> LossWatch().initial(0, 2.35, num_classes=10)
+            []
+        """
+        if num_classes is None or self._initial_said or not math.isfinite(loss):
+            return []
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+        finding = _initial_finding(step, float(loss), num_classes, self.thresholds)
+        self._initial_said = finding is not None
+        return [finding] if finding else []
+
+    def _push(self, step: int, loss: float) -> None:
+        self._seen += 1
+        self._spike_window.push(step, loss)
+        self._outlier_window.push(step, loss)
+        leaving = self._recent.push(step, loss)
+        if leaving is not None:
+            self._previous.push(*leaving)
+        if self._start is None and self._recent.full:
+            self._start = _Level.of(self._recent)
+
+    def _spike(self, step: int, loss: float) -> list[Finding]:
+        """Both spike rules, against the windows before this loss."""
+        outlier = self._outlier(loss)
+        high = self._track_high(step, loss)
+        if outlier is None and not high:
+            self._calm_steps += 1
+            if self._calm_steps > self.thresholds.spike_patience:
+                self._spike_said = False
+            return []
+        self._calm_steps = 0
+        if self._spike_said:
+            return []
+        if outlier is not None:
+            finding = _outlier_finding(step, loss, outlier)
+        elif self._high_baseline is not None and self._high_steps > self.thresholds.spike_patience:
+            finding = _sustained_finding(step, self._high_since, self._high_steps, self._high_baseline,
+                                         self.thresholds.spike_factor, self._high_peak)
+        else:
+            return []
+        self._spike_said = True
+        return [finding]
+
+    def _outlier(self, loss: float) -> _Level | None:
+        """MaxText's rule: the previous window, when ``loss`` is far above it."""
+        limits = self.thresholds
+        if not self._outlier_window.full:
+            return None
+        level = _Level.of(self._outlier_window)
+        rise = loss - level.mean
+        if rise > limits.outlier_sigmas * level.std and rise > limits.outlier_min_rise * abs(level.mean):
+            return level
+        return None
+
+    def _track_high(self, step: int, loss: float) -> bool:
+        """LLM-Foundry's rule: whether ``loss`` is high, keeping the run of high losses."""
+        if self._high_baseline is None:
+            window = self._spike_window
+            # Twice a mean means nothing unless the mean is positive.
+            if not window.full or window.mean <= 0 or loss < self.thresholds.spike_factor * window.mean:
+                return False
+            self._high_baseline, self._high_since, self._high_steps = _Level.of(window), step, 1
+            self._high_peak = (loss, step)
+            return True
+        if loss < self.thresholds.spike_factor * self._high_baseline.mean:
+            self._high_baseline, self._high_steps = None, 0
+            return False
+        self._high_steps += 1
+        if loss > self._high_peak[0]:
+            self._high_peak = (loss, step)
+        return True
+
+    def _plateau(self, step: int) -> list[Finding]:
+        """Whether the loss has not fallen since training began, nor lately."""
+        limits = self.thresholds
+        if not self.fresh or self._seen <= 3 * limits.plateau_window or self._start is None:
+            return []
+        recent = _Level.of(self._recent)
+        if self._plateau_at is not None:
+            # Only a clear fall from where it was said ends a plateau, not noise around it.
+            said = self._plateau_at.mean
+            if recent.mean < said - limits.plateau_clear * abs(said):
+                self._plateau_at = None
+            return []
+        previous, start = _Level.of(self._previous), self._start
+        if any(_fell(before, recent, limits.plateau_min_fall, limits.plateau_sigmas)
+               for before in (start, previous)):
+            return []
+        self._plateau_at = recent
+        return [_plateau_finding(step, recent, previous, start)]
