@@ -1,5 +1,5 @@
 """Writers: a service on the loop that callbacks write through (scalars,
-text, histograms, a sync point before a checkpoint commits), and the
+text, histograms, images, a sync point before a checkpoint commits), and the
 TensorBoard event files behind it."""
 
 from flaxhooks.writers._files import (
@@ -9,10 +9,12 @@ from flaxhooks.writers._files import (
     read_layout,
     truncate_events,
 )
-from flaxhooks.writers._service import Histogram, Values, Writer, WriterCallback, Writers
+from flaxhooks.writers._png import encode_png, png_size
+from flaxhooks.writers._service import Histogram, Images, Values, Writer, WriterCallback, Writers
 
 __all__ = [
     "Histogram",
+    "Images",
     "LogdirError",
     "SummaryWriterThread",
     "Values",
@@ -20,6 +22,8 @@ __all__ = [
     "WriterCallback",
     "Writers",
     "check_writable",
+    "encode_png",
+    "png_size",
     "read_layout",
     "truncate_events",
 ]

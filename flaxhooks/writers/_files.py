@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.writers._service import Histogram, RunValues, Values
+from flaxhooks.writers._png import encode_png, png_channels, png_size
+from flaxhooks.writers._service import Histogram, Images, RunValues, Values
 
 _log = logging.getLogger("flaxhooks")
 
@@ -419,6 +420,25 @@ class SummaryWriterThread:
                     bucket_limits=list(histogram.limits), bucket_counts=list(histogram.counts),
                     global_step=step,
                 )
+
+        self._submit(job)
+
+    def images(self, values: Images, step: int) -> None:
+        """Writes images (TensorBoard's Images tab): ``{tag: PNG bytes or
+        uint8 [H, W, 3] pixels}``, or a function returning them, called on
+        the thread (where pixels are encoded as PNG)."""
+
+        def job(writer: Callable[[str], Any]) -> None:
+            from tensorboardX.proto.summary_pb2 import Summary
+
+            found = []
+            for tag, image in (values() if callable(values) else values).items():
+                png = bytes(image) if isinstance(image, (bytes, bytearray, memoryview)) else encode_png(image)
+                height, width = png_size(png)
+                found.append(Summary.Value(tag=tag, image=Summary.Image(
+                    height=height, width=width, colorspace=png_channels(png), encoded_image_string=png)))
+            if found:
+                writer()._get_file_writer().add_summary(Summary(value=found), step)
 
         self._submit(job)
 

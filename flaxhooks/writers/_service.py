@@ -1,5 +1,5 @@
 """Writers as a service on the loop: whatever a callback writes (scalars,
-text, histograms) goes to every writer of the fit, and a checkpoint can ask
+text, histograms, images) goes to every writer of the fit, and a checkpoint can ask
 for everything written so far to be on disk before it commits."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import numpy as np
 Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 #: Values of several runs: ``{run: {tag: value}}``, or a function returning that.
 RunValues = Mapping[str, Mapping[str, Any]] | Callable[[], Mapping[str, Mapping[str, Any]]]
+#: Images to write: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``, or a function returning that.
+Images = Mapping[str, bytes | np.ndarray] | Callable[[], Mapping[str, bytes | np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,10 @@ class Writer(Protocol):
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
         """Writes histograms that are already binned."""
+
+    def images(self, values: Images, step: int) -> None:
+        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``.
+        (Optional: a writer without it writes no images.)"""
 
     def sync_point(self) -> threading.Event:
         """An event set once everything written so far is on disk."""
@@ -201,6 +207,17 @@ class Writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
                 writer.histograms(values, step)
+
+    def images(self, values: Images, step: int) -> None:
+        """Writes images, ``{tag: PNG bytes or uint8 [H, W, 3] pixels}`` (or a
+        function returning them, called off the training thread): TensorBoard
+        shows them in its Images tab, a slider through the steps of each tag.
+        A writer without ``images`` is left out."""
+        if self.writers:
+            values = _Once(values) if callable(values) else values
+            for writer in self.writers:
+                if hasattr(writer, "images"):
+                    writer.images(values, step)
 
     def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
         """Writes the histogram of ``values``' finite entries (read off the training thread)."""

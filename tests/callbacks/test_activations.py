@@ -562,6 +562,9 @@ class OneRunWriter(flaxhooks.Callback):
     def histograms(self, values, step):
         pass
 
+    def images(self, values, step):
+        pass
+
     def sync_point(self):
         done = threading.Event()
         done.set()

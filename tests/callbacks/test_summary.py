@@ -194,6 +194,9 @@ class FakeWriter:
     def histograms(self, values, step):
         pass
 
+    def images(self, values, step):
+        pass
+
     def sync_point(self):
         import threading
 

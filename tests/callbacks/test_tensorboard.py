@@ -232,6 +232,26 @@ def test_other_callbacks_write_through_the_loops_writers_whatever_their_order(tm
     assert "custom/notes/text_summary" in read(tmp_path).Tags()["tensors"]
 
 
+def test_callbacks_write_images_through_the_loops_writers(tmp_path):
+    from flaxhooks.diagnose import encode_png, heatmap
+
+    values = np.array([[1e-3, 1e-2, np.nan], [1.0, 0.5, 0.1]])
+    picture = heatmap(values, rows=["dense_0", "head"], steps=[1, 2, 3])
+    png = encode_png(picture)
+
+    class Pictures(Callback):
+        def on_step_end(self, loop):
+            if loop.step == 2:
+                loop.writers.images({"diagnose/png": png}, loop.step)
+                loop.writers.images(lambda: {"diagnose/pixels": picture}, loop.step)  # encoded off the thread
+
+    sgd_trainer(callbacks=[Pictures(), TensorBoard(tmp_path)]).fit(make_batches(3), epochs=1)
+    for tag in ("diagnose/png", "diagnose/pixels"):
+        (image,) = read(tmp_path).Images(tag)
+        assert (image.step, image.height, image.width) == (2, *picture.shape[:2])
+        assert image.encoded_image_string == png
+
+
 def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):
     import threading
 
