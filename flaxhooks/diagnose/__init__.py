@@ -3,4 +3,26 @@ watchers that turn statistics into findings (:class:`flaxhooks.Finding`),
 and the pictures that show them. The callback itself is
 :class:`flaxhooks.Diagnose`."""
 
-__all__: list[str] = []
+from flaxhooks.diagnose._setup import (
+    DEFAULT_RNG_NAMES,
+    CallSources,
+    DropoutCall,
+    Sources,
+    call_sources,
+    dropout_in_eval,
+    output_sources,
+    rng_streams,
+    setup_findings,
+)
+
+__all__: list[str] = [
+    "DEFAULT_RNG_NAMES",
+    "CallSources",
+    "DropoutCall",
+    "Sources",
+    "call_sources",
+    "dropout_in_eval",
+    "output_sources",
+    "rng_streams",
+    "setup_findings",
+]
