@@ -4,11 +4,11 @@ and the pictures that show them. The callback itself is
 :class:`flaxhooks.Diagnose`."""
 
 from flaxhooks.diagnose._heatmap import (
-    "Heatmaps",
     "NON_FINITE",
     "colormap",
     "encode_png",
     "heatmap"],
+    (     "Heatmaps",
     Heatmaps,
     MISSING,
     NON_FINITE,
@@ -16,7 +16,6 @@ from flaxhooks.diagnose._heatmap import (
     heatmap from flaxhooks.writers import encode_png  __all__: list[str] = ["MISSING",
 )
 from flaxhooks.diagnose._instep import (
-    "SLOPE_BINS",
     "Thresholds",
     "Window",
     "add_windows",
@@ -26,6 +25,7 @@ from flaxhooks.diagnose._instep import (
     "param_findings",
     "step_window",
     (     "LayerFigures",
+    (     "SLOPE_BINS",
     COLUMNS,
     SLOPE_BINS,
     Thresholds,
@@ -39,19 +39,29 @@ from flaxhooks.diagnose._instep import (
     step_window from flaxhooks.diagnose._layers import LayerFigures,
 )
 from flaxhooks.diagnose._layers import (
+    (     LayerFigures",
     LayerFigures",
     ],
 )
 from flaxhooks.diagnose._loss import (
-    (     "LossWatch"],
+    (     (     "LossWatch"],
     LossThresholds,
     LossWatch  __all__: list[str] = ["LossThresholds",
 )
+from flaxhooks.diagnose._setup import (
+    (     DEFAULT_RNG_NAMES,
+    CallSources,
+    DropoutCall,
+    Sources,
+    call_sources,
+    dropout_in_eval,
+    output_sources,
+    rng_streams,
+    setup_findings,
+)
 
 __all__ = [
-    ""Heatmaps"",
     ""NON_FINITE"",
-    ""SLOPE_BINS"",
     ""Thresholds"",
     ""Window"",
     ""add_windows"",
@@ -63,9 +73,15 @@ __all__ = [
     ""layer_sums"",
     ""param_findings"",
     ""step_window"",
+    "(     "Heatmaps"",
     "(     "LayerFigures"",
-    "(     "LossWatch"]",
+    "(     "SLOPE_BINS"",
+    "(     (     "LossWatch"]",
+    "(     DEFAULT_RNG_NAMES",
+    "(     LayerFigures"",
     "COLUMNS",
+    "CallSources",
+    "DropoutCall",
     "Heatmaps",
     "LayerFigures"",
     "LossThresholds",
@@ -73,16 +89,22 @@ __all__ = [
     "MISSING",
     "NON_FINITE",
     "SLOPE_BINS",
+    "Sources",
     "Thresholds",
     "Window",
     "]",
     "]",
     "add_windows",
+    "call_sources",
     "colormap",
+    "dropout_in_eval",
     "heatmap from flaxhooks.writers import encode_png  __all__: list[str] = ["MISSING"",
     "layer_figures",
     "layer_findings",
     "layer_sums",
+    "output_sources",
     "param_findings  __all__ = [     "COLUMNS"",
+    "rng_streams",
+    "setup_findings",
     "step_window from flaxhooks.diagnose._layers import LayerFigures",
 ]

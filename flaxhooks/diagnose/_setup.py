@@ -1,0 +1,436 @@
+"""Set-up traps, found before training starts: dropout that evaluation
+leaves on, and RNG streams the model and ``rng_names`` disagree about.
+
+Everything works on abstract values: the model's train- and eval-mode calls
+are traced to jaxprs (``jax.make_jaxpr``) with the RNG keys as inputs, and a
+small walk over the equations tells which keys each output depends on.
+Nothing compiles and nothing runs on a device.
+
+What Flax does, which decides what is worth saying (Flax 0.12): a Linen
+module that draws from a stream ``apply`` was not given raises
+``InvalidRngError``, unless a ``params`` key was given, which it then draws
+from silently; streams given but never drawn are ignored. The Trainer gives
+the eval-mode call keys for the same ``rng_names`` as the train-mode call,
+so dropout that evaluation leaves on runs without a word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import errors as flax_errors
+from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from flaxhooks.core import Finding
+from flaxhooks.step import Model, NNXModel, axis_name
+
+#: The labels of the inputs an array depends on.
+Sources = frozenset[Hashable]
+
+#: The streams the Trainer gives keys for when ``rng_names`` is not given.
+DEFAULT_RNG_NAMES: tuple[str, ...] = ("dropout",)
+
+_NOTHING: Sources = frozenset()
+_MISSING = re.compile(r'^(?P<module>\S+) needs PRNG for "(?P<stream>[^"]+)"')
+
+
+# --- which inputs each output of a jaxpr depends on ------------------------------------------------
+
+
+def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources]) -> list[Sources]:
+    """The labels of the inputs each output of ``jaxpr`` depends on.
+
+    An equation's outputs depend on everything its inputs depend on. The
+    bodies of calls (``jit``, ``remat``, custom derivatives), ``scan``,
+    ``while`` and ``cond`` are walked inside, so a key that only passes
+    through one unused counts for nothing; any other equation with a
+    sub-jaxpr counts as depending on all its inputs (conservative).
+
+    Args:
+        jaxpr: the jaxpr (closed or open); its constants depend on nothing.
+        inputs: one set of labels per input variable.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> closed = jax.make_jaxpr(lambda x, y: (x * 2, y + x, 3.0))(1.0, 2.0)
+        >>> [sorted(s) for s in output_sources(closed, [frozenset("x"), frozenset("y")])]
+        [['x'], ['x', 'y'], []]
+    """
+    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    env: dict[Any, Sources] = dict(zip(inner.invars, inputs, strict=True))
+
+    def read(var: Any) -> Sources:
+        return _NOTHING if isinstance(var, Literal) else env.get(var, _NOTHING)
+
+    for eqn in inner.eqns:
+        env.update(zip(eqn.outvars, _equation_sources(eqn, [read(v) for v in eqn.invars]), strict=True))
+    return [read(v) for v in inner.outvars]
+
+
+def _union(sets: Iterable[Sources]) -> Sources:
+    return frozenset().union(*sets)
+
+
+def _equation_sources(eqn: Any, inputs: list[Sources]) -> list[Sources]:
+    """The sources of one equation's outputs."""
+    count = len(eqn.outvars)
+    if not any(inputs):
+        return [_NOTHING] * count
+    params, name = eqn.params, eqn.primitive.name
+    if name == "scan":
+        return _scan_sources(params["jaxpr"], params["num_consts"], params["num_carry"], inputs)
+    if name == "while":
+        return _while_sources(params, inputs)
+    if name == "cond":
+        outputs = [_union(s) for s in zip(*(output_sources(b, inputs[1:]) for b in params["branches"]),
+                                          strict=True)]
+        return [s | inputs[0] for s in outputs]  # the branch taken depends on the index
+    bodies = [p for p in params.values() if isinstance(p, (Jaxpr, ClosedJaxpr))]
+    if len(bodies) == 1:  # a call: its body takes the inputs and gives the outputs one for one
+        body = bodies[0].jaxpr if isinstance(bodies[0], ClosedJaxpr) else bodies[0]
+        if len(body.invars) == len(inputs) and len(body.outvars) == count:
+            return output_sources(bodies[0], inputs)
+    return [_union(inputs)] * count
+
+
+def _fixed_point(body: Any, before: list[Sources], after: list[Sources], carry: list[Sources],
+                 ) -> tuple[list[Sources], list[Sources]]:
+    """Loop ``body(*before, *carry, *after)`` until the carry's sources stop growing."""
+    while True:
+        outputs = output_sources(body, [*before, *carry, *after])
+        grown = [a | b for a, b in zip(carry, outputs[: len(carry)], strict=True)]
+        if grown == carry:
+            return carry, outputs[len(carry):]
+        carry = grown
+
+
+def _scan_sources(body: Any, consts: int, carries: int, inputs: list[Sources]) -> list[Sources]:
+    carry, ys = _fixed_point(body, inputs[:consts], inputs[consts + carries:],
+                             inputs[consts:consts + carries])
+    return [*carry, *ys]
+
+
+def _while_sources(params: Mapping[str, Any], inputs: list[Sources]) -> list[Sources]:
+    cond_consts, body_consts = params["cond_nconsts"], params["body_nconsts"]
+    start = cond_consts + body_consts
+    carry, _ = _fixed_point(params["body_jaxpr"], inputs[cond_consts:start], [], inputs[start:])
+    # How many times the body runs depends on whatever the condition reads.
+    stop = output_sources(params["cond_jaxpr"], [*inputs[:cond_consts], *carry])[0]
+    return [s | stop for s in carry]
+
+
+# --- one abstract call of the model -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutCall:
+    """One call of a Linen ``nn.Dropout`` seen while tracing.
+
+    Attributes:
+        path: the module's path (``"block_0/Dropout_0"``).
+        rate: its dropout rate.
+        stream: the RNG stream it draws from (``rng_collection``).
+        deterministic: whether it was off (True), on (False) or unknown (None).
+    """
+
+    path: str
+    rate: float
+    stream: str
+    deterministic: bool | None
+
+    @property
+    def dropping(self) -> bool:
+        """It drops units: a positive rate, and not deterministic."""
+        return self.rate > 0 and self.deterministic is False
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSources:
+    """What one traced call of the model depends on.
+
+    Attributes:
+        outputs: the labels of the random inputs the outputs depend on:
+            ``(stream, None)`` for a key given as ``rngs``, ``(tag, where)``
+            for an NNX module's RNG state at ``where``.
+        state: the same for the new model state.
+        dropouts: the Linen ``nn.Dropout`` calls seen.
+        missing: streams the call asked for that were not given (Flax's
+            ``InvalidRngError``): they were given to trace the rest.
+        error: Flax's message when a stream it asked for could not be named.
+    """
+
+    outputs: Sources
+    state: Sources
+    dropouts: tuple[DropoutCall, ...] = ()
+    missing: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def _dropout_recorder(seen: list[DropoutCall]) -> Callable[..., Any]:
+    """An ``nn.intercept_methods`` interceptor noting every ``nn.Dropout`` call."""
+
+    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        if isinstance(module, nn.Dropout) and context.method_name == "__call__":
+            given = kwargs.get("deterministic", args[1] if len(args) > 1 else None)
+            flag = module.deterministic if given is None else given
+            path = "/".join(module.scope.path) if module.scope is not None else ""
+            seen.append(DropoutCall(path, float(module.rate), module.rng_collection,
+                                    flag if isinstance(flag, bool) else None))
+        return next_fun(*args, **kwargs)
+
+    return interceptor
+
+
+def _abstract(tree: Any) -> Any:
+    """Shapes and dtypes only (no shardings)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def _nnx_rng_labels(model: NNXModel) -> dict[tuple[str, ...], tuple[str, str]]:
+    """Each RNG key and count of an NNX model, by its path in the ``rngs``
+    collection: ``(stream tag, where it is held)``."""
+    labels = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model.module, nnx.RngState)):
+        key = tuple(str(p) for p in path)
+        labels[key] = (str(variable.get_metadata().get("tag", "?")), "/".join(key[:-1]))
+    return labels
+
+
+def _trace(
+    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *, train: bool,
+    streams: Sequence[str],
+) -> CallSources:
+    """Traces one call with a key for each of ``streams``; raises Flax's
+    ``InvalidRngError`` when the model asks for another."""
+    key = jax.eval_shape(jax.random.PRNGKey, 0)
+    rngs = dict.fromkeys(streams, key)
+    nnx_labels = _nnx_rng_labels(model) if isinstance(model, NNXModel) else {}
+    leading = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), _abstract(dict(batch)))
+    args = (_abstract(params), _abstract(dict(model_state)), leading, rngs)
+    seen: list[DropoutCall] = []
+
+    def call(params: Any, model_state: Any, batch: Any, rngs: Any) -> Any:
+        with nn.intercept_methods(_dropout_recorder(seen)):
+            return model.apply(params, model_state, batch, train=train, rngs=rngs)
+
+    # As the step runs it: the whole batch, one share on a device axis of size 1.
+    mapped = jax.vmap(call, in_axes=(None, None, 0, None), axis_name=axis_name(model), axis_size=1)
+    closed, shapes = jax.make_jaxpr(mapped, return_shape=True)(*args)
+
+    def label(path: tuple[Any, ...]) -> Sources:
+        keys = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
+        if keys[0] == "3":
+            return frozenset({(keys[1], None)})
+        if keys[0] == "1" and keys[1] == "rngs" and tuple(keys[2:]) in nnx_labels:
+            return frozenset({nnx_labels[tuple(keys[2:])]})
+        return _NOTHING
+
+    inputs = [label(path) for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    sources = output_sources(closed, inputs)
+    split = len(jax.tree.leaves(shapes[0]))
+    return CallSources(_union(sources[:split]), _union(sources[split:]), tuple(seen))
+
+
+def call_sources(
+    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *, train: bool,
+    streams: Sequence[str] | None = None,
+) -> CallSources:
+    """Which random inputs one call of ``model`` depends on, on abstract values.
+
+    The call gets a key for each of ``streams`` (default: ``model.rng_names``)
+    as the Trainer gives them. A stream the model asks for beyond them (Flax
+    raises ``InvalidRngError``) is noted in ``missing`` and given, so the
+    rest of the call can be traced. Compiles nothing.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> from flaxhooks.step import as_model
+        >>> from flaxhooks.diagnose import call_sources
+        >>> model = as_model(nn.Dropout(0.5), "x", train_arg="deterministic")
+        >>> batch = {"x": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+        >>> sorted(call_sources(model, {}, {}, batch, train=True).outputs)
+        [('dropout', None)]
+    """
+    given = tuple(model.rng_names if streams is None else streams)
+    found: list[str] = []
+    for _ in range(16):
+        try:
+            # Without "params" unless asked for: Flax would draw a missing stream from it silently.
+            names = [*(s for s in given if s != "params"), *found]
+            traced = _trace(model, params, model_state, batch, train=train, streams=names)
+            missing = tuple(s for s in found if s not in given)
+            return dataclasses.replace(traced, missing=missing)
+        except flax_errors.InvalidRngError as error:
+            match = _MISSING.match(str(error))
+            if match is None or match["stream"] in found:
+                text = str(error).split(" (https://")[0]
+                return CallSources(_NOTHING, _NOTHING, missing=tuple(found), error=text)
+            found.append(match["stream"])
+    raise AssertionError("a model asked for more than 16 RNG streams")
+
+
+# --- the findings -----------------------------------------------------------------------------------
+
+
+def _names(items: Iterable[str]) -> str:
+    return ", ".join(repr(i) for i in sorted(set(items)))
+
+
+def _dropout_streams(model: Model, *calls: CallSources) -> set[str]:
+    """The streams dropout draws from: ``dropout``, and those of the dropout layers seen."""
+    streams = {"dropout", *(d.stream for c in calls for d in c.dropouts)}
+    if isinstance(model, NNXModel):
+        streams |= {m.rng_collection for _, m in nnx.iter_modules(model.module) if isinstance(m, nnx.Dropout)}
+    return streams
+
+
+def _nnx_dropout_holders(model: Model) -> set[str]:
+    """Where an NNX model's ``nnx.Dropout`` layers hold their RNG state."""
+    if not isinstance(model, NNXModel):
+        return set()
+    return {"/".join((*map(str, path), "rngs")) for path, m in nnx.iter_modules(model.module)
+            if isinstance(m, nnx.Dropout)}
+
+
+def dropout_in_eval(
+    model: Model, train: CallSources, evaluation: CallSources, step: int = 0,
+) -> list[Finding]:
+    """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a
+    dropout stream: the Trainer could not switch the model's dropout off.
+
+    Randomness in other streams (a sampling model's ``noise``) is taken as
+    meant and not reported. An NNX model's RNG state counts as dropout's when
+    it is an ``nnx.Dropout``'s or its stream is named ``dropout``.
+
+    Example:
+        >>> from flaxhooks.diagnose import CallSources, dropout_in_eval
+        >>> from flaxhooks.step import as_model
+        >>> import flax.linen as nn
+        >>> seen = CallSources(frozenset({("dropout", None)}), frozenset())
+        >>> [f.kind for f in dropout_in_eval(as_model(nn.Dense(2)), seen, seen)]
+        ['dropout_in_eval']
+    """
+    streams, holders = _dropout_streams(model, train, evaluation), _nnx_dropout_holders(model)
+    drawn = sorted((s, w) for s, w in evaluation.outputs if s in streams or w in holders)
+    if not drawn:
+        return []
+    names = sorted({s for s, _ in drawn})
+    places = sorted({w for _, w in drawn if w is not None})
+    layers = sorted({d.path for d in evaluation.dropouts if d.dropping})
+    where = f" ({', '.join(places)})" if places else ""
+    dropping = f"; dropout layers still on: {_names(layers)}" if layers else ""
+    evidence = (f"the eval-mode call's outputs depend on the RNG stream {_names(names)}{where}: "
+                f"dropout stays on in evaluation{dropping}")
+    if isinstance(model, NNXModel):
+        advice = ("let eval() switch it: keep the mode in the layers' `deterministic` attribute "
+                  "(nnx.Dropout's own, which eval() sets) rather than passing `deterministic=False` "
+                  "to their calls")
+        layer = places[0].removesuffix("/rngs") if len(places) == 1 else None
+    else:
+        advice = ("pass the eval-mode twin as Trainer(eval_model=...), e.g. "
+                  "`TransformerLM(config.replace(deterministic=True))`, or take `train`/`deterministic` as a "
+                  "__call__ argument so the Trainer switches it")
+        layer = layers[0] if len(layers) == 1 else None
+    values = {"streams": names, "layers": layers or [p.removesuffix("/rngs") for p in places]}
+    return [Finding("dropout_in_eval", step, layer, evidence, advice, values=values)]
+
+
+def rng_streams(
+    model: Model, train: CallSources, step: int = 0, *, rng_names_given: bool | None = None,
+) -> list[Finding]:
+    """An ``rng_streams`` finding when the train-mode call and ``rng_names`` disagree.
+
+    Said for streams the model draws from that ``rng_names`` lacks (Flax
+    raises, or draws them from ``params`` when that is given), and for
+    streams in ``rng_names`` it never draws from: when dropout layers run
+    with dropout off in train mode, or when ``rng_names`` was given
+    explicitly (``rng_names_given``; None: given when it is not the default
+    ``("dropout",)``). The default stream of a model with no randomness is fine.
+
+    Example:
+        >>> from flaxhooks.diagnose import CallSources, rng_streams
+        >>> from flaxhooks.step import as_model
+        >>> import flax.linen as nn
+        >>> nothing = CallSources(frozenset(), frozenset())
+        >>> rng_streams(as_model(nn.Dense(2)), nothing)
+        []
+        >>> [f.kind for f in rng_streams(as_model(nn.Dense(2), rng_names=("noise",)), nothing)]
+        ['rng_streams']
+    """
+    names = tuple(model.rng_names)
+    if rng_names_given is None:
+        rng_names_given = names != DEFAULT_RNG_NAMES
+    advice_names = [*names, *train.missing]
+    if train.error is not None or train.missing:
+        asked = f"{_names(train.missing)}" if train.missing else "a stream it cannot name"
+        detail = f" ({train.error})" if train.error else ""
+        evidence = (f"the train-mode call draws from the RNG stream {asked}, which rng_names {list(names)} "
+                    f"lacks{detail}")
+        advice = f"Trainer(rng_names={tuple(dict.fromkeys(advice_names))!r})"
+        return [Finding("rng_streams", step, None, evidence, advice,
+                        values={"missing": list(train.missing), "rng_names": list(names)})]
+    drawn = {s for s, _ in train.outputs | train.state}
+    unused = [s for s in names if s not in drawn]
+    off = [d for d in train.dropouts if d.stream in unused and d.rate > 0 and d.deterministic is True]
+    if not unused or not (off or rng_names_given):
+        return []
+    used = tuple(s for s in names if s in drawn)
+    evidence = f"rng_names names {_names(unused)}, which the train-mode call never draws from"
+    if off:
+        evidence += (f"; its dropout layers {_names(d.path for d in off)} are deterministic in train mode: "
+                     "dropout is off in training")
+        advice = ("switch dropout on for training: take `train`/`deterministic` as a __call__ argument, or "
+                  "give the Trainer the train-mode model (e.g. `TransformerLM(config.replace("
+                  "deterministic=False))`) and Trainer(eval_model=...) the eval-mode twin")
+    else:
+        advice = f"Trainer(rng_names={used!r}), or check why the model does not draw from {_names(unused)}"
+    return [Finding("rng_streams", step, None, evidence, advice,
+                    values={"unused": unused, "rng_names": list(names),
+                            "deterministic_layers": sorted({d.path for d in off})})]
+
+
+def setup_findings(
+    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], step: int = 0, *,
+    rng_names_given: bool | None = None,
+) -> list[Finding]:
+    """The set-up traps of a model about to train, on abstract values.
+
+    ``dropout_in_eval``: evaluation's outputs depend on a dropout stream
+    (dropout on in eval mode). ``rng_streams``: the train-mode call draws
+    from a stream ``rng_names`` lacks, or never from one it names (see
+    :func:`rng_streams`). Traces the train- and eval-mode calls to jaxprs as
+    the step and evaluation make them; compiles nothing.
+
+    Args:
+        model: the model adapter (``FitPlan.model``).
+        params, model_state: the state's (abstract or not: only shapes are read).
+        batch: the global batch (``FitPlan.spec.global_batch()``).
+        step: the step the findings are for.
+        rng_names_given: whether ``Trainer(rng_names=...)`` was given
+            explicitly (None: when it is not the default).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> from flaxhooks.step import as_model
+        >>> from flaxhooks.diagnose import setup_findings
+        >>> model = as_model(nn.Dense(2), "x")
+        >>> batch = {"x": jax.ShapeDtypeStruct((8, 3), jnp.float32)}
+        >>> variables = jax.eval_shape(model.init, jax.eval_shape(jax.random.PRNGKey, 0), batch)
+        >>> setup_findings(model, variables["params"], {}, batch)
+        []
+    """
+    train = call_sources(model, params, model_state, batch, train=True)
+    # Evaluation gives the eval-mode call keys for the same streams (and,
+    # here, for those the train-mode call asked for besides, to trace it at all).
+    evaluation = call_sources(model, params, model_state, batch, train=False,
+                              streams=[*model.rng_names, *train.missing])
+    return [*dropout_in_eval(model, train, evaluation, step),
+            *rng_streams(model, train, step, rng_names_given=rng_names_given)]
