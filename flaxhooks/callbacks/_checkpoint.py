@@ -723,6 +723,11 @@ class Checkpoint(Callback):
         state, (epoch, epoch_step), step = loop.state, loop.position, loop.step
         if step == self._saved_step:
             return  # saved (or being saved) already: never declined after the others agreed to save it
+        if loop.diverged is not None:
+            # The guard kept the state from before the non-finite step: it is not this step's.
+            _log.info("not saving step %d: training diverged at step %d", step, loop.diverged)
+            self._decline(step, f"training diverged at step {loop.diverged}")
+            return
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", step)
             self._decline(step, "its state was consumed by an interrupted step")

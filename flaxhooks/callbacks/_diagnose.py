@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -17,8 +18,21 @@ from flax import nnx
 
 from flaxhooks.callbacks._activations import InstrumentedCallback
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
-from flaxhooks.diagnose._instep import Window, add_windows, step_window
-from flaxhooks.diagnose._layers import LayerFigures, Thresholds, layer_figures, layer_findings, param_findings
+from flaxhooks.diagnose import (
+    Heatmaps,
+    LayerFigures,
+    LossThresholds,
+    LossWatch,
+    Thresholds,
+    Window,
+    add_windows,
+    encode_png,
+    layer_figures,
+    layer_findings,
+    param_findings,
+    setup_findings,
+    step_window,
+)
 from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter, param_stats
 
 _log = logging.getLogger("flaxhooks")
@@ -81,8 +95,12 @@ class Diagnose(InstrumentedCallback):
         window: the steps whose sums make one judgment.
         layers: the modules whose outputs are layers (default :data:`AFFINE`).
         thresholds: when figures become findings (:class:`flaxhooks.diagnose.Thresholds`).
+        loss: when the loss is a problem (:class:`flaxhooks.diagnose.LossThresholds`).
         label_key: the batch key of class labels, to recognize a classifier.
         table: print the findings in a table when ``fit`` ends.
+        heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
+            of layers over steps, in TensorBoard's Images tab at each window.
+        report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
 
     Example:
         >>> import flaxhooks
@@ -91,7 +109,9 @@ class Diagnose(InstrumentedCallback):
     """
 
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
-                 thresholds: Thresholds | None = None, label_key: str = "label", table: bool = True):
+                 thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
+                 label_key: str = "label", table: bool = True, heatmaps: bool = True,
+                 report_dir: str | Path | None = None):
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
         self.every = as_every(every)
@@ -99,8 +119,11 @@ class Diagnose(InstrumentedCallback):
         select = as_module_filter(AFFINE if layers is None else layers)
         self.taps = Taps(capture=select, perturb=select)
         self.thresholds = thresholds or Thresholds()
+        self.loss_thresholds = loss or LossThresholds()
         self.label_key = label_key
-        self.table = table
+        self.table, self.heatmaps = table, heatmaps
+        self.report_dir = None if report_dir is None else Path(report_dir)
+        self._plan: FitPlan | None = None
         #: Every finding said during the last fit, in order (the guard's too).
         self.findings: list[Finding] = []
         self._layers: tuple[str, ...] = ()
@@ -121,7 +144,9 @@ class Diagnose(InstrumentedCallback):
         self._absent: collections.Counter[tuple[str, str | None]] = collections.Counter()
         self._first: dict[str, LayerFigures] = {}
         self._first_max_grad: float | None = None
-        self._counted: collections.Counter[str] = collections.Counter()
+        self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
+        self._losses_seen = step
+        self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)
@@ -157,6 +182,12 @@ class Diagnose(InstrumentedCallback):
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
         self._reset(loop.step)
+        plan = self._plan
+        if plan is not None:  # the set-up traps, on abstract values: nothing compiles
+            found = setup_findings(plan.model, plan.state.params, plan.state.model_state, plan.spec.global_batch(),
+                                   step=loop.step)
+            for finding in found:
+                self._say(loop, finding)
 
     def on_finding(self, loop: Loop) -> None:
         finding = loop.payload
@@ -166,13 +197,33 @@ class Diagnose(InstrumentedCallback):
     def on_step_end(self, loop: Loop) -> None:
         if loop.should_stop and loop.diverged is not None:
             return
+        self._read_losses(loop)
         if loop.step % self.window == 0:
             self._close(loop.step)
         settled = loop.settled_step
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())
 
+    def _read_losses(self, loop: Loop) -> None:
+        """Takes the losses the guard read since the last step (host floats: no read here)."""
+        losses = loop.published.get("losses")
+        if not losses or losses[-1][0] <= self._losses_seen:
+            return
+        new = []
+        for step, value in reversed(losses):
+            if step <= self._losses_seen:
+                break
+            new.append((step, value))
+        for step, value in reversed(new):
+            if step == 1:  # the loss before any update, on a fresh run
+                for finding in self._watch.initial(step, value, self.num_classes):
+                    self._say(loop, finding)
+            for finding in self._watch.add(step, value):
+                self._say(loop, finding)
+        self._losses_seen = new[0][0]
+
     def on_fit_end(self, loop: Loop) -> None:
+        self._read_losses(loop)
         if loop.exception is None and loop.diverged is None:
             # A last part-window is judged if it is at least half a window.
             if loop.step - self._start + 1 >= self.window / 2:
@@ -180,8 +231,11 @@ class Diagnose(InstrumentedCallback):
             while self._pending:
                 self._judge(loop, self._pending.popleft())
         self._pending.clear()
-        if self.table and self.findings and jax.process_index() == 0:
-            _print_table(self.findings)
+        if jax.process_index() == 0:
+            if self.table and self.findings:
+                _print_table(self.findings)
+            if self.report_dir is not None:
+                self._write_report()
 
     def _close(self, step: int) -> None:
         if self._sums is not None:
@@ -191,7 +245,7 @@ class Diagnose(InstrumentedCallback):
     def _judge(self, loop: Loop, pending: _Pending) -> None:
         sums = jax.tree.map(_host, pending.sums)
         steps = (pending.start, pending.end)
-        read = {"layers": sums.layers, "reached": sums.reached, "mass": sums.mass}
+        read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
         figures = layer_figures(self._layers, self._units, read, self.thresholds)
         for f in figures:
             self._first.setdefault(f.name, f)
@@ -199,8 +253,39 @@ class Diagnose(InstrumentedCallback):
         found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
         if self._first_max_grad is None and grads:
             self._first_max_grad = max(grads)
-        found += param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
+        # A layer whose every unit is dead is frozen for that reason: said once, as dead.
+        dead = [f for f in found if f.kind == "dead_units"]
+        gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
+        gone |= {layer for f in dead for layer in f.values.get("follow", ())}
+        found += [f for f in param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
+                  if not (f.kind == "frozen_params" and f.layer in gone)]
         self.update(loop, found, pending.end)
+        if self.heatmaps:
+            self._draw(loop, figures, sums, pending.end)
+
+    def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, step: int) -> None:
+        """Adds the window to the heatmaps and logs them (PNGs encoded on the writer's thread)."""
+        ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
+        self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
+        self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
+        self._maps["update_ratio"].add(step, dict(zip(self._modules, ratios.tolist(), strict=True)))
+        if loop.writers:
+            loop.writers.images({f"health/{name}": image for name, image in self.pictures().items()}, step)
+
+    def pictures(self) -> dict[str, np.ndarray]:
+        """The heatmaps so far, as RGB arrays, by statistic: layers (rows, in
+        depth order) over the windows judged (columns)."""
+        return {name: maps.image(title=_TITLES[name], **_RANGE.get(name, {}))
+                for name, maps in self._maps.items() if len(maps)}
+
+    def _write_report(self) -> None:
+        assert self.report_dir is not None
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        for name, image in self.pictures().items():
+            (self.report_dir / f"{name}.png").write_bytes(encode_png(image))
+        lines = ["# Diagnose", ""] + ([f"- {_markdown(f)}".replace("\n\n", " ") for f in self.findings]
+                                     or ["No finding: nothing looked wrong."])
+        (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")
 
     def update(self, loop: Loop, found: Sequence[Finding], step: int) -> None:
         """Says the findings that appeared; forgets those absent twice in a row."""
@@ -218,7 +303,7 @@ class Diagnose(InstrumentedCallback):
                 self._active[key] = finding
                 self._say(loop, finding)
         counts = collections.Counter(kind for kind, _ in self._active)
-        loop.writers.scalars({kind: float(counts.get(kind, 0)) for kind in KINDS}, step, prefix="health")
+        loop.writers.scalars({kind: float(counts.get(kind, 0)) for kind in KINDS}, step, prefix="health/")
 
     def _say(self, loop: Loop, finding: Finding) -> None:
         self.findings.append(finding)
@@ -227,6 +312,12 @@ class Diagnose(InstrumentedCallback):
         loop.writers.text("health/findings", _markdown(finding), finding.step)
         if loop.emit is not None:
             loop.emit(Event.FINDING, finding)
+
+
+#: The heatmaps, and whether each is coloured on a log scale.
+_MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
+_TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
+_RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
 
 
 def _classes(outputs: Any, labels: Any) -> int | None:

@@ -100,8 +100,9 @@ class NonFiniteGuard(Callback):
         self.mode, self.replay = mode, replay
         self._unchecked: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
         self._warned = False
-        #: ``(step, loss)`` of the latest step checked: a finite float, read on the host.
-        self.latest: tuple[int, float] | None = None
+        #: ``(step, loss)`` of the latest steps checked, finite floats read on the
+        #: host, published as ``loop.published["losses"]`` (what a loss watch reads).
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
         #: The finding of this fit's non-finite step, once there was one.
         self.finding: Finding | None = None
 
@@ -126,6 +127,8 @@ class NonFiniteGuard(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unchecked.clear()
+        self.losses.clear()
+        loop.publish("losses", self.losses)
         self._warned, self.finding = False, None
 
     def on_step_end(self, loop: Loop) -> None:
@@ -150,8 +153,7 @@ class NonFiniteGuard(Callback):
             value = _host_float(loss)
             norm = _host_float(grad_norm) if grad_norm is not None else 0.0
             if np.isfinite(value) and np.isfinite(norm):
-                self.latest = (step, value)
-                loop.publish("loss", self.latest)
+                self.losses.append((step, value))
                 continue
             what = f"the loss is {value}" if not np.isfinite(value) else f"the gradient norm is {norm}"
             if self.mode == "warn":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from flaxhooks.core import Finding
@@ -20,10 +21,14 @@ class Thresholds:
 
     Attributes:
         dead_fraction: the share of a layer's units that got no gradient over a
-            window, from which it is reported (10%: keras-contrib's ``DeadReluDetector``).
+            window, from which it is reported. keras-contrib's ``DeadReluDetector``
+            warns at 10%; the recipe's healthy CNN keeps 17-21% of its 256-unit
+            ``Dense_0`` dead from its first steps on, at 99% accuracy, so the
+            default is 30% (``Thresholds(dead_fraction=0.1)`` is keras-contrib's).
         dormant_score: a unit is dormant when its mean output ``max(z, 0)`` is at most
             this share of its layer's mean (ReDo's tau = 0.025, Sokar et al. 2023).
-        dormant_fraction: the share of dormant units from which a layer is reported.
+        dormant_fraction: the share of dormant units from which a layer is reported
+            (ReDo counts any; the healthy CNN's ``Dense_0`` has 32-34%, so 50%).
         flat_slope: a ``|z|`` bin is in the activation's flat region when the mean
             gradient there is below this share of the mean at ``|z| < 0.5``.
         saturated_fraction: the share of pre-activations in the flat region from which
@@ -36,18 +41,22 @@ class Thresholds:
             the first window is exploding.
         update_ratio_high: a module's mean ``|update| / |params|`` over a window above
             this is learning too fast (CS231n: about 1e-3 is healthy).
+        update_ratio_step: a module's ``|update| / |params|`` at one step above this
+            is too (a step that moves the parameters by half their norm); the
+            healthy references peak at 0.13 in their first steps.
         update_ratio_low: below this (but not 0) it is barely learning.
     """
 
-    dead_fraction: float = 0.10
+    dead_fraction: float = 0.30
     dormant_score: float = 0.025
-    dormant_fraction: float = 0.10
+    dormant_fraction: float = 0.50
     flat_slope: float = 0.05
     saturated_fraction: float = 0.25
     vanishing_ratio: float = 1e-4
     exploding_ratio: float = 1e4
     exploding_growth: float = 100.0
     update_ratio_high: float = 0.1
+    update_ratio_step: float = 0.5
     update_ratio_low: float = 1e-6
 
 
@@ -59,7 +68,11 @@ class LayerFigures:
         name: the layer, by the statistics' path.
         mean: its pre-activations' mean.
         grad_rms: the RMS of the loss's gradient with respect to them.
-        dead: the share of its units that got no gradient at any entry.
+        dead: the share of its units that got no gradient at any entry and were
+            never positive (dead ReLU units).
+        silent: the share of its units that got no gradient at any entry (the
+            dead ones, and those that fire but that the layers after them
+            pass no gradient back to).
         dormant: the share of its units whose ReDo score is at most the threshold
             (NaN unless a ReLU follows: no gradient wherever ``z <= 0``).
         saturated: the share of its pre-activations in the flat region of the
@@ -71,6 +84,7 @@ class LayerFigures:
     mean: float
     grad_rms: float
     dead: float
+    silent: float
     dormant: float
     saturated: float
     slopes: tuple[float, ...]
@@ -78,15 +92,17 @@ class LayerFigures:
 
 def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str, np.ndarray],
                   thresholds: Thresholds) -> list[LayerFigures]:
-    """Each layer's figures from a window read on the host (``layers``, ``reached``, ``mass``)."""
+    """Each layer's figures from a window read on the host (``layers``, ``reached``, ``fired``, ``mass``)."""
     table = np.asarray(sums["layers"], np.float64)
     reached, mass = np.asarray(sums["reached"], np.float64), np.asarray(sums["mass"], np.float64)
+    fired = np.asarray(sums["fired"], np.float64)
     col = {c: i for i, c in enumerate(COLUMNS)}
     bin_counts = table[:, col["bin0_count"]:col["bin0_count"] + _BINS]
     bin_grads = table[:, col["bin0_abs_g"]:col["bin0_abs_g"] + _BINS]
     figures, offset = [], 0
     for i, (name, n) in enumerate(zip(names, units, strict=True)):
         row, unit_reached, unit_mass = table[i], reached[offset:offset + n], mass[offset:offset + n]
+        unit_fired = fired[offset:offset + n]
         offset += n
         count = max(row[col["count"]], 1.0)
         relu_like = row[col["nonpositive_with_gradient"]] == 0 and row[col["nonpositive"]] > 0
@@ -95,18 +111,22 @@ def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str,
             dormant = float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
         with np.errstate(divide="ignore", invalid="ignore"):
             mean_g = bin_grads[i] / bin_counts[i]
-            slopes = mean_g / mean_g[0] if bin_counts[i, 0] > 0 and bin_grads[i, 0] > 0 else np.full(_BINS, np.nan)
+            known = bin_counts[i, 0] > 0 and bin_grads[i, 0] > 0
+            slopes = mean_g / mean_g[0] if known else np.full(_BINS, np.nan)
         flat = np.isfinite(slopes) & (slopes < thresholds.flat_slope) & (bin_counts[i] > 0)
         # A flat region is the top of the range: every bin beyond the first flat one
         # (ReLU's negative half gives no gradient at any |z|, which is not saturation).
         saturated = float("nan")
-        if flat.any() and not relu_like:
+        # The last layer feeds the loss: a confident, right prediction gets a small
+        # gradient at large |z| by the loss's own shape, which is no saturation.
+        if flat.any() and not relu_like and i < len(names) - 1:
             first = int(np.argmax(flat))
             if first > 0 and np.all(flat[first:] | (bin_counts[i, first:] == 0)):
                 saturated = float(bin_counts[i, first:].sum() / count)
         figures.append(LayerFigures(
             name, float(row[col["sum_z"]] / count), float(np.sqrt(row[col["sum_g2"]] / count)),
-            float(1.0 - unit_reached.mean()) if n else 0.0, dormant, saturated, tuple(map(float, slopes)),
+            float(np.mean((unit_reached == 0) & (unit_fired == 0))) if n else 0.0,
+            float(np.mean(unit_reached == 0)) if n else 0.0, dormant, saturated, tuple(map(float, slopes)),
         ))
     return figures
 
@@ -125,20 +145,31 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
         before = first.get(f.name)
         trend = ""
         if before is not None and before is not f:
-            trend = f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the first window"
+            trend = (f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the "
+                     f"first window")
         if f.dead >= thresholds.dead_fraction:
             found.append(Finding(
                 "dead_units", end, f.name,
-                f"{_pct(f.dead)} of its units got no gradient on any example over steps {start}-{end} (dead, "
-                f"threshold {_pct(thresholds.dead_fraction)}){trend}",
+                f"{_pct(f.dead)} of its units were never positive and got no gradient on any example over "
+                f"steps {start}-{end} (dead ReLU units; threshold {_pct(thresholds.dead_fraction)}){trend}",
                 "a lower learning rate, LeakyReLU or GELU, or check the bias init (a large negative bias "
                 "kills ReLU units)", since=start, values={"dead": f.dead, "mean": f.mean},
+            ))
+        elif f.silent >= thresholds.dead_fraction:
+            found.append(Finding(
+                "dead_units", end, f.name,
+                f"{_pct(f.silent)} of its units got no gradient on any example over steps {start}-{end}, "
+                f"though some were positive: what comes after them (a normalization and ReLU, or a dead layer) "
+                f"passes nothing back (threshold {_pct(thresholds.dead_fraction)}){trend}",
+                "look at the layers after it; a lower learning rate, or LeakyReLU/GELU",
+                since=start, values={"silent": f.silent, "mean": f.mean},
             ))
         elif np.isfinite(f.dormant) and f.dormant >= thresholds.dormant_fraction:
             found.append(Finding(
                 "dormant_units", end, f.name,
-                f"{_pct(f.dormant)} of its ReLU units are dormant over steps {start}-{end} (mean output at most "
-                f"{thresholds.dormant_score} of the layer's, ReDo; threshold {_pct(thresholds.dormant_fraction)})"
+                f"{_pct(f.dormant)} of its ReLU units are dormant over steps {start}-{end} (mean output at "
+                f"most {thresholds.dormant_score} of the layer's, ReDo; threshold "
+                f"{_pct(thresholds.dormant_fraction)})"
                 f"{trend}",
                 "reinitialize dormant units (ReDo), a lower learning rate, or LeakyReLU/GELU",
                 since=start, values={"dormant": f.dormant},
@@ -150,10 +181,36 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
                 f"gradient there is under {thresholds.flat_slope:g} of its slope near 0) over steps "
                 f"{start}-{end}",
                 "normalize the inputs of that layer (LayerNorm/BatchNorm), a smaller init scale "
-                "(Glorot/He), or ReLU/GELU instead of tanh/sigmoid", since=start, values={"saturated": f.saturated},
+                "(Glorot/He), or ReLU/GELU instead of tanh/sigmoid", since=start,
+                values={"saturated": f.saturated},
             ))
     found += _gradient_findings(figures, steps, thresholds, first_max_grad)
-    return found
+    return _root_causes(found, figures)
+
+
+def _root_causes(found: list[Finding], figures: Sequence[LayerFigures]) -> list[Finding]:
+    """A layer dead to its last unit passes nothing on and no gradient back: the
+    layers after it see a constant input, those before it get no gradient. Their
+    dead units are its doing; they are named in its finding, not in their own."""
+    names = [f.name for f in figures]
+    root = next((i for i, f in enumerate(figures) if f.dead >= 1.0), None)
+    if root is None:
+        return found
+    after, before = set(names[root + 1:]), set(names[:root])
+    follow = {f.layer for f in found if f.kind == "dead_units"
+              and (f.layer in after or (f.layer in before and "dead" not in f.values))}
+    if not follow:
+        return found
+    listed = ", ".join(repr(n) for n in names if n in follow)
+    kept = []
+    for f in found:
+        if f.kind == "dead_units" and f.layer in follow:
+            continue
+        if f.kind == "dead_units" and f.layer == names[root]:
+            f = dataclasses.replace(f, evidence=f"{f.evidence}; so {listed} get no gradient or a constant input",
+                                    values={**f.values, "follow": sorted(follow)})
+        kept.append(f)
+    return kept
 
 
 def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], thresholds: Thresholds,
@@ -176,7 +233,8 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
         found.append(Finding(
             "vanishing_gradients", end, figures[i].name,
             f"its gradient RMS is {rms[i]:.2g}, {ratio:.1g} of the largest of the layers after it over steps "
-            f"{start}-{end} ({len(vanishing)} layer{'s' if len(vanishing) > 1 else ''} from the input up to it; "
+            f"{start}-{end} ({len(vanishing)} layer{'s' if len(vanishing) > 1 else ''} from the input up to "
+            f"it; "
             f"threshold {thresholds.vanishing_ratio:g})",
             "residual connections, normalization (LayerNorm/BatchNorm), ReLU/GELU instead of sigmoid/tanh, "
             "or He/Glorot init", since=start, values={"ratio": float(ratio)},
@@ -185,8 +243,8 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
         i, ratio = exploding[-1]
         found.append(Finding(
             "exploding_gradients", end, figures[i].name,
-            f"its gradient RMS is {rms[i]:.2g}, {ratio:.2g} times the smallest of the layers after it over steps "
-            f"{start}-{end} (threshold {thresholds.exploding_ratio:g})",
+            f"its gradient RMS is {rms[i]:.2g}, {ratio:.2g} times the smallest of the layers after it over "
+            f"steps {start}-{end} (threshold {thresholds.exploding_ratio:g})",
             "clip gradients (optax.clip_by_global_norm), a lower learning rate, or normalization",
             since=start, values={"ratio": float(ratio)},
         ))
@@ -205,41 +263,53 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
 
 def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float, steps: tuple[int, int],
                    thresholds: Thresholds) -> list[Finding]:
-    """Findings from each module's summed ``[update ratio, gradient norm, zero updates]``."""
+    """Findings from each module's ``[update ratio sum, gradient norm sum,
+    zero updates, largest update ratio]`` over a window."""
     start, end = steps
     if steps_added <= 0 or not len(modules):
         return []
-    table = np.asarray(sums, np.float64) / steps_added
-    ratio, grad_norm, zero = table[:, 0], table[:, 1], table[:, 2]
+    table = np.asarray(sums, np.float64)
+    ratio, grad_norm = table[:, 0] / steps_added, table[:, 1] / steps_added
+    zero, peak = table[:, 2] / steps_added, table[:, 3]
     found = []
     frozen = [i for i in range(len(modules)) if zero[i] >= 1.0]
     for i in frozen:
-        why = "while it gets a gradient" if grad_norm[i] > 0 else "and it gets no gradient (is it used by the loss?)"
+        why = ("while it gets a gradient" if grad_norm[i] > 0 else
+               "and it gets no gradient (is it used by the loss? is a layer after it dead?)")
         found.append(Finding(
             "frozen_params", end, modules[i],
-            f"its parameters did not change at any step over steps {start}-{end}, {why} (mean gradient norm "
-            f"{grad_norm[i]:.3g})",
+            f"its parameters did not change at any step over steps {start}-{end}, {why} (mean gradient "
+            f"norm {grad_norm[i]:.3g})",
             "check the optimizer's masks (optax.masked, multi_transform, set_to_zero) and the learning "
             "rate schedule, or freeze it on purpose and ignore this", since=start,
             values={"grad_norm": float(grad_norm[i])},
         ))
     moving = [i for i in range(len(modules)) if i not in frozen]
-    high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high), key=lambda i: -ratio[i])
+    high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high
+                   or peak[i] > thresholds.update_ratio_step), key=lambda i: -peak[i])
+    if high:
+        listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g} (at most {peak[i]:.2g})" for i in high[:4])
+        more = f" and {len(high) - 4} more" if len(high) > 4 else ""
+        found.append(Finding(
+            "update_ratio_high", end, modules[high[0]],
+            f"updates too large for {len(high)} of {len(modules)} modules over steps {start}-{end}: "
+            f"|update| / |params| {listed}{more}; healthy is about 1e-3 (CS231n), the thresholds "
+            f"{thresholds.update_ratio_high:g} on the mean and {thresholds.update_ratio_step:g} at one step",
+            "a lower learning rate (each decade above 1e-3 is about 10x too high), warmup, or gradient "
+            "clipping (optax.clip_by_global_norm)",
+            since=start, values={modules[i]: float(ratio[i]) for i in high},
+        ))
     low = sorted((i for i in moving if 0 < ratio[i] < thresholds.update_ratio_low), key=lambda i: ratio[i])
-    for kind, chosen, words, advice in (
-        ("update_ratio_high", high, f"above {thresholds.update_ratio_high:g}", "a lower learning rate (about "
-         "10x lower per decade above 1e-3), warmup, or gradient clipping"),
-        ("update_ratio_low", low, f"below {thresholds.update_ratio_low:g}", "a higher learning rate, or check "
-         "the schedule and weight decay"),
-    ):
-        if chosen:
-            listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g}" for i in chosen[:4])
-            more = f" and {len(chosen) - 4} more" if len(chosen) > 4 else ""
-            found.append(Finding(
-                kind, end, modules[chosen[0]],
-                f"the mean update / parameter norm over steps {start}-{end} is {words} (healthy: about 1e-3, "
-                f"CS231n) for {len(chosen)} of {len(modules)} modules: {listed}{more}",
-                advice, since=start, values={m: float(ratio[i]) for m, i in ((modules[i], i) for i in chosen)},
-            ))
+    if low:
+        listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g}" for i in low[:4])
+        more = f" and {len(low) - 4} more" if len(low) > 4 else ""
+        found.append(Finding(
+            "update_ratio_low", end, modules[low[0]],
+            f"updates too small for {len(low)} of {len(modules)} modules over steps {start}-{end}: mean "
+            f"|update| / |params| {listed}{more}, below {thresholds.update_ratio_low:g} (healthy: about "
+            f"1e-3, CS231n)",
+            "a higher learning rate, or check the schedule and weight decay; where the gradient vanishes "
+            "before these modules, that comes first", since=start,
+            values={modules[i]: float(ratio[i]) for i in low},
+        ))
     return found
-

@@ -252,7 +252,9 @@ def _with_totals(step: Step, freeze: bool = False) -> Any:
             for name in _WATCHED:  # the gradient norm where this step computes it: caught at its step
                 if name in metrics:
                     keep = keep & jnp.isfinite(metrics[name])
-            state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), state, before)
+            # A leaf whose shape a step changes (a sown collection carried as state) cannot be kept.
+            state = jax.tree.map(lambda new, old: jnp.where(keep, new, old) if new.shape == old.shape else new,
+                                 state, before)
         return state, metrics, add_to_totals(totals, metrics), results
 
     stepped.__name__ = step.__name__  # compile counts are kept by name

@@ -321,13 +321,21 @@ def test_keeps_the_last_k_and_saves_only_the_train_state(tmp_path):
 def test_a_nonfinite_state_never_replaces_a_good_checkpoint(tmp_path):
     arrays = make_arrays(96, seed=3)
     arrays["image"][4 * 16] = np.nan  # the fifth batch poisons the parameters
-    checkpoint = Checkpoint(tmp_path, every=2, keep=3)
-    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint])
+    checkpoint = Checkpoint(tmp_path / "unguarded", every=2, keep=3)
+    # With the guard off, the checkpoint's own check refuses the NaN state.
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[checkpoint],
+                                if_nonfinite="off")
     with pytest.warns(CheckpointWarning, match="not saving step 6: .*NaN or inf"):
         trainer.fit(flaxhooks.ArrayLoader(arrays, 16, shuffle=False), steps=6)
     assert checkpoint.saved_steps() == [2, 4]
     assert checkpoint.skipped_steps == [6]
     assert checkpoint.restore_latest().step == 4
+    # With it (the default), training stops at step 5 and nothing after step 4 is saved.
+    guarded = Checkpoint(tmp_path / "guarded", every=2, keep=3)
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), cross_entropy, callbacks=[guarded])
+    with pytest.raises(flaxhooks.NonFiniteError, match="at step 5"):
+        trainer.fit(flaxhooks.ArrayLoader(arrays, 16, shuffle=False), steps=6)
+    assert guarded.saved_steps() == [2, 4]
 
 
 def _corrupt(directory: Path) -> None:

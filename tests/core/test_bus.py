@@ -46,7 +46,7 @@ def test_unknown_handler_name_is_rejected_at_registration():
     trainer = sgd_trainer()
     with pytest.raises(ValueError, match="on_step_ends"):
         trainer.add(Typo())
-    assert trainer.callbacks == ()
+    assert [type(cb) for cb in trainer.callbacks] == [flaxhooks.NonFiniteGuard]  # every Trainer's
 
 
 def test_non_callbacks_and_duplicates_are_rejected():
@@ -68,7 +68,8 @@ def test_callbacks_run_by_order_then_registration():
     fit_start = [name for name, event, _ in log if event == "fit_start"]
     assert fit_start == ["early", "zero-a", "zero-b", "late"]
     # The input pipeline is the Trainer's, not a callback.
-    assert isinstance(trainer.pipeline, flaxhooks.DevicePrefetch) and len(trainer.callbacks) == 4
+    assert isinstance(trainer.pipeline, flaxhooks.DevicePrefetch)
+    assert len(trainer.callbacks) == 5  # with the guard every Trainer has
 
 
 class StopAt(Callback):

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import flaxhooks
-from tests.helpers import cross_entropy, make_arrays, make_batches, sgd_trainer, tree_allclose
+from tests.helpers import HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer, tree_allclose
 
 
 class SquareRoot(nn.Module):
@@ -145,8 +145,19 @@ def test_the_guard_changes_no_healthy_step_and_compiles_nothing_more():
     tx = optax.sgd(0.1, 0.9)
     opt = tx.init(params)
     for batch in batches:
-        grads = jax.grad(lambda p: cross_entropy(model.apply({"params": p}, batch["image"]), batch))(params)
+        grads = jax.grad(lambda p, b=batch: cross_entropy(model.apply({"params": p}, b["image"]), b))(params)
         updates, opt = tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
     assert tree_allclose(trainer.state.params, params, rtol=1e-5)
     assert trainer.runner.traces == {"train_step": 1}
+
+
+def test_the_guard_reads_two_scalars_a_step_each_of_a_finished_step(monkeypatch):
+    reads = HostReads(monkeypatch)
+    sgd_trainer(callbacks=[reads]).fit(make_batches(10, batch_size=8), epochs=1)
+    # The loss and the gradient norm, once the loop has waited for their step
+    # anyway; the epoch's last two at its end, before any epoch-end handler.
+    assert reads.count == 2 * 10 and reads.unready <= 2 * 2
+    reads.count = 0
+    sgd_trainer(callbacks=[reads], optimizer_metrics=False).fit(make_batches(10, batch_size=8), epochs=1)
+    assert reads.count == 10  # no gradient norm: the loss alone

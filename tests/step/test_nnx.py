@@ -279,13 +279,13 @@ def test_the_non_finite_guard_names_the_layer(caplog):
         def __call__(self, x):
             return self.head(jnp.log(self.encode(x) - 1e6))  # NaN from the log on
 
-    stats = flaxhooks.ActivationStats(every=1)
-    run = trainer(Diverging(nnx.Rngs(0))).add(stats)
+    run = trainer(Diverging(nnx.Rngs(0)))  # no statistics callback: the guard every Trainer has
     with caplog.at_level(logging.ERROR, logger="flaxhooks"), pytest.raises(flaxhooks.NonFiniteError):
         run.fit(batches(vectors(64), 16), epochs=1)
-    assert int(run.state.step) <= 3  # stopped within the steps in flight
+    assert int(run.state.step) == 0  # the state from before the step
     message = caplog.records[0].getMessage()
-    assert "step 1:" in message and "'head'" in message and "layers/head in TensorBoard" in message
+    assert message.startswith("the loss is nan at step 1: the first call, in execution order, whose output "
+                              "went non-finite is 'head'")
 
 
 def test_scan_stacks_warn_that_their_layers_are_seen_through_the_stack():

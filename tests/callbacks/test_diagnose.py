@@ -1,0 +1,267 @@
+"""Diagnose: each finding from a model broken on purpose names the right
+layer and kind within a bounded number of steps, once; healthy models give
+none (the end-to-end runs are in tests/recipes/test_diagnose_healthy.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import flaxhooks
+from flaxhooks.diagnose import LossThresholds, Thresholds
+from tests.helpers import cross_entropy
+
+
+class Findings(flaxhooks.Callback):
+    """What the bus says: every ``finding`` event's payload."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_finding(self, loop):
+        self.seen.append(loop.payload)
+
+
+def data(n=512, features=8, seed=0, scale=1.0, batch_size=32):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype(np.float32) * scale
+    w = rng.normal(size=(features, 3))
+    label = np.argmax(x @ w, axis=1).astype(np.int32)  # learnable
+    return flaxhooks.ArrayLoader({"image": x, "label": label}, batch_size, seed=seed)
+
+
+def fit(model, optimizer=None, steps=40, window=10, every=1, train=None, **kwargs):
+    findings = Findings()
+    diagnose = flaxhooks.Diagnose(every=every, window=window, table=False, **kwargs)
+    trainer = flaxhooks.Trainer(model, optimizer or optax.adam(1e-2), cross_entropy,
+                                callbacks=[diagnose, findings])
+    trainer.fit(train or data(), steps=steps)
+    assert findings.seen == diagnose.findings  # every finding is an event, and in the table
+    return diagnose.findings, trainer
+
+
+def kinds(findings):
+    return [(f.kind, f.layer) for f in findings]
+
+
+class Killed(nn.Module):
+    """A ReLU layer killed from the start by a large negative bias."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        x = nn.relu(nn.Dense(32, bias_init=nn.initializers.constant(-20.0), name="killed")(x))
+        x = nn.relu(nn.Dense(32, name="after")(x))
+        return nn.Dense(3)(x)
+
+
+def test_a_layer_killed_by_its_bias_is_named_once_at_the_first_window(caplog):
+    with caplog.at_level(logging.WARNING, logger="flaxhooks"):
+        found, _ = fit(Killed())
+    dead = [f for f in found if f.kind == "dead_units"]
+    assert [(f.layer, f.step, f.since) for f in dead] == [("killed", 10, 1)]  # said once, at its first window
+    assert "100% of its units were never positive and got no gradient" in dead[0].evidence
+    assert "bias init" in dead[0].advice
+    # Its consequences are named in its finding, not in their own: the layer before it
+    # gets no gradient, the one after it a constant input.
+    assert "so 'Dense_0', 'after' get no gradient or a constant input" in dead[0].evidence
+    assert [f for f in found if f.kind == "frozen_params"] == []
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0] == dead[0].message()
+
+
+class Healthy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(32)(x))
+        x = nn.gelu(nn.Dense(32)(x))
+        return nn.Dense(3)(x)
+
+
+def test_a_healthy_model_gives_no_finding():
+    found, trainer = fit(Healthy(), steps=60)
+    assert found == []
+    # Due at every step: only the diagnosed step, compiled once (the guard compiles nothing).
+    assert trainer.runner.traces == {"instrumented_step": 1}
+
+
+def test_every_n_steps_runs_the_lean_step_between_and_compiles_each_once():
+    _, trainer = fit(Healthy(), steps=40, every=4)
+    assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
+
+
+class Sigmoids(nn.Module):
+    depth: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.sigmoid(nn.Dense(32)(x))
+        return nn.Dense(3)(x)
+
+
+def test_a_deep_sigmoid_stack_has_vanishing_gradients_named_where_they_begin():
+    found, _ = fit(Sigmoids(), optax.sgd(0.1), steps=20)
+    vanishing = [f for f in found if f.kind == "vanishing_gradients"]
+    assert len(vanishing) == 1 and vanishing[0].step == 10
+    # Each sigmoid divides the gradient by 4 or more: the first layers, far below the last one's.
+    assert vanishing[0].layer in {f"Dense_{i}" for i in range(2, 8)}
+    assert vanishing[0].values["ratio"] < 1e-4
+
+
+class Saturated(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(64, kernel_init=nn.initializers.normal(3.0), name="wide")(x))
+        return nn.Dense(3)(x)
+
+
+def test_tanh_units_driven_into_their_flat_region_are_saturated():
+    found, _ = fit(Saturated(), optax.sgd(0.01), steps=20)
+    assert kinds(found) == [("saturation", "wide")]
+    assert float(found[0].values["saturated"]) > 0.5
+
+
+def test_parameters_masked_out_of_the_optimizer_are_frozen():
+    model = nn.Sequential([nn.Dense(16, name="frozen"), nn.relu, nn.Dense(3)])
+    labels = lambda params: {k: "freeze" if k == "layers_0" else "train" for k in params}  # noqa: E731
+    optimizer = optax.multi_transform({"train": optax.adam(1e-2), "freeze": optax.set_to_zero()}, labels)
+    found, _ = fit(model, optimizer, steps=20)
+    frozen = [f for f in found if f.kind == "frozen_params"]
+    assert [f.layer for f in frozen] == ["layers_0"]
+    assert "while it gets a gradient" in frozen[0].evidence
+
+
+def test_a_learning_rate_far_too_high_is_named():
+    found, _ = fit(Healthy(), optax.adam(3.0), steps=20)
+    high = [f for f in found if f.kind == "update_ratio_high"]
+    assert high and high[0].step == 10 and "learning rate" in high[0].advice
+
+
+def test_a_learning_rate_far_too_low_is_named():
+    found, _ = fit(Healthy(), optax.sgd(1e-7), steps=20)
+    assert [f.kind for f in found] == ["update_ratio_low"]
+
+
+class Confident(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(3, kernel_init=nn.initializers.normal(20.0), name="head")(x)
+
+
+def test_an_initial_loss_far_above_log_classes_is_said_at_the_first_step():
+    found, _ = fit(Confident(), steps=12)
+    initial = [f for f in found if f.kind == "initial_loss"]
+    assert len(initial) == 1 and initial[0].step == 1
+    assert "log(3)" in initial[0].evidence or "1.10" in initial[0].evidence
+
+
+def test_a_loss_spike_is_named_with_the_steps_it_began():
+    rng = np.random.default_rng(0)
+    batches = [{"image": rng.normal(size=(32, 8)).astype(np.float32),
+                "label": rng.integers(0, 3, 32).astype(np.int32)} for _ in range(80)]
+    for batch in batches[60:66]:  # six batches of garbage, 100 times the scale
+        batch["image"] *= 100.0
+    loss = LossThresholds(spike_window=20, outlier_window=20)
+    found, _ = fit(Healthy(), optax.sgd(0.01), steps=80, window=1000, train=batches, loss=loss)
+    spikes = [f for f in found if f.kind == "loss_spike"]
+    assert len(spikes) == 1 and spikes[0].since == 61
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    deterministic: bool = False
+    rate: float = 0.5
+
+
+class ConfigMode(nn.Module):
+    """Like Flax's lm1b TransformerLM: the mode sits in the config."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        x = nn.Dropout(self.config.rate, deterministic=self.config.deterministic)(x)
+        return nn.Dense(3)(x)
+
+
+def test_dropout_left_on_in_evaluation_is_said_before_training():
+    findings = Findings()
+    trainer = flaxhooks.Trainer(ConfigMode(Config()), optax.adam(1e-2), cross_entropy,
+                                callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings])
+    trainer.fit(data(), steps=2)
+    assert [(f.kind, f.step) for f in findings.seen] == [("dropout_in_eval", 0)]
+    assert "eval_model=" in findings.seen[0].advice
+    # Given the eval-mode twin, nothing is said.
+    findings.seen.clear()
+    fixed = flaxhooks.Trainer(ConfigMode(Config()), optax.adam(1e-2), cross_entropy,
+                              eval_model=ConfigMode(Config(deterministic=True)),
+                              callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings])
+    fixed.fit(data(), steps=2)
+    assert findings.seen == []
+
+
+class NNXKilled(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(8, 32, rngs=rngs)
+        self.killed = nnx.Linear(32, 32, bias_init=nnx.initializers.constant(-20.0), rngs=rngs)
+        self.head = nnx.Linear(32, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.killed(nnx.relu(self.first(x)))))
+
+
+def test_an_nnx_model_is_diagnosed_by_the_same_paths():
+    found, _ = fit(NNXKilled(nnx.Rngs(0)))
+    assert ("dead_units", "killed") in kinds(found)
+
+
+def test_findings_reach_tensorboard_the_report_and_the_table(tmp_path, capsys):
+    tensorboard = flaxhooks.TensorBoard(tmp_path / "tb", every=5)
+    diagnose = flaxhooks.Diagnose(every=1, window=10, report_dir=tmp_path / "report")
+    trainer = flaxhooks.Trainer(Killed(), optax.adam(1e-2), cross_entropy, callbacks=[tensorboard, diagnose])
+    trainer.fit(data(), steps=30)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("health/dead_units")] == [1.0, 1.0, 1.0]
+    assert [e.value for e in events.Scalars("health/saturation")] == [0.0, 0.0, 0.0]
+    texts = [t for t in events.Tags()["tensors"] if t.startswith("health/findings")]
+    assert texts
+    images = events.Images("health/gradient_rms")
+    assert [i.step for i in images] == [10, 20, 30] and images[-1].width > 0
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
+        "dead_units.png", "findings.md", "gradient_rms.png", "update_ratio.png"]
+    report = (tmp_path / "report" / "findings.md").read_text()
+    assert report.startswith("# Diagnose") and "**dead_units** at step 10: `killed`" in report
+    table = capsys.readouterr().err
+    assert "Diagnose" in table and "dead_units" in table and "killed" in table
+
+
+def test_the_guards_finding_is_in_the_table_too():
+    class Diverging(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(jnp.sqrt(nn.Dense(4, name="encoder")(x)))
+
+    diagnose = flaxhooks.Diagnose(window=1000, table=False)
+    trainer = flaxhooks.Trainer(Diverging(), optax.sgd(0.1), cross_entropy, callbacks=[diagnose])
+    with pytest.raises(flaxhooks.NonFiniteError):
+        trainer.fit(data(), steps=10)
+    assert [f.kind for f in diagnose.findings] == ["nonfinite"]
+
+
+def test_thresholds_are_checked_and_configurable():
+    with pytest.raises(ValueError, match="window"):
+        flaxhooks.Diagnose(window=0)
+    strict = Thresholds(dead_fraction=0.1)  # keras-contrib's
+    assert flaxhooks.Diagnose(thresholds=strict).thresholds.dead_fraction == 0.1
