@@ -52,6 +52,7 @@ class Config:
     mesh: str | None = None
     fsdp: bool = False
     log_every: int = 50
+    diagnose_every: int = 10
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
@@ -78,6 +79,8 @@ _HELP = {
     "fsdp": "shard the parameters and optimizer state over the data axis too (FSDP), not only the model "
             "axis",
     "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
+    "diagnose_every": "sample every this many steps for Diagnose, which names what is wrong with "
+                      "training over windows of 200 steps; 0 for never",
     "checkpoint_every": "save a checkpoint every this many steps, besides each epoch's end and the end of "
                         "training; 0 for only those",
     "keep_checkpoints": "how many of the latest checkpoints to keep",
@@ -88,8 +91,8 @@ _HELP = {
 #: The least value of numeric options.
 _AT_LEAST = {"digits": 1, "train_examples": 1, "eval_examples": 1, "epochs": 1, "batch_size": 1,
              "eval_batch_size": 1, "learning_rate": 0.0, "warmup_steps": 0, "weight_decay": 0.0, "width": 1,
-             "depth": 1, "heads": 1, "cpu_devices": 1, "log_every": 1, "checkpoint_every": 0,
-             "keep_checkpoints": 1}
+             "depth": 1, "heads": 1, "cpu_devices": 1, "log_every": 1, "diagnose_every": 0,
+             "checkpoint_every": 0, "keep_checkpoints": 1}
 
 #: Where runs go unless --workdir names a directory: one directory each, named by its start.
 RUNS = Path("runs/addition")
@@ -224,6 +227,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flaxhooks.Checkpoint(Path(workdir) / "checkpoints", every=config.checkpoint_every or None,
                              keep=config.keep_checkpoints),
     ]
+    if config.diagnose_every:  # its report (findings.md, heatmaps) beside the TensorBoard logs
+        report = Path(workdir) / "diagnose"
+        callbacks.append(flaxhooks.Diagnose(every=config.diagnose_every, report_dir=report))
     sharding = sharding_arguments(config, mesh_layout)
     trainer = flaxhooks.Trainer(
         model,

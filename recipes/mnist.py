@@ -47,6 +47,7 @@ class Config:
     fsdp: bool = False
     log_every: int = 50
     stats_every: int = 100
+    diagnose_every: int = 10
     histograms: bool = True
     profile: bool = False
     checkpoint_every: int = 0
@@ -75,6 +76,9 @@ _HELP = {
     "fsdp": "shard the parameters and the optimizer state over the data axis (FSDP) instead of "
             "keeping them whole on every device",
     "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
+    "diagnose_every": "sample every this many steps for Diagnose, which names what is wrong with "
+                      "training (dead units, vanishing gradients, loss spikes, ...) over windows of 200 "
+                      "steps; 0 for never",
     "stats_every": "log per-layer statistics (activations, their gradients, parameter updates) every "
                    "this many steps, 0 for never",
     "histograms": "with the statistics, also log per-layer histograms",
@@ -95,8 +99,8 @@ _HELP = {
 #: Options that take one of a few values, and the least value of numeric ones.
 _CHOICES = {"api": ("linen", "nnx")}
 _AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate": 0.0, "log_every": 1,
-             "stats_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1, "cpu_devices": 1,
-             "num_processes": 1, "process_id": 0}
+             "stats_every": 0, "diagnose_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1,
+             "cpu_devices": 1, "num_processes": 1, "process_id": 0}
 
 #: Where runs go unless --workdir names a directory: one directory each, named by its start.
 RUNS = Path("runs/mnist")
@@ -143,6 +147,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         (``stats/activations/mean``, ``stats/activation_grads/log10_rms``,
         ``stats/params/log10_update_ratio``, ...), one chart per statistic.
         ``config.profile`` traces steps 10 to 12 for TensorBoard's Profile tab.
+        ``config.diagnose_every`` samples steps for :class:`flaxhooks.Diagnose`,
+        whose findings are logged, charted under ``health/`` and written with its
+        heatmaps to ``workdir/diagnose``.
         The options go to ``workdir/options.json`` once the run is accepted.
         Errors are raised as they are (``main`` turns refusals into one line).
     """
@@ -186,6 +193,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     ))
     if config.profile:
         callbacks.append(flaxhooks.Profile(logdir))
+    if config.diagnose_every:  # its report (findings.md, heatmaps) beside the TensorBoard logs
+        report = Path(workdir) / "diagnose"
+        callbacks.append(flaxhooks.Diagnose(every=config.diagnose_every, report_dir=report))
     if config.stats_every:
         callbacks += [
             flaxhooks.ActivationStats(every=config.stats_every, histograms=config.histograms),

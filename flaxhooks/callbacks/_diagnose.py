@@ -45,9 +45,10 @@ AFFINE: tuple[type, ...] = (
 )
 
 #: Kinds about the whole model: said once whichever layer they name.
-_MODEL_WIDE = frozenset({"vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low",
-                         "loss_spike", "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams",
-                         "nonfinite"})
+_MODEL_WIDE = frozenset({
+    "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
+    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite",
+})
 
 
 def _once_key(finding: Finding) -> tuple[str, str | None]:
@@ -184,8 +185,8 @@ class Diagnose(InstrumentedCallback):
         self._reset(loop.step)
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
-            found = setup_findings(plan.model, plan.state.params, plan.state.model_state, plan.spec.global_batch(),
-                                   step=loop.step)
+            state, batch = plan.state, plan.spec.global_batch()
+            found = setup_findings(plan.model, state.params, state.model_state, batch, step=loop.step)
             for finding in found:
                 self._say(loop, finding)
 
@@ -257,8 +258,8 @@ class Diagnose(InstrumentedCallback):
         dead = [f for f in found if f.kind == "dead_units"]
         gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
         gone |= {layer for f in dead for layer in f.values.get("follow", ())}
-        found += [f for f in param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
-                  if not (f.kind == "frozen_params" and f.layer in gone)]
+        params = param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
+        found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
         self.update(loop, found, pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, pending.end)

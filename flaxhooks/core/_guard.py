@@ -211,7 +211,8 @@ class NonFiniteGuard(Callback):
             else:
                 where, layer = "in loss_fn's gradient", None
             return (f"every output is finite, but the gradient went non-finite {where}: the deepest output "
-                    f"with a non-finite gradient is {name!r}, the next call's is finite ({cost})"), {"layer": layer}
+                    f"with a non-finite gradient is {name!r}, the next call's is finite ({cost})"
+                    ), {"layer": layer}
         param_grads = [name for name, bad in zip(probe.params, flags["param_grads"], strict=True) if bad]
         if param_grads:
             return (f"every module output and its gradient is finite, but the gradient of the parameter "

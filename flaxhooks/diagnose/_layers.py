@@ -159,8 +159,8 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
             found.append(Finding(
                 "dead_units", end, f.name,
                 f"{_pct(f.silent)} of its units got no gradient on any example over steps {start}-{end}, "
-                f"though some were positive: what comes after them (a normalization and ReLU, or a dead layer) "
-                f"passes nothing back (threshold {_pct(thresholds.dead_fraction)}){trend}",
+                f"though some were positive: what comes after them (a normalization and ReLU, or a dead "
+                f"layer) passes nothing back (threshold {_pct(thresholds.dead_fraction)}){trend}",
                 "look at the layers after it; a lower learning rate, or LeakyReLU/GELU",
                 since=start, values={"silent": f.silent, "mean": f.mean},
             ))
@@ -207,8 +207,8 @@ def _root_causes(found: list[Finding], figures: Sequence[LayerFigures]) -> list[
         if f.kind == "dead_units" and f.layer in follow:
             continue
         if f.kind == "dead_units" and f.layer == names[root]:
-            f = dataclasses.replace(f, evidence=f"{f.evidence}; so {listed} get no gradient or a constant input",
-                                    values={**f.values, "follow": sorted(follow)})
+            evidence = f"{f.evidence}; so {listed} get no gradient or a constant input"
+            f = dataclasses.replace(f, evidence=evidence, values={**f.values, "follow": sorted(follow)})
         kept.append(f)
     return kept
 

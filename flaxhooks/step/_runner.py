@@ -253,8 +253,8 @@ def _with_totals(step: Step, freeze: bool = False) -> Any:
                 if name in metrics:
                     keep = keep & jnp.isfinite(metrics[name])
             # A leaf whose shape a step changes (a sown collection carried as state) cannot be kept.
-            state = jax.tree.map(lambda new, old: jnp.where(keep, new, old) if new.shape == old.shape else new,
-                                 state, before)
+            state = jax.tree.map(
+                lambda new, old: jnp.where(keep, new, old) if new.shape == old.shape else new, state, before)
         return state, metrics, add_to_totals(totals, metrics), results
 
     stepped.__name__ = step.__name__  # compile counts are kept by name

@@ -611,7 +611,8 @@ def test_a_state_split_across_processes_never_declines_a_step_already_saved(tmp_
     checkpoint._saved_step, checkpoint._boundary = 2, 2
     store.keys["exchange/2/decision"] = '{"declined": "", "nonfinite": []}'  # the save of step 2
     interrupted = KeyboardInterrupt()
-    loop = SimpleNamespace(state=State(jnp.asarray(3)), step=2, position=(0, 2), exception=interrupted)
+    loop = SimpleNamespace(state=State(jnp.asarray(3)), step=2, position=(0, 2), exception=interrupted,
+                           diverged=None)
     checkpoint._save(loop)  # step 2 is saved already: nothing to decline
     assert list(store.keys) == ["exchange/2/decision"] and checkpoint._saving is None
     del store.keys["exchange/2/decision"]

@@ -273,3 +273,5 @@ def test_it_learns_two_digit_addition(tmp_path):
     assert results["examples"] == 1000
     assert results["exact_match"] > 0.9, results
     assert time.perf_counter() - started < 60
+    # A healthy Transformer: Diagnose (on by default) finds nothing over the whole run.
+    assert (tmp_path / "diagnose" / "findings.md").read_text().endswith("No finding: nothing looked wrong.\n")

@@ -186,6 +186,11 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
     assert "Total Parameters: 824,458" in output
     accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", output).group(1))
     assert accuracy >= 0.96, output[-2000:]
+    # A healthy model: Diagnose (on by default) finds nothing over the whole run.
+    report = (tmp_path / "diagnose" / "findings.md").read_text()
+    assert report == "# Diagnose\n\nNo finding: nothing looked wrong.\n"
+    assert "Diagnose: what was found" not in output
+    assert {p.name for p in (tmp_path / "diagnose").iterdir()} >= {"gradient_rms.png", "dead_units.png"}
 
 
 @pytest.mark.slow

@@ -1,0 +1,139 @@
+"""Benchmark: what ``Diagnose`` costs, sampling every step and every 16 steps.
+
+What is compared
+    Three Trainers train the same model (``recipes.models.CNN``, Flax's MNIST
+    CNN), with the same loss, optimizer (``optax.sgd(0.1, momentum=0.9)``),
+    initial state and host batches (fixed random float32 images
+    ``[batch, 28, 28, 1]``, int32 labels), data-parallel over every local
+    device. Each has a ``TensorBoard`` callback writing the training scalars
+    every 50 steps to its own temporary directory, and the non-finite guard
+    every Trainer has:
+
+    (a) ``lean``: nothing else.
+    (b) ``every_16``: ``Diagnose(every=16)`` (its default window of 200 steps;
+        heatmaps on, the table off).
+    (c) ``every_step``: ``Diagnose(every=1)``.
+
+    Everything is compiled before anything is timed. Each round times (a),
+    (b) and (c) back to back over ``--steps`` steps, rotating which goes
+    first, end to end until the final params are on the host: each fit judges
+    one window (read, findings, heatmaps). The results are the medians of the
+    per-round ratios ``steps/s / lean steps/s``; targets: at least 0.98 for
+    (b) and 0.91 for (c) (Cockpit's cheapest instruments cost 1.6 times the
+    step). A ratio below its target is reported as FAIL, but the script
+    exits 0: it is a measurement. The JSON line also gives each Trainer's
+    compile counts and the median ratio of CPU time per step.
+
+How to run
+    python -m benchmarks.bench_diagnose [--steps 200] [--rounds 9] [--batch-size 128] [--cpu-devices N]
+
+    The last line of output is one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+import flaxhooks
+from benchmarks.bench_trainer import make_batches, run_trainer, start_devices
+from recipes.models import CNN, cross_entropy_loss
+
+TARGETS = {"every_16": 0.98, "every_step": 0.91}
+TENSORBOARD_EVERY = 50
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per round (default 200)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch size (default 128)")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="XLA CPU devices (default: one per core, unless XLA_FLAGS sets it)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.batch_size < 1:
+        parser.error("--steps, --rounds and --batch-size must be positive")
+    return args
+
+
+def make_trainer(every: int | None) -> flaxhooks.Trainer:
+    callbacks: list[flaxhooks.Callback] = [
+        flaxhooks.TensorBoard(tempfile.mkdtemp(prefix="bench-diagnose-"), every=TENSORBOARD_EVERY)
+    ]
+    if every is not None:
+        callbacks.append(flaxhooks.Diagnose(every=every, table=False))
+    return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    devices = start_devices(args.cpu_devices, args.batch_size)
+    batches = make_batches(args.steps, args.batch_size)
+    trainers = {"lean": make_trainer(None), "every_16": make_trainer(16), "every_step": make_trainer(1)}
+    init = trainers["lean"].init(batches[0])
+    for trainer in trainers.values():  # compiles every step and the windows' sum
+        run_trainer(trainer, init, batches * (40 // len(batches) + 1), 40)
+
+    print(f"diagnose: {devices} device(s) ({jax.devices()[0].platform}), {args.steps} steps x "
+          f"{args.rounds} rounds, batch {args.batch_size}; jax {jax.__version__}")
+    names = list(trainers)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in TARGETS}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in TARGETS}
+    for round_index in range(args.rounds):
+        order = names[round_index % 3:] + names[:round_index % 3]
+        round_rates, round_cpu = {}, {}
+        for name in order:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            run_trainer(trainers[name], init, batches, args.steps)
+            round_rates[name] = args.steps / (time.perf_counter() - start)
+            round_cpu[name] = time.process_time() - cpu_start
+        for name in names:
+            rates[name].append(round_rates[name])
+        for name in TARGETS:
+            ratios[name].append(round_rates[name] / round_rates["lean"])
+            cpu_ratios[name].append(round_cpu["lean"] / round_cpu[name])
+        print(f"round {round_index + 1}/{args.rounds} ({order[0]} first): "
+              + "  ".join(f"{n} {round_rates[n]:6.2f}/s" for n in names)
+              + "  ratios " + " ".join(f"{ratios[n][-1]:.4f}" for n in TARGETS))
+    for trainer in trainers.values():
+        for callback in trainer.callbacks:
+            if isinstance(callback, flaxhooks.TensorBoard):
+                callback.close()
+
+    result: dict[str, Any] = {
+        "benchmark": "diagnose",
+        "devices": devices,
+        "platform": jax.devices()[0].platform,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+        **{f"steps_per_s_{name}": statistics.median(rates[name]) for name in names},
+        **{f"ratio_{name}": statistics.median(ratios[name]) for name in TARGETS},
+        **{f"ratios_{name}": ratios[name] for name in TARGETS},
+        **{f"cpu_ratio_{name}": statistics.median(cpu_ratios[name]) for name in TARGETS},
+        "targets": TARGETS,
+        "compiles": {name: dict(trainer.runner.traces) for name, trainer in trainers.items()},
+        "findings": {name: [f.kind for f in cb.findings] for name, trainer in trainers.items()
+                     for cb in trainer.callbacks if isinstance(cb, flaxhooks.Diagnose)},
+        "jax_version": jax.__version__,
+    }
+    for name, target in TARGETS.items():
+        verdict = "PASS" if result[f"ratio_{name}"] >= target else "FAIL"
+        print(f"median ratio {name} / lean: {result[f'ratio_{name}']:.4f} (target >= {target}): {verdict}; "
+              f"CPU time per step, lean / {name}: {result[f'cpu_ratio_{name}']:.4f}")
+    print(f"compilations: {result['compiles']}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
