@@ -32,8 +32,9 @@ from flaxhooks.diagnose import (
     param_findings,
     setup_findings,
     step_window,
+    update_ratios,
 )
-from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter, param_stats
+from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter
 
 _log = logging.getLogger("flaxhooks")
 
@@ -169,10 +170,10 @@ class Diagnose(InstrumentedCallback):
             units.append(int(tap.value.shape[-1]) if tap.value.ndim else 1)
         # Fixed by the model while traced: the host reads the sums by them.
         self._layers, self._units = tuple(names), tuple(units)
-        modules, table = param_stats(tapped.params, tapped.grads, tapped.updates)
+        modules, ratios = update_ratios(tapped.params, tapped.updates)
         self._modules = modules
         self.num_classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
-        return step_window(pairs, table)
+        return step_window(pairs, ratios)
 
     def take(self, loop: Loop, result: Window) -> None:
         # Added up on the devices: nothing is read until the window is judged.
@@ -258,7 +259,9 @@ class Diagnose(InstrumentedCallback):
         dead = [f for f in found if f.kind == "dead_units"]
         gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
         gone |= {layer for f in dead for layer in f.values.get("follow", ())}
-        params = param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds)
+        reached = {f.name: f.silent < 1.0 for f in figures}
+        params = param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds,
+                                reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
         self.update(loop, found, pending.end)
         if self.heatmaps:

@@ -17,6 +17,7 @@ from flaxhooks.diagnose._instep import (
     add_windows,
     layer_sums,
     step_window,
+    update_ratios,
 )
 from flaxhooks.diagnose._layers import (
     LayerFigures,
@@ -73,4 +74,5 @@ __all__ = [
     "rng_streams",
     "setup_findings",
     "step_window",
+    "update_ratios",
 ]

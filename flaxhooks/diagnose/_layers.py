@@ -262,27 +262,27 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
 
 
 def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float, steps: tuple[int, int],
-                   thresholds: Thresholds) -> list[Finding]:
-    """Findings from each module's ``[update ratio sum, gradient norm sum,
-    zero updates, largest update ratio]`` over a window."""
+                   thresholds: Thresholds, reached: Mapping[str, bool] | None = None) -> list[Finding]:
+    """Findings from each module's ``[update ratio sum, 0, zero updates,
+    largest update ratio]`` over a window; ``reached`` says of the layers
+    named like modules whether any gradient reached them."""
     start, end = steps
     if steps_added <= 0 or not len(modules):
         return []
     table = np.asarray(sums, np.float64)
-    ratio, grad_norm = table[:, 0] / steps_added, table[:, 1] / steps_added
-    zero, peak = table[:, 2] / steps_added, table[:, 3]
+    ratio, zero, peak = table[:, 0] / steps_added, table[:, 2] / steps_added, table[:, 3]
     found = []
     frozen = [i for i in range(len(modules)) if zero[i] >= 1.0]
     for i in frozen:
-        why = ("while it gets a gradient" if grad_norm[i] > 0 else
-               "and it gets no gradient (is it used by the loss? is a layer after it dead?)")
+        gets = (reached or {}).get(modules[i])
+        why = ("" if gets is None else ", while a gradient reaches its outputs" if gets else
+               ", and no gradient reaches its outputs (is it used by the loss? is a layer after it dead?)")
         found.append(Finding(
             "frozen_params", end, modules[i],
-            f"its parameters did not change at any step over steps {start}-{end}, {why} (mean gradient "
-            f"norm {grad_norm[i]:.3g})",
+            f"its parameters did not change at any step over steps {start}-{end}{why}",
             "check the optimizer's masks (optax.masked, multi_transform, set_to_zero) and the learning "
             "rate schedule, or freeze it on purpose and ignore this", since=start,
-            values={"grad_norm": float(grad_norm[i])},
+            values={"reached": gets} if gets is not None else {},
         ))
     moving = [i for i in range(len(modules)) if i not in frozen]
     high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high

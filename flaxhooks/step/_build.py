@@ -133,8 +133,8 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                                                       with_optimizer_metrics, norm_split)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
-            params=state.params, grads=grads, outputs=outputs, batch=batch, devices=devices,
-            axis_name=axis, updates=updates,
+            params=_before(new_state.params, updates), grads=grads, outputs=outputs, batch=batch,
+            devices=devices, axis_name=axis, updates=updates,
         )
         return new_state, metrics, tuple(fn(tapped) for fn in inside)
 
@@ -189,6 +189,17 @@ def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax
     return jnp.sqrt(total)
 
 
+def _before(new_params: Any, updates: Any) -> Any:
+    """The parameters before the update, as the updated ones less the update.
+
+    Read from the state's own parameters after the update (which writes them
+    in place: they are donated), XLA would keep a copy of every parameter,
+    every step (``benchmarks/bench_mesh.py``); equal up to rounding.
+    """
+    return jax.tree.map(lambda update, new: new if update is None else new - update.astype(new.dtype),
+                        updates, new_params, is_leaf=lambda x: x is None)
+
+
 #: The metrics every step adds to ``loss_fn``'s (see :func:`optimizer_metrics`).
 OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
 
@@ -219,10 +230,6 @@ def _updated(
     metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
     # Computed from the averaged (identical) values: the same on every device, no collective.
     if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
-        # The parameters before the update, as the updated ones less the
-        # update: read from them, XLA would keep a copy of every parameter
-        # (they are donated, written over in place).
-        before = jax.tree.map(lambda update, new: new if update is None else new - update.astype(new.dtype),
-                              updates, new_state.params, is_leaf=lambda x: x is None)
-        metrics.update(_with_norm_of(_norm(before, norm_split), grads, updates, norm_split))
+        metrics.update(_with_norm_of(_norm(_before(new_state.params, updates), norm_split), grads, updates,
+                                     norm_split))
     return new_state, metrics, grads, updates

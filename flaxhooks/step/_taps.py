@@ -198,7 +198,8 @@ class Tapped:
             with respect to perturbed values, in execution order.
         loss: the loss.
         metrics: the extra metrics from ``loss_fn``.
-        params: the parameters before the update.
+        params: the parameters before the update (the updated ones less the
+            update: reading the donated originals would copy them every step).
         grads: the parameter gradients.
         outputs: the model's outputs on the whole batch.
         batch: the whole batch.

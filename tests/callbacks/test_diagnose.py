@@ -137,7 +137,7 @@ def test_parameters_masked_out_of_the_optimizer_are_frozen():
     found, _ = fit(model, optimizer, steps=20)
     frozen = [f for f in found if f.kind == "frozen_params"]
     assert [f.layer for f in frozen] == ["layers_0"]
-    assert "while it gets a gradient" in frozen[0].evidence
+    assert "while a gradient reaches its outputs" in frozen[0].evidence
 
 
 def test_a_learning_rate_far_too_high_is_named():
