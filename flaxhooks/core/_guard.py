@@ -77,7 +77,8 @@ class NonFiniteGuard(Callback):
     first non-finite loss (one select per leaf, fused into the update), so
     the guard replays that step, on the same batch with the same keys, with
     every module call's output and gradient tapped, and says which call went
-    first, and what the replay cost. ``fit`` then raises
+    first, and what the replay cost (on one process: on several, every
+    process says the same words, which leave the time out). ``fit`` then raises
     :class:`~flaxhooks.NonFiniteError`; the state it leaves is the one from
     before that step. A ``finding`` event (kind ``nonfinite``) carries the same.
 
@@ -188,7 +189,11 @@ class NonFiniteGuard(Callback):
         started = time.perf_counter()
         (flags,) = replay(batch, (probe,))
         flags = {k: np.asarray(jax.device_get(v.addressable_shards[0].data)) for k, v in flags.items()}
-        cost = f"found by replaying step {step} instrumented, in {time.perf_counter() - started:.1f} s"
+        # Each process times its own replay; on several, the words (their agreed stop
+        # is said once if they are the same) leave the time out.
+        seconds = time.perf_counter() - started
+        timed = f", in {seconds:.1f} s" if jax.process_count() == 1 else " on every process"
+        cost = f"found by replaying step {step} instrumented{timed}"
         params = [name for name, bad in zip(probe.params, flags["params"], strict=True) if bad]
         if params:
             return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"

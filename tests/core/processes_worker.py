@@ -128,6 +128,7 @@ def _outcome(fit: Callable[[], Any]) -> dict[str, Any]:
 def agreement(index: int, count: int, out: str) -> dict[str, Any]:
     """Stops and faults decided on one process, one fit after another in the
     same processes (each must leave the run healthy for the next)."""
+    import flax.linen as nn
     import numpy as np
     import optax
 
@@ -158,10 +159,14 @@ def agreement(index: int, count: int, out: str) -> dict[str, Any]:
         order = 500
 
         def on_fit_start(self, loop):
-            self.seen, self.final = [], {}
+            self.seen, self.final, self.findings = [], {}, []
 
         def on_step_end(self, loop):
             self.seen.append(loop.step)
+
+        def on_finding(self, loop):
+            found = loop.payload
+            self.findings.append([found.kind, found.layer, found.step, found.message()])
 
         def on_fit_end(self, loop):
             self.final = {"step": loop.step, "stop_reason": loop.stop_reason}
@@ -178,10 +183,10 @@ def agreement(index: int, count: int, out: str) -> dict[str, Any]:
 
     def run(name, plan=None, data=None, epochs=2, other=None):
         act.plan = plan
-        steps.seen, steps.final = [], {}
+        steps.seen, steps.final, steps.findings = [], {}, []
         fit = other or trainer
         outcome = _outcome(lambda: fit.fit(data or loader(), epochs=epochs, state=None if other else initial))
-        outcome.update(steps.final, seen=steps.seen)
+        outcome.update(steps.final, seen=steps.seen, findings=steps.findings)
         results[name] = outcome
         say(f"{name}: {outcome}")
 
@@ -236,6 +241,60 @@ def agreement(index: int, count: int, out: str) -> dict[str, Any]:
     diverging = flaxhooks.Trainer(MLP(), optax.sgd(1e9), cross_entropy, callbacks=[
         flaxhooks.ActivationStats(every=1), act, steps])
     run("nonfinite", other=diverging)
+
+    # A NaN in process 1's share of step 3's batch alone: the loss (a mean over
+    # every process's share) is NaN on both, and both replay step 3 (a step
+    # compiled over every process's devices) from the state before it; each
+    # times its replay, and both say the same words all the same.
+    def nan_on_1(epoch):
+        for i, batch in enumerate(loader()(epoch)):
+            if index == 1 and epoch == 0 and i == 2:
+                batch = {**batch, "image": batch["image"].copy()}
+                batch["image"][1, 2] = np.nan
+            yield batch
+
+    def slow_replay(loop):  # process 1 has the replay's outcome half a second after process 0
+        replay = loop.replay
+
+        def slow(*args):
+            flags = replay(*args)
+            time.sleep(0.5)
+            return flags
+
+        loop.replay = slow
+
+    run("nan_on_1", (1, 1, "step_end", slow_replay), data=nan_on_1)
+    results["nan_on_1"]["state_step"] = int(np.asarray(trainer.state.step.addressable_shards[0].data))
+    results["nan_on_1"]["params"] = leaves(trainer.state.params)
+    results["nan_on_1"]["two_steps"] = leaves(trainer.fit(loader(), steps=2, state=initial).params)
+
+    # Diagnose: every process reads the same window sums (replicated), so each
+    # finds the same; process 0 alone logs them.
+    import logging
+
+    class Killed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(32)(x))
+            x = nn.relu(nn.Dense(32, bias_init=nn.initializers.constant(-20.0), name="killed")(x))
+            return nn.Dense(3)(nn.relu(nn.Dense(32, name="after")(x)))
+
+    class Logged(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.said: list[str] = []
+
+        def emit(self, record):
+            self.said.append(record.getMessage())
+
+    logged = Logged()
+    logging.getLogger("flaxhooks").addHandler(logged)
+    diagnose = flaxhooks.Diagnose(every=1, window=4, table=False)
+    run("diagnose", other=flaxhooks.Trainer(Killed(), optax.adam(1e-2), cross_entropy,
+                                            callbacks=[diagnose, act, steps]), epochs=1)
+    logging.getLogger("flaxhooks").removeHandler(logged)
+    results["diagnose"]["logged"] = logged.said
+    results["diagnose"]["table"] = [[f.kind, f.layer, f.step, f.message()] for f in diagnose.findings]
 
     results["eval_by_time"] = _outcome(lambda: sgd_trainer(callbacks=[
         flaxhooks.Evaluate(make_arrays(20), every=flaxhooks.Every(seconds=5))]).fit(loader(), epochs=1))

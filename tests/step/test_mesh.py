@@ -384,3 +384,125 @@ def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_de
     assert "all-gather" not in text
     # The parameters' norm does not keep the donated kernel alive past its update.
     assert not re.search(r"f32\[16,256\]\{1,0\} copy\(", text)
+
+
+class Killed(nn.Module):
+    """A ReLU layer killed by a large negative bias, between two live ones; the
+    kernels annotated with logical axes (each kept whole unless a rule splits it)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+
+        def dense(features, axes, **kwargs):
+            return nn.Dense(features, kernel_init=nn.with_logical_partitioning(init, axes), **kwargs)
+
+        x = nn.relu(dense(HIDDEN, ("embed", "mlp"))(x))
+        x = nn.with_logical_constraint(x, ("batch", "mlp"))
+        dead = nn.initializers.constant(-20.0)
+        x = nn.relu(dense(HIDDEN, ("mlp", "embed"), bias_init=dead, name="killed")(x))
+        x = nn.relu(dense(HIDDEN, ("embed", "mlp"), name="after")(x))
+        return dense(CLASSES, ("mlp", "embed"))(x)
+
+
+@pytest.mark.parametrize("placement", ["fsdp", "fsdp+tensor"])
+def test_diagnose_on_a_sharded_state_finds_and_figures_what_it_does_on_one_device(placement):
+    """The layers' sums reduce over the whole batch and every shard: on 8
+    devices with FSDP (and on a (4, 2) mesh with tensor parallelism too) the
+    windows, the figures made of them and the findings are those of one device."""
+    from flaxhooks.diagnose import Thresholds, layer_figures
+
+    batches = _batches(count=8)
+    whole = (("batch", "data"), ("embed", None), ("mlp", None))
+    rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+
+    class Kept(flaxhooks.Diagnose):
+        """Diagnose that also keeps each step's window sums, read on the host."""
+
+        def take(self, loop, result):
+            self.kept.append(jax.tree.map(np.asarray, jax.device_get(result)))
+            super().take(loop, result)
+
+    def diagnosed(**placement):
+        diagnose = Kept(every=1, window=4, table=False)
+        diagnose.kept = []
+        state = _trainer(Killed(), callbacks=[diagnose], **placement).fit(batches, epochs=1, state=initial)
+        diagnose.spec = state.params["killed"]["kernel"].sharding.spec
+        return diagnose
+
+    initial = _trainer(Killed(), devices=_needs(1), axis_rules=whole).init(batches[0])
+    one = diagnosed(devices=_needs(1), axis_rules=whole)
+    if placement == "fsdp":
+        sharded = diagnosed(devices=_needs(8), axis_rules=whole, shard=flaxhooks.FSDP("data", min_size=256))
+    else:
+        sharded = diagnosed(mesh=_mesh((4, 2), ("data", "model")), axis_rules=rules,
+                            shard=flaxhooks.FSDP("data", min_size=256))
+    assert sharded.spec == (P("data", None) if placement == "fsdp" else P("model", "data"))
+
+    assert [(f.kind, f.layer, f.step, f.since) for f in one.findings] == [("dead_units", "killed", 4, 1)]
+    assert [(f.kind, f.layer, f.step, f.since) for f in sharded.findings] == [
+        (f.kind, f.layer, f.step, f.since) for f in one.findings]
+    for got, want in zip(sharded.findings, one.findings, strict=True):
+        assert got.values.keys() == want.values.keys()
+        for name, value in want.values.items():
+            if isinstance(value, float):
+                assert got.values[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+            else:
+                assert got.values[name] == value, name
+
+    assert len(one.kept) == len(sharded.kept) == 8
+    names, units = ("Dense_0", "killed", "after", "Dense_1"), (HIDDEN, HIDDEN, HIDDEN, CLASSES)
+    for start in (0, 4):  # each window's sums, added up on the host, and the figures made of them
+        windows = []
+        for diagnose in (one, sharded):
+            steps = diagnose.kept[start:start + 4]
+            windows.append({
+                "layers": sum(w.layers for w in steps), "mass": sum(w.mass for w in steps),
+                "reached": np.max([w.reached for w in steps], axis=0),
+                "fired": np.max([w.fired for w in steps], axis=0),
+                "params": sum(w.params[:, :3] for w in steps),
+            })
+        for key in windows[0]:
+            np.testing.assert_allclose(windows[1][key], windows[0][key], rtol=1e-4, atol=1e-5, err_msg=key)
+        figures = [layer_figures(names, units, w, Thresholds()) for w in windows]
+        assert [f.name for f in figures[0]] == list(names)
+        assert figures[0][1].dead == figures[1][1].dead == 1.0  # every unit of "killed" dead
+        for got, want in zip(figures[1], figures[0], strict=True):
+            def numbers(f):
+                return [f.mean, f.grad_rms, f.dead, f.silent, f.dormant, f.saturated, *f.slopes]
+
+            np.testing.assert_allclose(numbers(got), numbers(want), rtol=1e-4, atol=1e-6, err_msg=want.name)
+    # The heatmaps drawn from the windows: the same to a colour step.
+    pictures = one.pictures(), sharded.pictures()
+    assert sorted(pictures[0]) == sorted(pictures[1]) == ["dead_units", "gradient_rms", "update_ratio"]
+    for name, image in pictures[0].items():
+        assert image.shape == pictures[1][name].shape
+        np.testing.assert_allclose(pictures[1][name].astype(int), image.astype(int), atol=2, err_msg=name)
+
+
+class Rooted(nn.Module):
+    """``sqrt(|encoder(x)|)``: NaN from the first batch holding a NaN on."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(HIDDEN, name="encoder")(x)
+        return nn.Dense(CLASSES, name="head")(jnp.sqrt(jnp.abs(x)))
+
+
+def test_the_guard_replays_a_step_under_fsdp_and_names_the_layer():
+    batches = _batches(count=6)
+    batches[2]["image"][-1, 3] = np.nan  # step 3, in the last device's share
+    shard = flaxhooks.FSDP("data", min_size=256)
+    reference = _trainer(Rooted(), devices=_needs(8), shard=shard)
+    initial = reference.init(batches[0])
+    expected = reference.fit(batches[:2], epochs=1, state=initial)
+    trainer = _trainer(Rooted(), devices=_needs(8), shard=shard)
+    with pytest.raises(flaxhooks.NonFiniteError) as error:
+        trainer.fit(batches, epochs=1, state=initial)
+    assert error.value.step == 3
+    assert "the first call, in execution order, whose output went non-finite is 'encoder'" in str(error.value)
+    kernel = trainer.state.params["encoder"]["kernel"]
+    assert kernel.sharding.spec == P(None, "data")  # still split: the state from before step 3
+    assert int(trainer.state.step) == 2
+    for got, want in zip(jax.tree.leaves(trainer.state), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
