@@ -55,7 +55,6 @@ class _Probe:
             return jnp.stack([~jnp.all(jnp.isfinite(v)) for v in values]) if values else jnp.zeros(0, bool)
 
         return {"activations": bad([t.value for t in acts]), "gradients": bad([t.value for t in grads]),
-                "params": bad([leaf for _, leaf in paths]),
                 "param_grads": bad(jax.tree.leaves(tapped.grads)),
                 "loss": ~jnp.isfinite(tapped.loss)}
 
@@ -194,6 +193,9 @@ class NonFiniteGuard(Callback):
         seconds = time.perf_counter() - started
         timed = f", in {seconds:.1f} s" if jax.process_count() == 1 else " on every process"
         cost = f"found by replaying step {step} instrumented{timed}"
+        # The state itself, before the step (the probe's view of the parameters is the
+        # updated ones less the update, non-finite when the update is).
+        flags["params"] = _host(_nonfinite_leaves(loop.state.params))
         params = [name for name, bad in zip(probe.params, flags["params"], strict=True) if bad]
         if params:
             return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"
@@ -229,6 +231,20 @@ class NonFiniteGuard(Callback):
 
 _ADVICE = ("lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), look for "
            "log/sqrt/division of values that reach 0 or below in that layer, or train in float32")
+
+
+@jax.jit
+def _nonfinite_leaves(params: Any) -> jax.Array:
+    """One flag per leaf: whether it holds a NaN or an infinity (compiled over the mesh)."""
+    leaves = jax.tree.leaves(params)
+    return jnp.stack([~jnp.all(jnp.isfinite(x)) for x in leaves]) if leaves else jnp.zeros(0, bool)
+
+
+def _host(value: Any) -> np.ndarray:
+    """A replicated array on the host (on several processes: this process's copy)."""
+    if value.is_fully_addressable:
+        return np.asarray(value)
+    return np.asarray(jax.device_get(value.addressable_shards[0].data))
 
 
 def _host_float(value: Any) -> float:
