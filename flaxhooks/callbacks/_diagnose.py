@@ -67,7 +67,7 @@ def _host(x: Any) -> np.ndarray:
 class _Pending:
     start: int
     end: int
-    sums: Window
+    sums: jax.Array  # packed (Window.pack)
 
 
 class Diagnose(InstrumentedCallback):
@@ -132,14 +132,14 @@ class Diagnose(InstrumentedCallback):
         self._units: tuple[int, ...] = ()
         self._modules: tuple[str, ...] = ()
         self.num_classes: int | None = None
-        self._add = jax.jit(add_windows)
+        self._adders: dict[tuple[int, int, int], Any] = {}
         self._reset(0)
 
     def __repr__(self) -> str:
         return f"Diagnose(every={self.every!r}, window={self.window})"
 
     def _reset(self, step: int) -> None:
-        self._sums: Window | None = None
+        self._sums: jax.Array | None = None
         self._start = step + 1
         self._pending: collections.deque[_Pending] = collections.deque()
         self._active: dict[tuple[str, str | None], Finding] = {}
@@ -156,7 +156,16 @@ class Diagnose(InstrumentedCallback):
 
     # -- inside the step ----------------------------------------------------
 
-    def inside_step(self, tapped: Tapped) -> Window:
+    @property
+    def _sizes(self) -> tuple[int, int, int]:
+        """The packed window's layout: layers, units in all, modules."""
+        return len(self._layers), sum(self._units), len(self._modules)
+
+    def sums_of(self, packed: Any) -> Window:
+        """One step's (or window's) packed sums, on the host, as a :class:`~flaxhooks.diagnose.Window`."""
+        return Window.unpack(_host(packed), *self._sizes)
+
+    def inside_step(self, tapped: Tapped) -> jax.Array:
         gradients = {t.name: t for t in tapped.gradients if not isinstance(t, RepeatedTap)}
         pairs, names, units = [], [], []
         for tap in tapped.activations:
@@ -173,11 +182,18 @@ class Diagnose(InstrumentedCallback):
         modules, ratios = update_ratios(tapped.params, tapped.updates)
         self._modules = modules
         self.num_classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
-        return step_window(pairs, ratios)
+        return step_window(pairs, ratios).pack()
 
-    def take(self, loop: Loop, result: Window) -> None:
+    def take(self, loop: Loop, result: jax.Array) -> None:
         # Added up on the devices: nothing is read until the window is judged.
-        self._sums = result if self._sums is None else self._add(self._sums, result)
+        if self._sums is None:
+            self._sums = result
+            return
+        add = self._adders.get(self._sizes)
+        if add is None:  # compiled once per layout
+            maxed = Window.maxed(*self._sizes)
+            add = self._adders[self._sizes] = jax.jit(lambda a, b: add_windows(a, b, maxed))
+        self._sums = add(self._sums, result)
 
     # -- on the host ----------------------------------------------------------
 
@@ -245,7 +261,7 @@ class Diagnose(InstrumentedCallback):
         self._sums, self._start = None, step + 1
 
     def _judge(self, loop: Loop, pending: _Pending) -> None:
-        sums = jax.tree.map(_host, pending.sums)
+        sums = self.sums_of(pending.sums)
         steps = (pending.start, pending.end)
         read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
         figures = layer_figures(self._layers, self._units, read, self.thresholds)

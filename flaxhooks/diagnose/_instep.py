@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxhooks.step import param_modules
 
@@ -28,7 +29,9 @@ COLUMNS: tuple[str, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """Sums over the steps of a window (device arrays until read).
+    """Sums over the steps of a window. A step hands them out packed in one
+    vector (:meth:`pack`: one output of the step, and one input and output
+    of the sum that adds steps up, whose host cost is per array).
 
     Attributes:
         layers: float32 ``[layers, len(COLUMNS)]``: each layer's sums.
@@ -52,8 +55,38 @@ class Window:
     steps: Any
 
 
-jax.tree_util.register_dataclass(
-    Window, data_fields=["layers", "reached", "fired", "mass", "params", "steps"], meta_fields=[])
+    def pack(self) -> jax.Array:
+        """The sums as one float32 vector (inside the step)."""
+        parts = [self.layers.reshape(-1), self.reached, self.fired, self.mass, self.params.reshape(-1),
+                 jnp.reshape(self.steps, (1,))]
+        return jnp.concatenate([jnp.asarray(p, jnp.float32) for p in parts])
+
+    @staticmethod
+    def sizes(layers: int, units: int, modules: int) -> tuple[int, ...]:
+        """The lengths of the packed parts, in :meth:`pack`'s order."""
+        return layers * len(COLUMNS), units, units, units, modules * 4, 1
+
+    @classmethod
+    def unpack(cls, vector: Any, layers: int, units: int, modules: int) -> Window:
+        """The sums of a packed vector (numpy or jax) of ``layers`` layers of
+        ``units`` units in all and ``modules`` modules."""
+        parts, start = [], 0
+        for size in cls.sizes(layers, units, modules):
+            parts.append(vector[start:start + size])
+            start += size
+        table, reached, fired, mass, params, steps = parts
+        return cls(table.reshape(layers, len(COLUMNS)), reached, fired, mass, params.reshape(modules, 4),
+                   steps[0])
+
+    @classmethod
+    def maxed(cls, layers: int, units: int, modules: int) -> np.ndarray:
+        """Which entries of the packed vector add up by their maximum (whether a
+        unit was reached or fired, a module's largest ratio); the rest by their sum."""
+        sizes = cls.sizes(layers, units, modules)
+        table, reached, fired, mass, params, steps = (np.zeros(n, bool) for n in sizes)
+        reached[:], fired[:] = True, True
+        params.reshape(modules, 4)[:, 3] = True
+        return np.concatenate([table, reached, fired, mass, params, steps])
 
 
 #: The most rows (entries of every unit) of a layer's pre-activations that a
@@ -152,9 +185,6 @@ def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array) 
                   jnp.ones((), jnp.float32))
 
 
-def add_windows(a: Window, b: Window) -> Window:
-    """Two windows' sums as one (pure: compiled once, run on the devices)."""
-    params = jnp.concatenate([a.params[:, :3] + b.params[:, :3],
-                              jnp.maximum(a.params[:, 3:], b.params[:, 3:])], axis=1)
-    return Window(a.layers + b.layers, jnp.maximum(a.reached, b.reached), jnp.maximum(a.fired, b.fired),
-                  a.mass + b.mass, params, a.steps + b.steps)
+def add_windows(a: jax.Array, b: jax.Array, maxed: np.ndarray) -> jax.Array:
+    """Two packed windows' sums as one (pure: compiled once per layout, run on the devices)."""
+    return jnp.where(maxed, jnp.maximum(a, b), a + b)
