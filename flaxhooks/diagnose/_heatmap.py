@@ -5,8 +5,9 @@ drawn as 8-bit RGB pixels without an imaging library."""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -281,9 +282,14 @@ class Heatmaps:
     def image(self, **options: Any) -> np.ndarray:
         """The picture (:func:`heatmap`, with the layers' names and the steps;
         ``options`` are its keyword arguments)."""
+        return self.drawing(**options)()
+
+    def drawing(self, **options: Any) -> Callable[[], np.ndarray]:
+        """:meth:`image` of the values as they are now, drawn when called
+        (on another thread: adding values meanwhile changes nothing of it)."""
         if not self._cells:
             raise ValueError("no step was added: there is nothing to draw")
         values, missing = self.arrays()
         options.setdefault("rows", self.layers)
         options.setdefault("steps", (self._steps[0], self._last))
-        return heatmap(values, log=self.log, missing=missing, **options)
+        return functools.partial(heatmap, values, log=self.log, missing=missing, **options)
