@@ -132,7 +132,8 @@ class Diagnose(InstrumentedCallback):
         self._units: tuple[int, ...] = ()
         self._modules: tuple[str, ...] = ()
         self.num_classes: int | None = None
-        self._adders: dict[tuple[int, int, int], Any] = {}
+        #: What the step adds this window's next sums to (None: zeros, a new window).
+        self.carry: jax.Array | None = None
         self._reset(0)
 
     def __repr__(self) -> str:
@@ -140,6 +141,7 @@ class Diagnose(InstrumentedCallback):
 
     def _reset(self, step: int) -> None:
         self._sums: jax.Array | None = None
+        self.carry = None
         self._start = step + 1
         self._pending: collections.deque[_Pending] = collections.deque()
         self._active: dict[tuple[str, str | None], Finding] = {}
@@ -184,16 +186,14 @@ class Diagnose(InstrumentedCallback):
         self.num_classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
         return step_window(pairs, ratios).pack()
 
+    def combine(self, carry: jax.Array, result: jax.Array) -> jax.Array:
+        """The window's sums so far and this step's, as one (in the step: the runner
+        gives back what this callback carries, zeros at a window's start)."""
+        return add_windows(carry, result, Window.maxed(*self._sizes))
+
     def take(self, loop: Loop, result: jax.Array) -> None:
-        # Added up on the devices: nothing is read until the window is judged.
-        if self._sums is None:
-            self._sums = result
-            return
-        add = self._adders.get(self._sizes)
-        if add is None:  # compiled once per layout
-            maxed = Window.maxed(*self._sizes)
-            add = self._adders[self._sizes] = jax.jit(lambda a, b: add_windows(a, b, maxed))
-        self._sums = add(self._sums, result)
+        # The window's sums so far, added up on the devices: nothing is read until it is judged.
+        self._sums = self.carry = result
 
     # -- on the host ----------------------------------------------------------
 
@@ -258,7 +258,8 @@ class Diagnose(InstrumentedCallback):
     def _close(self, step: int) -> None:
         if self._sums is not None:
             self._pending.append(_Pending(self._start, step, self._sums))
-        self._sums, self._start = None, step + 1
+        self._sums = self.carry = None
+        self._start = step + 1
 
     def _judge(self, loop: Loop, pending: _Pending) -> None:
         sums = self.sums_of(pending.sums)

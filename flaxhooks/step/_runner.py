@@ -61,6 +61,8 @@ class StepRunner:
         self.metric_names: tuple[str, ...] = ()
         self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
         self._freezers: tuple[Any, ...] = ()
+        self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
+        self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
 
     def use(self, callbacks: Sequence[Any]) -> None:
         """Takes the step contributors among ``callbacks``, in their order, and
@@ -104,15 +106,17 @@ class StepRunner:
     def variant(self, due: tuple[StepContributor, ...], norms: bool | None = None) -> Any:
         """The compiled step serving ``due`` (the lean step for none), with or
         without the optimizer metrics (``norms``; default: as configured), built
-        once: ``(state, batch, totals) -> (state, metrics, totals, results)``,
-        the totals being the running sums of the metrics (see :meth:`zero_totals`).
+        once: ``(state, batch, totals, carries) -> (state, metrics, totals,
+        results)``, the totals being the running sums of the metrics (see
+        :meth:`zero_totals`), ``carries`` each due contributor's ``carry`` (see
+        :meth:`run`).
         Everything but the state comes back replicated."""
         norms, freeze = self._norms(norms), self.freeze
         step = self._variants.get((due, norms, freeze))
         if step is None:
             replicated = self.placement.replicated
             # The state is donated; the totals are not, so a reader may keep any step's.
-            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due, norms), freeze))),
+            step = jax.jit(self._traced(self._counted(_with_totals(self._step(due, norms), freeze, due))),
                            donate_argnums=(0,),
                            out_shardings=(self._state_shardings, replicated, replicated, replicated))
             self._variants[(due, norms, freeze)] = step
@@ -174,7 +178,8 @@ class StepRunner:
                 )
         self.metric_names = tuple(metrics)
         if self.contributors:  # the contributors' own errors, raised as they are
-            jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
+            _, _, results = jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
+            self._results = dict(zip(self.contributors, results, strict=True))
         self._checked.add(key)
 
     def replay(self, state: Any, batch: Any, contributors: Sequence[StepContributor]) -> tuple[Any, ...]:
@@ -185,8 +190,27 @@ class StepRunner:
         """
         step_fn = self.variant(tuple(contributors), norms=False)
         copied = jax.tree.map(lambda x: x.copy(), state)
-        _, _, _, results = step_fn(copied, batch, self.zero_totals())
+        _, _, _, results = step_fn(copied, batch, self.zero_totals(), self._carries(tuple(contributors)))
         return tuple(results)
+
+    def _carries(self, due: tuple[StepContributor, ...]) -> tuple[Any, ...]:
+        """What each due contributor carries into the step: its ``carry`` (zeros
+        shaped like its result when None) if it ``combine``s results, else None."""
+        carries = []
+        for contributor in due:
+            if not hasattr(contributor, "combine"):
+                carries.append(None)
+                continue
+            carry = getattr(contributor, "carry", None)
+            if carry is None:
+                make = self._empty.get(contributor)
+                if make is None:  # compiled once: zeros made on the devices, no transfer
+                    shapes = self._results[contributor]
+                    make = self._empty[contributor] = self.placement.replicated_constant(
+                        lambda shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+                carry = make()
+            carries.append(carry)
+        return tuple(carries)
 
     def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:
         """Dispatches the step after ``loop.step`` on ``batch`` and updates the
@@ -198,7 +222,8 @@ class StepRunner:
         # Decided on the host, per step: the lean step unless a contributor is due.
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
         step_fn = self.variant(due, self.norms_due(step))
-        loop.state, loop.metrics, loop.totals, results = step_fn(loop.state, batch, loop.totals)
+        carries = self._carries(due)
+        loop.state, loop.metrics, loop.totals, results = step_fn(loop.state, batch, loop.totals, carries)
         # One statement: a KeyboardInterrupt cannot land between the two.
         loop.step, loop.epoch_step = step, loop.epoch_step + 1
         for contributor, result in zip(due, results, strict=True):
@@ -232,8 +257,10 @@ def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:
 _WATCHED = ("loss", "grad_norm")
 
 
-def _with_totals(step: Step, freeze: bool = False) -> Any:
-    """``step`` that also adds its metrics to the running totals it is given.
+def _with_totals(step: Step, freeze: bool = False, due: tuple[StepContributor, ...] = ()) -> Any:
+    """``step`` that also adds its metrics to the running totals it is given,
+    and gives each due contributor that ``combine``s its result with what it
+    carries in the combination (added up on the devices, in the same step).
 
     With ``freeze``, a step whose loss (or, where computed, gradient norm) is
     not finite, and every step after it (the totals have counted it), returns
@@ -242,9 +269,12 @@ def _with_totals(step: Step, freeze: bool = False) -> Any:
     select per leaf, fused into the update that writes it.
     """
 
-    def stepped(state: Any, batch: Any, totals: Totals) -> tuple[Any, Any, Totals, Any]:
+    def stepped(state: Any, batch: Any, totals: Totals, carries: tuple[Any, ...] = ()) -> tuple[Any, ...]:
         before = state
         state, metrics, results = step(state, batch)
+        if carries:
+            results = tuple(result if carry is None else contributor.combine(carry, result)
+                            for contributor, carry, result in zip(due, carries, results, strict=True))
         if freeze and "loss" in totals.names:
             watched = [totals.names.index(name) for name in _WATCHED if name in totals.names]
             # Every loss and gradient norm so far was finite (each step's added to the totals).
