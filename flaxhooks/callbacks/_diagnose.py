@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -35,6 +35,9 @@ from flaxhooks.diagnose import (
     update_ratios,
 )
 from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _log = logging.getLogger("flaxhooks")
 
@@ -101,8 +104,10 @@ class Diagnose(InstrumentedCallback):
         label_key: the batch key of class labels, to recognize a classifier.
         table: print the findings in a table when ``fit`` ends.
         heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
-            of layers over steps, in TensorBoard's Images tab at each window.
+            of layers over steps, in TensorBoard's Images tab at each window
+            (``health/heatmaps/<name>``).
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
+        console: the rich console the table is printed on (default: a new one on stderr).
 
     Example:
         >>> import flaxhooks
@@ -113,7 +118,7 @@ class Diagnose(InstrumentedCallback):
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
                  label_key: str = "label", table: bool = True, heatmaps: bool = True,
-                 report_dir: str | Path | None = None):
+                 report_dir: str | Path | None = None, console: Console | None = None):
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
         self.every = as_every(every)
@@ -125,6 +130,7 @@ class Diagnose(InstrumentedCallback):
         self.label_key = label_key
         self.table, self.heatmaps = table, heatmaps
         self.report_dir = None if report_dir is None else Path(report_dir)
+        self.console = console
         self._plan: FitPlan | None = None
         #: Every finding said during the last fit, in order (the guard's too).
         self.findings: list[Finding] = []
@@ -251,7 +257,7 @@ class Diagnose(InstrumentedCallback):
         self._pending.clear()
         if jax.process_index() == 0:
             if self.table and self.findings:
-                _print_table(self.findings)
+                _print_table(self.findings, self.console)
             if self.report_dir is not None:
                 self._write_report()
 
@@ -290,10 +296,18 @@ class Diagnose(InstrumentedCallback):
         ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
         self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
         self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
-        self._maps["update_ratio"].add(step, dict(zip(self._modules, ratios.tolist(), strict=True)))
+        # Modules in the order of their layers (a module is a layer's path, or a prefix of it).
+        depth = {name: i for i, name in enumerate(self._layers)}
+        rank = {m: min((i for name, i in depth.items() if name == m or name.startswith(m + "/")),
+                       default=len(depth)) for m in self._modules}
+        ordered = sorted(zip(self._modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
+        self._maps["update_ratio"].add(step, dict(ordered))
         if loop.writers:
+            # Not health/<name>: TensorBoard keeps one kind of data per tag, and health/dead_units
+            # is the count of dead_units findings, a scalar (its image would never show).
             drawings = self._drawings()
-            loop.writers.images(lambda: {f"health/{name}": draw() for name, draw in drawings.items()}, step)
+            loop.writers.images(
+                lambda: {f"health/heatmaps/{name}": draw() for name, draw in drawings.items()}, step)
 
     def _drawings(self) -> dict[str, Any]:
         return {name: maps.drawing(title=_TITLES[name], **_RANGE.get(name, {}))
@@ -362,7 +376,7 @@ def _markdown(finding: Finding) -> str:
     return f"**{finding.kind}** at step {finding.step}: {where}{finding.evidence}.\n\n*Try:* {finding.advice}"
 
 
-def _print_table(findings: Sequence[Finding]) -> None:
+def _print_table(findings: Sequence[Finding], console: Console | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -371,4 +385,4 @@ def _print_table(findings: Sequence[Finding]) -> None:
         table.add_column(column, overflow="fold")
     for f in findings:
         table.add_row(str(f.step), f.kind, f.layer or "-", f.evidence, f.advice)
-    Console(stderr=True).print(table)
+    (console or Console(stderr=True)).print(table)

@@ -5,6 +5,7 @@ none (the end-to-end runs are in tests/recipes/test_diagnose_healthy.py)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 
 import flax.linen as nn
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import flaxhooks
@@ -237,14 +239,28 @@ def test_findings_reach_tensorboard_the_report_and_the_table(tmp_path, capsys):
     assert [e.value for e in events.Scalars("health/saturation")] == [0.0, 0.0, 0.0]
     texts = [t for t in events.Tags()["tensors"] if t.startswith("health/findings")]
     assert texts
-    images = events.Images("health/gradient_rms")
+    images = events.Images("health/heatmaps/gradient_rms")
     assert [i.step for i in images] == [10, 20, 30] and images[-1].width > 0
+    # TensorBoard keeps one kind of data per tag: a heatmap under a scalar's tag would never show.
+    assert sorted(events.Tags()["images"]) == [f"health/heatmaps/{name}" for name in
+                                               ("dead_units", "gradient_rms", "update_ratio")]
+    assert not set(events.Tags()["images"]) & set(events.Tags()["scalars"])
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
         "dead_units.png", "findings.md", "gradient_rms.png", "update_ratio.png"]
     report = (tmp_path / "report" / "findings.md").read_text()
     assert report.startswith("# Diagnose") and "**dead_units** at step 10: `killed`" in report
     table = capsys.readouterr().err
     assert "Diagnose" in table and "dead_units" in table and "killed" in table
+
+
+def test_the_table_goes_to_the_console_given(capsys):
+    console = Console(file=io.StringIO(), width=200, record=True)
+    diagnose = flaxhooks.Diagnose(every=1, window=10, console=console)
+    trainer = flaxhooks.Trainer(Killed(), optax.adam(1e-2), cross_entropy, callbacks=[diagnose])
+    trainer.fit(data(), steps=10)
+    table = console.export_text()
+    assert "Diagnose: what was found" in table and "dead_units" in table and "killed" in table
+    assert "Diagnose" not in capsys.readouterr().err  # not on stderr as well
 
 
 def test_the_guards_finding_is_in_the_table_too():
