@@ -117,22 +117,26 @@ def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     if z.shape[0] > MAX_ROWS:
         stride = z.shape[0] // MAX_ROWS
         z, g = z[::stride][:MAX_ROWS], g[::stride][:MAX_ROWS]
-    # Floats throughout: XLA sums them far faster than booleans.
+    # Floats throughout (XLA sums them far faster than booleans), and every
+    # per-unit sum in one reduction: on CPU each reduction is a kernel of its own.
     abs_z, abs_g = jnp.abs(z), jnp.abs(g)
     nonpositive = (z <= 0).astype(jnp.float32)
     above = [(abs_z >= edge).astype(jnp.float32) for edge in SLOPE_BINS]
-    at_least = [jnp.asarray(z.size, jnp.float32)] + [jnp.sum(a) for a in above]  # |z| >= each edge
-    slope_at_least = [jnp.sum(abs_g)] + [jnp.sum(a * abs_g) for a in above]
-    counts = [at_least[i] - (at_least[i + 1] if i + 1 < len(at_least) else 0.0) for i in range(len(at_least))]
-    slopes = [slope_at_least[i] - (slope_at_least[i + 1] if i + 1 < len(slope_at_least) else 0.0)
-              for i in range(len(slope_at_least))]
-    row = jnp.stack([
-        at_least[0], jnp.sum(z), jnp.sum(z * z), jnp.sum(g * g), jnp.sum(nonpositive),
-        jnp.sum(nonpositive * (abs_g > 0)), *counts, *slopes,
-    ]).astype(jnp.float32)
-    reached = (jnp.sum(abs_g, axis=0) > 0).astype(jnp.float32)
-    fired = (jnp.max(z, axis=0) > 0).astype(jnp.float32)
-    return row, reached, fired, jnp.sum(jnp.maximum(z, 0.0), axis=0)
+    features = jnp.stack([
+        jnp.ones_like(z), z, z * z, g * g, nonpositive, nonpositive * (abs_g > 0).astype(jnp.float32),
+        *above, abs_g, *(a * abs_g for a in above), jnp.maximum(z, 0.0), (z > 0).astype(jnp.float32),
+    ])
+    per_unit = jnp.sum(features, axis=1)  # [features, units]
+    sums = jnp.sum(per_unit, axis=1)
+    edges = len(SLOPE_BINS)
+    # Entries with |z| at least 0 (all) and at least each edge, and their |g|: a bin is a difference.
+    at_least = jnp.concatenate([sums[:1], sums[6:6 + edges]])
+    slope_at_least = sums[6 + edges:6 + 2 * edges + 1]
+    counts = at_least - jnp.concatenate([at_least[1:], jnp.zeros(1)])
+    slopes = slope_at_least - jnp.concatenate([slope_at_least[1:], jnp.zeros(1)])
+    row = jnp.concatenate([sums[:6], counts, slopes]).astype(jnp.float32)
+    reached = (per_unit[6 + edges] > 0).astype(jnp.float32)
+    return row, reached, (per_unit[-1] > 0).astype(jnp.float32), per_unit[-2]
 
 
 #: The most entries of a parameter leaf an update ratio reads a step: two
