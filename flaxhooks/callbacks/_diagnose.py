@@ -132,6 +132,7 @@ class Diagnose(InstrumentedCallback):
         self.report_dir = None if report_dir is None else Path(report_dir)
         self.console = console
         self._plan: FitPlan | None = None
+        self._setup: tuple[Any, list[Finding]] = (None, [])
         #: Every finding said during the last fit, in order (the guard's too).
         self.findings: list[Finding] = []
         self._layers: tuple[str, ...] = ()
@@ -208,10 +209,13 @@ class Diagnose(InstrumentedCallback):
         self._reset(loop.step)
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
-            state, batch = plan.state, plan.spec.global_batch()
-            found = setup_findings(plan.model, state.params, state.model_state, batch, step=loop.step)
-            for finding in found:
-                self._say(loop, finding)
+            # Traced once per model and layout (tracing takes a good part of a second), said each fit.
+            key = (id(plan.model), plan.spec.describe(), jax.tree.structure(plan.state))
+            if self._setup[0] != key:
+                state, batch = plan.state, plan.spec.global_batch()
+                self._setup = (key, setup_findings(plan.model, state.params, state.model_state, batch))
+            for finding in self._setup[1]:
+                self._say(loop, dataclasses.replace(finding, step=loop.step))
 
     def on_finding(self, loop: Loop) -> None:
         finding = loop.payload

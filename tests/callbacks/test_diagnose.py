@@ -281,3 +281,39 @@ def test_thresholds_are_checked_and_configurable():
         flaxhooks.Diagnose(window=0)
     strict = Thresholds(dead_fraction=0.1)  # keras-contrib's
     assert flaxhooks.Diagnose(thresholds=strict).thresholds.dead_fraction == 0.1
+
+
+class Amplifying(nn.Module):
+    """A deep linear stack whose weights grow the gradient at every layer back from the loss."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(7):
+            x = nn.Dense(32, kernel_init=nn.initializers.normal(1.0))(x)
+        return nn.Dense(3, kernel_init=nn.initializers.normal(1e-3))(x)
+
+
+def test_gradients_that_grow_toward_the_input_are_exploding():
+    found, _ = fit(Amplifying(), optax.sgd(1e-9), steps=10)
+    exploding = [f for f in found if f.kind == "exploding_gradients"]
+    assert len(exploding) == 1 and exploding[0].step == 10
+    assert exploding[0].values["ratio"] > 1e4 and "clip" in exploding[0].advice
+
+
+class Dormant(nn.Module):
+    """A ReLU layer most of whose units barely ever output anything (ReDo's dormant units)."""
+
+    @nn.compact
+    def __call__(self, x):
+        def init(key, shape, dtype):
+            kernel = nn.initializers.lecun_normal()(key, shape, dtype)
+            return kernel.at[:, : 3 * shape[1] // 4].multiply(1e-4)  # three quarters nearly silent
+
+        x = nn.relu(nn.Dense(64, kernel_init=init, name="sleepy")(x))
+        return nn.Dense(3)(x)
+
+
+def test_units_that_barely_fire_are_dormant_not_dead():
+    found, _ = fit(Dormant(), optax.sgd(1e-4), steps=10)
+    assert kinds(found) == [("dormant_units", "sleepy")]
+    assert found[0].values["dormant"] >= 0.7
