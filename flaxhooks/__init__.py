@@ -119,4 +119,4 @@ __all__ = [
     "use_cpu_devices",
 ]
 
-__version__ = "0.7.0"
+__version__ = "0.8.0.dev0"
