@@ -279,6 +279,13 @@ class Diagnose(InstrumentedCallback):
         for f in figures:
             self._first.setdefault(f.name, f)
         grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
+        if not np.all(np.isfinite(np.asarray(sums.layers))):
+            # NaN in the window (the guard set to "warn"): every unit would look dead. The
+            # heatmaps show it (non-finite cells); the guard has said it.
+            self.update(loop, list(self._active.values()), pending.end)
+            if self.heatmaps:
+                self._draw(loop, figures, sums, pending.end)
+            return
         found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
         if self._first_max_grad is None and grads:
             self._first_max_grad = max(grads)

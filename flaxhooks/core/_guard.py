@@ -164,7 +164,11 @@ class NonFiniteGuard(Callback):
             self._diverged(loop, step, what, value, batch)
 
     def _diverged(self, loop: Loop, step: int, what: str, value: float, batch: Any) -> None:
-        cause, values = self._cause(loop, step, value, batch)
+        try:
+            cause, values = self._cause(loop, step, value, batch)
+        except Exception as error:  # the replay may not fit in memory: the NaN is said all the same
+            _log.debug("replaying step %d failed", step, exc_info=True)
+            cause, values = f"the replay that names the layer failed ({type(error).__name__}: {error})", {}
         message = f"{what} at step {step}: {cause}"
         self.finding = Finding("nonfinite", step, values.pop("layer", None), message, _ADVICE,
                                values={"loss": value, **values})

@@ -285,13 +285,14 @@ class Trainer:
             error = failed
             raise
         finally:
-            self._loop, self._state, self._last = None, loop.state, (loop.step, (loop.epoch, loop.epoch_step))
+            step = loop.step if loop.diverged is None else loop.diverged - 1  # the guard kept that state
+            self._loop, self._state = None, loop.state
+            self._last = (step, (loop.epoch, loop.epoch_step - loop.step + step))
             # A copy: the next fit donates the loop's state (a step interrupted mid-way consumed it).
             final = self._final = jax.tree.map(lambda x: x if x.is_deleted() else x.copy(), loop.state)
             self.model.update(final.params, final.model_state)
             stops.close(loop, error)
-        signum = stops.interrupted(loop)
-        if signum is not None:
+        if (signum := stops.interrupted(loop)) is not None:
             raise TrainingInterrupted(signum, loop.step)
         if loop.diverged is not None:
             raise NonFiniteError(str(loop.stop_reason), loop.diverged)

@@ -273,6 +273,10 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
     ratio, zero, peak = table[:, 0] / steps_added, table[:, 2] / steps_added, table[:, 3]
     found = []
     frozen = [i for i in range(len(modules)) if zero[i] >= 1.0]
+    if len(frozen) == len(modules):
+        # Every module at once: gradient accumulation (optax.MultiSteps updates every k-th
+        # step only) or a schedule at 0, not a mask; nothing a layer can be named for.
+        frozen = []
     for i in frozen:
         gets = (reached or {}).get(modules[i])
         why = ("" if gets is None else ", while a gradient reaches its outputs" if gets else

@@ -185,13 +185,15 @@ class StepRunner:
     def replay(self, state: Any, batch: Any, contributors: Sequence[StepContributor]) -> tuple[Any, ...]:
         """The step from ``state`` on ``batch`` with ``contributors`` due (even
         if they are not), without optimizer metrics: their results, as
-        :meth:`run` hands them out. ``state`` is left as it is (a copy is
-        donated); the variant is compiled once per set of contributors.
+        :meth:`run` hands them out. ``state`` is left as it is: the step is
+        compiled for this call alone, neither donating nor returning a state
+        (XLA leaves out the update), so it needs no copy of the state.
         """
-        step_fn = self.variant(tuple(contributors), norms=False)
-        copied = jax.tree.map(lambda x: x.copy(), state)
-        _, _, _, results = step_fn(copied, batch, self.zero_totals(), self._carries(tuple(contributors)))
-        return tuple(results)
+        due = tuple(contributors)
+        stepped = _with_totals(self._step(due, False), False, due)
+        results_only = jax.jit(self._traced(lambda *args: stepped(*args)[3]),
+                               out_shardings=self.placement.replicated)
+        return tuple(results_only(state, batch, self.zero_totals(), self._carries(due)))
 
     def _carries(self, due: tuple[StepContributor, ...]) -> tuple[Any, ...]:
         """What each due contributor carries into the step: its ``carry`` (zeros

@@ -317,3 +317,23 @@ def test_units_that_barely_fire_are_dormant_not_dead():
     found, _ = fit(Dormant(), optax.sgd(1e-4), steps=10)
     assert kinds(found) == [("dormant_units", "sleepy")]
     assert found[0].values["dormant"] >= 0.7
+
+
+def test_gradient_accumulation_is_not_frozen_parameters():
+    # optax.MultiSteps updates every 32nd step only: no step sampled here changes anything.
+    found, _ = fit(Healthy(), optax.MultiSteps(optax.adam(1e-2), every_k_schedule=32), steps=40, every=10,
+                   window=40)
+    assert [f for f in found if f.kind == "frozen_params"] == []
+
+
+def test_a_nan_let_through_by_the_guard_is_no_dead_layer():
+    rng = np.random.default_rng(0)
+    batches = [{"image": rng.normal(size=(32, 8)).astype(np.float32),
+                "label": rng.integers(0, 3, 32).astype(np.int32)} for _ in range(20)]
+    batches[3]["image"][0, 0] = np.nan
+    findings = Findings()
+    diagnose = flaxhooks.Diagnose(every=1, window=10, table=False)
+    trainer = flaxhooks.Trainer(Healthy(), optax.adam(1e-2), cross_entropy, callbacks=[diagnose, findings],
+                                if_nonfinite="warn")
+    trainer.fit(batches, steps=20)
+    assert [f.kind for f in findings.seen if f.kind in ("dead_units", "frozen_params")] == []

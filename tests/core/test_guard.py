@@ -161,3 +161,29 @@ def test_the_guard_reads_two_scalars_a_step_each_of_a_finished_step(monkeypatch)
     reads.count = 0
     sgd_trainer(callbacks=[reads], optimizer_metrics=False).fit(make_batches(10, batch_size=8), epochs=1)
     assert reads.count == 10  # no gradient norm: the loss alone
+
+
+def test_a_fit_after_the_stop_goes_on_from_the_state_the_guard_kept():
+    batches = make_batches(12, batch_size=8)
+    poisoned = [dict(b) for b in batches]
+    poisoned[4] = {**poisoned[4], "image": poisoned[4]["image"].copy()}
+    poisoned[4]["image"][0, 0] = np.nan  # step 5
+    trainer = sgd_trainer(SetupDiverging())
+    with pytest.raises(flaxhooks.NonFiniteError):
+        trainer.fit(poisoned, epochs=1)
+    assert int(trainer.state.step) == 4
+    # The steps dispatched after the NaN changed nothing: the next fit counts from step 4.
+    state = trainer.fit(batches[4:], steps=6)
+    assert int(state.step) == 6
+
+
+def test_a_replay_that_fails_still_stops_and_says_why(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(flaxhooks.step.StepRunner, "replay", out_of_memory)
+    trainer = sgd_trainer(Diverging())
+    failed = r"the replay that names the layer failed \(RuntimeError"
+    with pytest.raises(flaxhooks.NonFiniteError, match=failed):
+        trainer.fit(make_batches(6, batch_size=8), epochs=1)
+    assert int(trainer.state.step) == 0
