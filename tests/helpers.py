@@ -20,6 +20,22 @@ class MLP(nn.Module):
         return nn.Dense(3)(x)
 
 
+class SquareRoot(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.sqrt(x)
+
+
+class Diverging(nn.Module):
+    """Finite until ``sqrt`` meets a negative input (at the first step)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="encoder")(x)
+        x = SquareRoot(name="root")(x)
+        return nn.Dense(3, name="head")(x)
+
+
 class BatchNormNet(nn.Module):
     """Dense → BatchNorm (statistics reduced over the device axis) → Dense."""
 

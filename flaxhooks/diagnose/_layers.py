@@ -5,7 +5,7 @@ gradients, update ratios far from 1e-3, parameters that never change."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -292,12 +292,11 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
     high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high
                    or peak[i] > thresholds.update_ratio_step), key=lambda i: -peak[i])
     if high:
-        listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g} (at most {peak[i]:.2g})" for i in high[:4])
-        more = f" and {len(high) - 4} more" if len(high) > 4 else ""
+        listed = _listed(modules, high, lambda i: f"{ratio[i]:.2g} (at most {peak[i]:.2g})")
         found.append(Finding(
             "update_ratio_high", end, modules[high[0]],
             f"updates too large for {len(high)} of {len(modules)} modules over steps {start}-{end}: "
-            f"|update| / |params| {listed}{more}; healthy is about 1e-3 (CS231n), the thresholds "
+            f"|update| / |params| {listed}; healthy is about 1e-3 (CS231n), the thresholds "
             f"{thresholds.update_ratio_high:g} on the mean and {thresholds.update_ratio_step:g} at one step",
             "a lower learning rate (each decade above 1e-3 is about 10x too high), warmup, or gradient "
             "clipping (optax.clip_by_global_norm)",
@@ -305,15 +304,20 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
         ))
     low = sorted((i for i in moving if 0 < ratio[i] < thresholds.update_ratio_low), key=lambda i: ratio[i])
     if low:
-        listed = ", ".join(f"{modules[i]!r} {ratio[i]:.2g}" for i in low[:4])
-        more = f" and {len(low) - 4} more" if len(low) > 4 else ""
+        listed = _listed(modules, low, lambda i: f"{ratio[i]:.2g}")
         found.append(Finding(
             "update_ratio_low", end, modules[low[0]],
             f"updates too small for {len(low)} of {len(modules)} modules over steps {start}-{end}: mean "
-            f"|update| / |params| {listed}{more}, below {thresholds.update_ratio_low:g} (healthy: about "
+            f"|update| / |params| {listed}, below {thresholds.update_ratio_low:g} (healthy: about "
             f"1e-3, CS231n)",
             "a higher learning rate, or check the schedule and weight decay; where the gradient vanishes "
             "before these modules, that comes first", since=start,
             values={modules[i]: float(ratio[i]) for i in low},
         ))
     return found
+
+
+def _listed(modules: Sequence[str], chosen: Sequence[int], figure: Callable[[int], str]) -> str:
+    """The first four chosen modules with their figures, and how many more there are."""
+    listed = ", ".join(f"{modules[i]!r} {figure(i)}" for i in chosen[:4])
+    return listed + (f" and {len(chosen) - 4} more" if len(chosen) > 4 else "")

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer
+from helpers import Diverging, HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import flaxhooks
@@ -406,22 +405,6 @@ def test_a_scan_that_drops_the_collection_warns_how_to_fix_it():
 
 
 # -- non-finite values (the guard every Trainer has: tests/core/test_guard.py) --
-
-
-class Diverging(nn.Module):
-    """Finite until ``sqrt`` meets a negative input."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(4, name="encoder")(x)
-        x = SquareRoot(name="root")(x)
-        return nn.Dense(3, name="head")(x)
-
-
-class SquareRoot(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return jnp.sqrt(x)
 
 
 @pytest.mark.parametrize("count_nonfinite", [False, True])

@@ -14,23 +14,16 @@ import optax
 import pytest
 
 import flaxhooks
-from tests.helpers import HostReads, cross_entropy, make_arrays, make_batches, sgd_trainer, tree_allclose
-
-
-class SquareRoot(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return jnp.sqrt(x)
-
-
-class Diverging(nn.Module):
-    """Finite until ``sqrt`` meets a negative input (at the first step)."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(4, name="encoder")(x)
-        x = SquareRoot(name="root")(x)
-        return nn.Dense(3, name="head")(x)
+from tests.helpers import (
+    Diverging,
+    HostReads,
+    SquareRoot,
+    cross_entropy,
+    make_arrays,
+    make_batches,
+    sgd_trainer,
+    tree_allclose,
+)
 
 
 class SetupDiverging(nn.Module):
