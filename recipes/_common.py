@@ -223,3 +223,28 @@ def counted(count: int, noun: str) -> str:
         '2 epochs'
     """
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+class Examples:
+    """Equal-length arrays as a random-access source of examples (for grain):
+    ``source[i]`` is ``{key: array[i]}``; several at once are sliced in one go.
+
+    Example:
+        >>> import numpy as np
+        >>> Examples({"x": np.arange(3)})[1]["x"]
+        np.int64(1)
+    """
+
+    def __init__(self, arrays: dict[str, Any]):
+        self.arrays = arrays
+        self._length = len(next(iter(arrays.values())))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {key: value[index] for key, value in self.arrays.items()}
+
+    def __repr__(self) -> str:  # grain checks a resumed loader's source by its repr
+        shapes = ", ".join(f"{key}: {value.shape}" for key, value in self.arrays.items())
+        return f"Examples({shapes})"

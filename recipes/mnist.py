@@ -42,6 +42,7 @@ class Config:
     data_dir: str | None = None
     cache_dir: str | None = None
     download: bool = True
+    loader: str = "array"
     cpu_devices: int | None = None
     mesh: str | None = None
     fsdp: bool = False
@@ -70,6 +71,8 @@ _HELP = {
     "cache_dir": "where downloaded MNIST is kept (default: $FLAXHOOKS_CACHE, else "
                  "~/.cache/flaxhooks/mnist)",
     "download": "try to download full MNIST when it is not found locally",
+    "loader": "the training input: 'array' (flaxhooks.ArrayLoader) or 'grain' (a grain MapDataset: "
+              "pip install 'flaxhooks[grain]'); either resumes mid-epoch exactly",
     "cpu_devices": "XLA CPU devices to expose (default: one per core, unless XLA_FLAGS sets it)",
     "mesh": "the device mesh as data=N,model=M (default: every device on data); the batch is split "
             "over data, and the CNN, which names no axis, is whole on each model device",
@@ -111,6 +114,26 @@ _PLACEMENT = ("cpu_devices", "mesh", "fsdp", "coordinator", "num_processes", "pr
 #: The settings runs are compared by in TensorBoard's HParams tab (with the
 #: data and the model's size); the rest (paths, logging, placement) are not results.
 _COMPARED = ("api", "epochs", "batch_size", "learning_rate", "momentum", "seed")
+
+
+def train_loader(config: Config, arrays: dict[str, Any], batch_size: int) -> Any:
+    """This process's batches of ``arrays``, from flaxhooks' ArrayLoader or from grain."""
+    import jax
+
+    import flaxhooks
+
+    if config.loader == "array":
+        return flaxhooks.ArrayLoader(arrays, batch_size, seed=config.seed)
+    if config.loader != "grain":
+        raise ValueError(f"--loader must be 'array' or 'grain', got {config.loader!r}")
+    try:
+        import grain
+    except ImportError as error:
+        raise ValueError("--loader grain needs grain: pip install 'flaxhooks[grain]' (Python 3.11 or later)"
+                         ) from error
+    # Shuffled globally, then every process-count-th example: each process its share of every batch.
+    examples = grain.MapDataset.source(_common.Examples(arrays)).seed(config.seed).shuffle()
+    return examples[jax.process_index()::jax.process_count()].batch(batch_size, drop_remainder=True)
 
 
 def _images(images: Any) -> Any:
@@ -172,10 +195,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     if config.batch_size % processes:
         raise flaxhooks.BatchError(f"the global batch does not divide over {processes} processes")
     # Each process takes its own share of every global batch.
-    train = flaxhooks.ArrayLoader(
-        {"image": _images(data.train_images), "label": data.train_labels},
-        config.batch_size // processes, seed=config.seed,
-    )
+    train = train_loader(config, {"image": _images(data.train_images), "label": data.train_labels},
+                    config.batch_size // processes)
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
     evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="eval")

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxhooks.callbacks import _data_positions as positions
 from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
 from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
-from flaxhooks.data import device0_copy
+from flaxhooks.data import DataPosition, device0_copy
 from flaxhooks.writers import check_writable
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class Restored:
         callbacks: each callback's saved state, by :func:`callback_keys` name.
         path: the checkpoint's directory.
         stop_reason: why the saved run had decided to stop, if it had.
+        data: every process's data position at the save, loader states
+            included, in process order (None: a checkpoint of 0.7 or older).
     """
 
     step: int
@@ -139,6 +142,7 @@ class Restored:
     callbacks: Mapping[str, Any]
     path: str
     stop_reason: str | None = None
+    data: tuple[DataPosition, ...] | None = None
 
     def train_state(self, like: TrainState) -> TrainState:
         """The saved arrays in the structure of ``like`` (abstract or concrete).
@@ -534,9 +538,8 @@ class Checkpoint(Callback):
                     f"{info['path']} does not match the shape, dtype and checksum saved with it"
                 )
             leaves[info["path"]] = array
-        return Restored(
-            step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path, meta["stop_reason"]
-        )
+        return Restored(step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path,
+                        meta["stop_reason"], positions.read(path, meta.get("data")))
 
     # -- writing -------------------------------------------------------------
 
@@ -690,7 +693,7 @@ class Checkpoint(Callback):
         the process's end, seconds later, for being stuck), and says whom it
         waits for when that takes long.
         """
-        if not self._across:
+        if jax.process_count() == 1:  # waits for no other process
             return saving.result(timeout)
         start = noted = time.monotonic()
         while True:
@@ -718,9 +721,11 @@ class Checkpoint(Callback):
 
     def _save(self, loop: Loop) -> None:
         self._due = False
-        if jax.process_index() != 0 and not self._across:
-            return
         state, (epoch, epoch_step), step = loop.state, loop.position, loop.step
+        if jax.process_index() != 0:  # process 0 writes every process's data position
+            positions.post(distributed_client(), self._exchange, step, loop.data_position)
+            if not self._across:
+                return
         if step == self._saved_step:
             return  # saved (or being saved) already: never declined after the others agreed to save it
         if loop.diverged is not None:
@@ -755,7 +760,7 @@ class Checkpoint(Callback):
         # Where the processes agree on this save (None: process 0 alone), fixed now.
         exchange = self._exchange if self._across else None
         self._saving_step, self._waiting_for = step, "the other processes' parts"
-        self._saving = _Background(self._write, step, copy, meta, logs_synced, exchange)
+        self._saving = _Background(self._write, step, copy, meta, logs_synced, exchange, loop.data_position)
         self._saved_step = step
 
     def _decline(self, step: int, why: str) -> None:
@@ -799,7 +804,8 @@ class Checkpoint(Callback):
         return states
 
     def _write(
-        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any, exchange: str | None
+        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any, exchange: str | None,
+        data: DataPosition | None,
     ) -> None:
         import orbax.checkpoint as ocp
 
@@ -808,13 +814,20 @@ class Checkpoint(Callback):
                   self._parts(step, paths, leaves, meta, exchange))
         if arrays is None:
             return
+        files: dict[str, str] = {}
+        if jax.process_index() == 0:
+            deadline = time.monotonic() + self.PEER_WAIT_SECONDS
+            gathered = positions.gather(
+                data, lambda key, whose: self._read_posted(key, whose, step, deadline), self._exchange, step)
+            meta["data"], files = positions.split(gathered)
+        items = {"state": ocp.args.StandardSave(arrays), "meta": ocp.args.JsonSave(meta)}
+        if data is not None and data.state is not None:  # the same on every process that writes
+            items[positions.ITEM] = positions.save_args()(files)
         if not logs_synced.wait(timeout=300):
             _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:
             self._writer = _writer(self.directory, self.keep, exchange)
-        self._writer.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-        ), force=True)
+        self._writer.save(step, args=ocp.args.Composite(**items), force=True)
         self._writer.wait_until_finished()
         _log.info("saved checkpoint at step %d to %s", step, _shown(self.directory))
 
@@ -906,15 +919,7 @@ class Checkpoint(Callback):
         deadline = time.monotonic() + self.PEER_WAIT_SECONDS
 
         def read(key: str, whose: str) -> dict[str, Any]:
-            self._waiting_for = whose
-            try:
-                return json.loads(client.blocking_key_value_get(
-                    key, max(1, int(1000 * (deadline - time.monotonic())))))
-            except jax.errors.JaxRuntimeError as error:
-                raise CheckpointError(
-                    f"process {index} waited {self.PEER_WAIT_SECONDS:g} s for {whose} of the checkpoint "
-                    f"at step {step}: {error}"
-                ) from error
+            return json.loads(self._read_posted(key, whose, step, deadline))
 
         if index != 0:
             decision = read(f"{base}/decision", "process 0's decision")
@@ -924,6 +929,18 @@ class Checkpoint(Callback):
         others = [p for p in range(jax.process_count()) if p != index]
         self._waiting_for = f"process{'es' if len(others) > 1 else ''} {', '.join(map(str, others))}'s part"
         return decision
+
+    def _read_posted(self, key: str, whose: str, step: int, deadline: float) -> str:
+        """What another process posted under ``key``, waiting until ``deadline``."""
+        self._waiting_for = whose
+        try:
+            return distributed_client().blocking_key_value_get(
+                key, max(1, int(1000 * (deadline - time.monotonic()))))
+        except jax.errors.JaxRuntimeError as error:
+            raise CheckpointError(
+                f"process {jax.process_index()} waited {self.PEER_WAIT_SECONDS:g} s for {whose} of the "
+                f"checkpoint at step {step}: {error}"
+            ) from error
 
     @staticmethod
     def _decide(client: Any, base: str, reports: list[dict[str, Any]]) -> dict[str, Any]:

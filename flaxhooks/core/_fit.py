@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -15,7 +16,16 @@ from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan, check_fit
 from flaxhooks.core._processes import LocalStops
 from flaxhooks.core._restore import SavedRun, restore_latest
-from flaxhooks.data import BatchSpec, DataSource, DevicePrefetch, EmptyDataError, HostBatch, Placement
+from flaxhooks.data import (
+    BatchSpec,
+    DataPosition,
+    DataSource,
+    DevicePrefetch,
+    EmptyDataError,
+    HostBatch,
+    Placement,
+    fingerprint,
+)
 from flaxhooks.step import StepRunner, TrainState
 from flaxhooks.step._state import abstract
 from flaxhooks.writers import WriterCallback, Writers
@@ -43,7 +53,7 @@ class Fit:
     placement: Placement
     stops: LocalStops
 
-    def run(self, source: DataSource, first_epoch: Iterator[HostBatch] | None) -> None:
+    def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:
         """Trains until the loop's limits or a stop; every end hook runs."""
         loop, bus, stops = self.loop, self.bus, self.stops
         loop.replay = lambda batch, contributors: self.runner.replay(loop.state, batch, contributors)
@@ -70,28 +80,19 @@ class Fit:
         if loop.stop_reason:  # Progress and ConsoleLog say it to people
             _log.debug("training stopped at step %d: %s", loop.step, loop.stop_reason)
 
-    def _epoch(self, source: DataSource, host: Iterator[HostBatch]) -> None:
-        loop, bus, stops = self.loop, self.bus, self.stops
+    def _epoch(self, source: DataSource, host: Iterator[tuple[HostBatch, DataPosition]]) -> None:
+        loop, stops = self.loop, self.stops
         spec = loop.spec
         assert spec is not None
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
         batches: Any = self.pipeline.device_batches(host, spec, self.placement, remaining)
-        zeros = functools.partial(self.pipeline.zeros, spec, self.placement)
-        steps_before, completed = loop.step, True
-        for batch in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
-            loop.batch = batch
-            if stops.at_boundary(loop, pulled=True):
-                completed = False
-                break
-            bus.emit(Event.STEP_START, loop)
-            if stops.at_boundary(loop) or not stops.may_dispatch(loop):
-                completed = False
-                break
-            self.runner.run(loop, batch, stops.wait_ready)
-            bus.emit(Event.STEP_END, loop)
-            if stops.at_boundary(loop) or (loop.max_steps is not None and loop.step >= loop.max_steps):
-                completed = False
-                break
+        zeros = functools.partial(lambda: (self.pipeline.zeros(spec, self.placement), None))
+        steps_before = loop.step
+        try:
+            completed = self._steps(batches, zeros)
+        finally:
+            batches.close()  # stops the input thread: a one-shot iterator is read no further
+            source.rewind(loop.data_position)
         loop.batch = None
         # Stopped on an epoch's last batch: that epoch is done all the same.
         loop.epoch_done = completed or loop.epoch_step == loop.steps_per_epoch
@@ -102,6 +103,24 @@ class Fit:
             else:
                 loop.stop("the data iterator is exhausted")
 
+    def _steps(self, batches: Iterator[tuple[Any, DataPosition | None]], zeros: Any) -> bool:
+        """The epoch's steps; whether its data ran out (rather than training stopping)."""
+        loop, bus, stops = self.loop, self.bus, self.stops
+        for batch, position in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
+            loop.batch = batch
+            if stops.at_boundary(loop, pulled=True):
+                return False
+            bus.emit(Event.STEP_START, loop)
+            if stops.at_boundary(loop) or not stops.may_dispatch(loop):
+                return False
+            self.runner.run(loop, batch, stops.wait_ready)
+            if position is not None:  # zeros standing in for failed data have none
+                loop.data_position = position
+            bus.emit(Event.STEP_END, loop)
+            if stops.at_boundary(loop) or (loop.max_steps is not None and loop.step >= loop.max_steps):
+                return False
+        return True
+
 
 @dataclasses.dataclass(frozen=True)
 class Start:
@@ -109,7 +128,7 @@ class Start:
 
     record: dict[str, Any]  # what every process must agree on
     first: HostBatch
-    batches: Iterator[HostBatch]  # the first epoch's, after ``first``
+    batches: Iterator[tuple[HostBatch, DataPosition]]  # the first epoch's, ``first`` first
     step: int
     epoch: int
     skip: int
@@ -139,13 +158,15 @@ def prepare(trainer: Any, source: DataSource, state: TrainState | None, resume: 
     last = trainer._last if state is None and restored is None else None  # continuing the last fit
     if restored is not None:
         step, (epoch, skip) = restored.step, restored.position
+        batches = source.resume(epoch, skip, restored.data)
     else:
         step = int(state.step) if state is not None else last[0] if last else 0
         epoch, skip = source.position(step, last[1] if last else None)
-    batches = source.epoch(epoch, skip)
-    first = next(batches, None)
-    if first is None:  # epochs are counted from 1 where a person reads them
+        batches = source.epoch(epoch, skip)
+    taken = next(batches, None)
+    if taken is None:  # epochs are counted from 1 where a person reads them
         raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
+    first, batches = taken[0], itertools.chain([taken], batches)
     plan = trainer._plan(first, state if state is not None else trainer._state if last else None)
     if restored is not None:
         state = restored.train_state(plan.abstract)
@@ -160,5 +181,5 @@ def prepare(trainer: Any, source: DataSource, state: TrainState | None, resume: 
     if restored is not None:  # said once nothing refuses the run
         _log.info("resuming from step %d (%s)", restored.step, restored.path)
     record = {"layout": f"{spec.describe()} over {trainer.placement.describe()}", "length": source.length,
-              "start": [step, epoch, skip], "resumed": resumed}
+              "start": [step, epoch, skip], "resumed": resumed, "first": fingerprint(first)}
     return Start(record, first, batches, step, epoch, skip, state, state is None, restored)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from flaxhooks.data import BatchSpec, host_scalars
+from flaxhooks.data import BatchSpec, DataPosition, host_scalars
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import Model, TrainState
 from flaxhooks.writers import Writers
@@ -29,6 +29,10 @@ class Loop:
             takes it). Whatever a person reads counts epochs from 1, as the
             progress bar does: print ``loop.epoch + 1``.
         epoch_step: batches taken so far in the current epoch.
+        data_position: where this process's data stands after the batch
+            of the latest step (:class:`~flaxhooks.data.DataPosition`: the
+            loader's own state where it keeps one, a fingerprint of the
+            batch): what a checkpoint saves to resume exactly there.
         epoch_done: whether the current epoch's data ran out (set before
             ``epoch_end``), as opposed to training stopping inside it.
         max_steps: the step at which training ends, if bounded by steps.
@@ -85,6 +89,7 @@ class Loop:
     epoch: int = 0
     epoch_step: int = 0
     epoch_done: bool = False
+    data_position: DataPosition | None = None
     max_steps: int | None = None
     max_epochs: int | None = None
     steps_per_epoch: int | None = None

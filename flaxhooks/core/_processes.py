@@ -453,6 +453,11 @@ class AgreedStops(LocalStops):
                 each = "; ".join(f"process {i}: {v}" for i, v in enumerate(values))
                 error_type = BatchError if field in ("layout", "length") else ProcessError
                 raise error_type(f"the processes {problem} ({each}): {hint}")
+        if len({r.get("first") for r in everyone}) == 1 and jax.process_index() == 0:
+            _log.warning(
+                "every process took the same first batch (fingerprint %s): each process feeds its own share "
+                "of the global batch, so shard the data by process (grain: ds[jax.process_index()::"
+                "jax.process_count()] or ShardByJaxProcess; ArrayLoader shards itself)", everyone[0]["first"])
         self._known_lengths = all(r["length"] is not None for r in everyone)
         self._dispatched = record["start"][0]
         self._watcher = threading.Thread(target=self._watch, name="flaxhooks-peers", daemon=True)

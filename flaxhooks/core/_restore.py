@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from flaxhooks.data import DataPosition
 from flaxhooks.step import TrainState
 
 _log = logging.getLogger("flaxhooks")
@@ -20,12 +21,15 @@ class SavedRun(Protocol):
         position: ``(epoch, batches into it)`` where training goes on.
         stop_reason: why the saved run had decided to stop, if it had.
         path: where it was read from.
+        data: every process's :class:`~flaxhooks.data.DataPosition` at the
+            save, in process order (None: the checkpoint holds none).
     """
 
     step: int
     position: tuple[int, int]
     stop_reason: str | None
     path: str
+    data: Sequence[DataPosition] | None
 
     def train_state(self, like: TrainState) -> TrainState:
         """The saved arrays in the structure of ``like`` (abstract or concrete)."""

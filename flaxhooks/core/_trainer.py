@@ -3,7 +3,6 @@ input pipeline, evaluation, the writers and the restorer do the rest."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -279,8 +278,8 @@ class Trainer:
         error: BaseException | None = None
         try:
             with stop_on_signals(loop):
-                Fit(loop, self.bus, self.runner, self.pipeline, self.placement, stops).run(
-                    source, itertools.chain([start.first], start.batches))
+                fit = Fit(loop, self.bus, self.runner, self.pipeline, self.placement, stops)
+                fit.run(source, start.batches)
         except BaseException as failed:
             error = failed
             raise

@@ -29,7 +29,14 @@ from flaxhooks.data._mesh import (
     default_mesh,
     spec_text,
 )
-from flaxhooks.data._pipeline import Data, DataSource, DevicePrefetch
+from flaxhooks.data._pipeline import DevicePrefetch
+from flaxhooks.data._sources import (
+    Data,
+    DataPosition,
+    DataResumeError,
+    DataSource,
+    fingerprint,
+)
 
 __all__ = [
     "DATA_AXIS",
@@ -39,6 +46,8 @@ __all__ = [
     "BatchError",
     "BatchSpec",
     "Data",
+    "DataPosition",
+    "DataResumeError",
     "DataSource",
     "DevicePrefetch",
     "EmptyDataError",
@@ -51,6 +60,7 @@ __all__ = [
     "cpu_pool_size",
     "cpu_threads_needed",
     "default_mesh",
+    "fingerprint",
     "device0_copy",
     "first_replica",
     "host_scalars",

@@ -42,7 +42,8 @@ def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np
             scalar values, or keys of different lengths.
     """
     if not isinstance(batch, Mapping) or not batch:
-        raise BatchError(f"a batch must be a non-empty dict of arrays, got {type(batch).__name__}")
+        raise BatchError(
+            f"a batch must be a non-empty dict of arrays, got {type(batch).__name__}{_pairs(batch)}")
     missing = [key for key in required_keys if key not in batch]
     if missing:
         raise BatchError(_missing_inputs(missing, tuple(required_keys), sorted(batch)))
@@ -56,6 +57,14 @@ def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np
                 f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
             )
     return arrays, size
+
+
+def _pairs(batch: Any) -> str:
+    """A hint for a loader that yields ``(inputs, labels)`` (PyTorch's default collate)."""
+    if not isinstance(batch, tuple | list):
+        return ""
+    return (f" of {len(batch)}: name its parts, e.g. fit(lambda epoch: ({{'image': x, 'label': y}} "
+            f"for x, y in loader)), or give the loader a collate_fn that returns a dict of numpy arrays")
 
 
 def _missing_inputs(missing: Sequence[str], required: tuple[str, ...], keys: Sequence[str]) -> str:
@@ -124,7 +133,7 @@ class BatchSpec:
                 shape, or a larger batch.
         """
         if not isinstance(batch, Mapping):
-            raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}")
+            raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}{_pairs(batch)}")
         if batch.keys() != self.fields.keys():
             missing = sorted(self.fields.keys() - batch.keys())
             extra = sorted(batch.keys() - self.fields.keys())

@@ -1,87 +1,35 @@
-"""What ``fit`` trains on: the data the user gives, and the input pipeline
-that checks, shards and prefetches its batches onto the devices."""
+"""The input pipeline: a thread that reads, checks and puts each host batch
+on the devices ahead of the step that takes it."""
 
 from __future__ import annotations
 
-import collections
-import inspect
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import queue
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 from flaxhooks.data._batches import BatchError, BatchSpec, HostBatch
 from flaxhooks.data._mesh import Placement
+from flaxhooks.data._sources import DataPosition
 
 _log = logging.getLogger("flaxhooks")
 
-#: What ``fit`` accepts as data: an iterable of host batches (iterated afresh
-#: each epoch), a one-shot iterator, or a callable taking the epoch index.
-Data = Iterable[HostBatch] | Callable[[int], Iterable[HostBatch]]
-
-
-class DataSource:
-    """The data given to ``fit``, epoch by epoch.
-
-    Args:
-        data: a callable of the epoch index (reshuffled reproducibly, as
-            :class:`~flaxhooks.ArrayLoader` does), a re-iterable, or a
-            one-shot iterator.
-    """
-
-    def __init__(self, data: Data):
-        self.data = data
-        #: Batches per epoch, when the data has a length.
-        self.length: int | None = _length(data)
-        #: A one-shot iterator: never rewound, it keeps its own position.
-        self.one_shot = not callable(data) and iter(data) is data  # type: ignore[call-overload]
-
-    def epoch(self, epoch: int, skip: int = 0) -> Iterator[HostBatch]:
-        """The batches of ``epoch``, after the first ``skip``.
-
-        A callable taking ``start`` (as :class:`~flaxhooks.ArrayLoader` does)
-        skips them without making them; other data is made and dropped.
-        """
-        data = self.data
-        if skip and callable(data) and "start" in inspect.signature(data).parameters:
-            return iter(data(epoch, start=skip))  # type: ignore[call-arg]
-        batches = iter(data(epoch)) if callable(data) else iter(data)
-        return itertools.islice(batches, skip, None) if skip else batches
-
-    def position(self, step: int, last: tuple[int, int] | None) -> tuple[int, int]:
-        """The epoch and the batches into it at which training ``step`` starts.
-
-        Data with a length gives it exactly; otherwise a continued ``fit``
-        (``last``: where the previous one stopped) picks up there. A one-shot
-        iterator keeps its own position, so nothing is skipped.
-        """
-        if self.one_shot:
-            return (last[0] if last else 0), 0
-        if self.length:
-            return divmod(step, self.length)
-        return last or (0, 0)
-
-
-def _length(data: Data) -> int | None:
-    try:
-        return len(data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
 class DevicePrefetch:
-    """The input pipeline: checks, shards and prefetches each host batch.
+    """The input pipeline: reads, checks, shards and prefetches each host batch.
 
-    Each host batch is checked against the first one's layout and put on the
-    mesh ahead of use as global arrays split over the data axis (one transfer
-    call per batch; on several processes each feeds its share, with
-    ``jax.make_array_from_process_local_data``). Give one to the Trainer
+    A background thread reads each host batch from the data (a loader's own
+    workers, such as grain's, run beside it), checks it against the first
+    one's layout and puts it on the mesh as global arrays split over the
+    data axis (one transfer call per batch; on several processes each feeds
+    its share, with ``jax.make_array_from_process_local_data``), ``size``
+    batches ahead of the step that takes it. Give one to the Trainer
     (``Trainer(..., pipeline=DevicePrefetch(size=4))``); by default it uses
     one with these defaults.
 
     Args:
-        size: batches held on the devices ahead of the step (2 overlaps one
-            transfer with one step).
+        size: batches waiting on the devices for the steps to take them
+            (besides one that the thread holds, read, until there is room).
         ragged: what to do with a smaller last batch: ``"drop"`` it with a
             warning (the compiled step only takes full batches) or ``"error"``.
 
@@ -104,44 +52,81 @@ class DevicePrefetch:
         return f"DevicePrefetch(size={self.size}, ragged={self.ragged!r})"
 
     def device_batches(
-        self, batches: Iterable[HostBatch], spec: BatchSpec, placement: Placement, limit: int | None = None,
-    ) -> Iterator[Any]:
-        """The device batches of ``batches``, ``size`` of them transferred
-        ahead, at most ``limit`` in all: a one-shot iterator is never read past
-        the last step, so the rest stays unread for the next ``fit``.
+        self, batches: Iterable[tuple[HostBatch, DataPosition]], spec: BatchSpec, placement: Placement,
+        limit: int | None = None,
+    ) -> Iterator[tuple[Any, DataPosition]]:
+        """The device batches of ``batches``, each with its position, at most
+        ``limit`` in all (a one-shot iterator is never read past the last step).
+
+        A thread reads, checks and transfers them, ``size`` ahead of the
+        caller, so that loading overlaps the steps; an error it meets is
+        raised here, at the batch where it happened. Closing the iterator
+        stops the thread (after the batch it is reading).
 
         Raises:
             BatchError: a batch does not fit ``spec`` (or is smaller, with ``ragged="error"``).
         """
-        host = self._sharded(batches, spec, limit)
-        ahead: collections.deque[Any] = collections.deque()
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.size)
+        stop = threading.Event()
 
-        def enqueue(count: int) -> None:
-            for arrays in itertools.islice(host, count):
-                ahead.append(placement.put_batch(arrays))
+        def offer(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
-        enqueue(self.size)
-        while ahead:
-            yield ahead.popleft()
-            enqueue(1)
+        def read() -> None:
+            try:
+                for arrays, position in self._sharded(batches, spec, limit):
+                    if stop.is_set() or not offer((placement.put_batch(arrays), position)):
+                        return
+                offer(_END)
+            except BaseException as error:  # raised on the training thread, in order
+                offer(_Failed(error))
+
+        reader = threading.Thread(target=read, name="flaxhooks-input", daemon=True)
+        reader.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            stop.set()
+            reader.join(self.STOP_SECONDS)
+            if reader.is_alive():
+                _log.warning("the input thread is still reading a batch %g s after the loop stopped",
+                             self.STOP_SECONDS)
+
+    #: How long closing the pipeline waits for the batch its thread is reading.
+    STOP_SECONDS = 60.0
 
     def zeros(self, spec: BatchSpec, placement: Placement) -> Any:
         """A device batch of zeros of ``spec``'s layout."""
         return placement.put_batch(spec.zeros())
 
-    def _sharded(self, batches: Iterable[HostBatch], spec: BatchSpec, limit: int | None) -> Iterator[Any]:
+    def _sharded(
+        self, batches: Iterable[tuple[HostBatch, DataPosition]], spec: BatchSpec, limit: int | None
+    ) -> Iterator[tuple[dict[str, Any], DataPosition]]:
         batches = iter(batches)
         yielded = 0
         while limit is None or yielded < limit:
-            batch = next(batches, None)
-            if batch is None:
+            item = next(batches, None)
+            if item is None:
                 return
+            batch, position = item
             arrays = spec.conform(batch)
             if arrays is None:
                 self._drop(len(next(iter(batch.values()))), spec)
                 continue
             yielded += 1
-            yield arrays
+            yield arrays, position
 
     def _drop(self, size: int, spec: BatchSpec) -> None:
         if self.ragged == "error":
@@ -155,3 +140,13 @@ class DevicePrefetch:
                 size, spec.batch_size,
             )
         self.dropped += 1
+
+
+_END = object()  # the data ran out
+
+
+class _Failed:
+    """An error the input thread met, for the training thread to raise."""
+
+    def __init__(self, error: BaseException):
+        self.error = error

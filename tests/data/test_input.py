@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -160,11 +161,13 @@ def test_prefetch_runs_ahead_by_its_size():
 
     class Watch(flaxhooks.Callback):
         def on_step_start(self, loop):
+            time.sleep(0.2)  # a slow step: the input thread reads as far ahead as it may meanwhile
             at_step[loop.step] = len(pulled)
 
     sgd_trainer(callbacks=[Watch()], pipeline=flaxhooks.DevicePrefetch(size=3)).fit(data(), steps=6)
-    # The first step starts with three batches pulled (on the devices), then one more per step.
-    assert at_step == {0: 3, 1: 4, 2: 5, 3: 6, 4: 6, 5: 6}
+    # Step k has taken batch k; three more wait on the devices, and the thread holds one more, read
+    # and waiting for room: never more.
+    assert at_step == {0: 5, 1: 6, 2: 6, 3: 6, 4: 6, 5: 6}
 
 
 def test_spec_shards_without_copying():

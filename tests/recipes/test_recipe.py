@@ -138,8 +138,9 @@ def test_help_gives_each_default_once_and_never_breaks_a_name_or_a_default():
 def test_parse_config_reads_every_option():
     config, workdir = mnist.parse_config(
         ["--epochs", "2", "--batch-size", "64", "--learning-rate", "0.05", "--no-download",
-         "--cpu-devices", "2", "--workdir", "/tmp/x", "--data-dir", "/d"]
+         "--cpu-devices", "2", "--workdir", "/tmp/x", "--data-dir", "/d", "--loader", "grain"]
     )
+    assert config.loader == "grain"
     assert (config.epochs, config.batch_size, config.learning_rate) == (2, 64, 0.05)
     assert (config.download, config.cpu_devices, config.data_dir, workdir) == (False, 2, "/d", "/tmp/x")
 
@@ -194,8 +195,12 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
-    config = mnist.Config(epochs=2, download=False, stats_every=0, batch_size=256, checkpoint_every=5)
+@pytest.mark.parametrize("loader", ["array", "grain"])
+def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, loader):
+    if loader == "grain":
+        pytest.importorskip("grain")
+    config = mnist.Config(epochs=2, download=False, stats_every=0, batch_size=256, checkpoint_every=5,
+                          loader=loader)
     straight = mnist.train_and_evaluate(config, tmp_path / "straight")
     first = mnist.train_and_evaluate(dataclasses.replace(config, epochs=1), tmp_path / "resumed")
     assert first["steps"] == 4000 // 256
