@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import CallbackError, StopTraining
+from flaxhooks.core._clock import FitClock
 from flaxhooks.core._events import Event, Phase
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan, check_fit
@@ -47,6 +48,8 @@ class Fit:
         """Trains until the loop's limits or a stop; every end hook runs."""
         loop, bus, stops = self.loop, self.bus, self.stops
         loop.replay = lambda batch, contributors: self.runner.replay(loop.state, batch, contributors)
+        loop.clock = FitClock.of(loop, self.runner.step_flops, self.placement.mesh)
+        loop.evaluate = loop.clock.evaluations(loop.evaluate)  # windows leave evaluations out
         # Writers open before fit_start and close after fit_end: every handler can write.
         writer_callbacks = bus.of(WriterCallback)
         try:
@@ -77,6 +80,8 @@ class Fit:
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
         batches: Any = self.pipeline.device_batches(host, spec, self.placement, remaining)
         zeros = functools.partial(self.pipeline.zeros, spec, self.placement)
+        clock = cast(FitClock, loop.clock)  # set by run: it times the waits for data and devices
+        batches, wait = clock.batches(batches), clock.device_waits(stops.wait_ready)
         steps_before, completed = loop.step, True
         for batch in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
             loop.batch = batch
@@ -87,7 +92,7 @@ class Fit:
             if stops.at_boundary(loop) or not stops.may_dispatch(loop):
                 completed = False
                 break
-            self.runner.run(loop, batch, stops.wait_ready)
+            self.runner.run(loop, batch, wait)
             bus.emit(Event.STEP_END, loop)
             if stops.at_boundary(loop) or (loop.max_steps is not None and loop.step >= loop.max_steps):
                 completed = False
