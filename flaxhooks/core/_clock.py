@@ -97,10 +97,12 @@ class Window:
     @property
     def input_bound(self) -> bool:
         """Whether the data held training back: the loop waited for its next
-        batch at least :data:`INPUT_BOUND` of the time, and longer than it
-        waited for the devices (waits for data while the devices are still
-        busy with the steps in flight cost nothing)."""
-        return self.data_wait >= INPUT_BOUND and self.data_wait > self.device_wait
+        batch at least :data:`INPUT_BOUND` of the time, and longer than for
+        anything else: than for the devices (a wait for data while they
+        are busy with the steps in flight costs nothing) and than its own
+        work (dispatching steps, callbacks)."""
+        rest = 1.0 - self.data_wait - self.device_wait
+        return self.data_wait >= INPUT_BOUND and self.data_wait > max(self.device_wait, rest)
 
 
 def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_step: float | None,
@@ -109,10 +111,10 @@ def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_
     given the global batch size, and the whole mesh's FLOPs per step and peak FLOP/s if known.
 
     Example:
-        >>> w = _window(Reading(10.0, 100), Reading(20.0, 300, data_wait=3.0, device_wait=1.0,
+        >>> w = _window(Reading(10.0, 100), Reading(20.0, 300, data_wait=5.0, device_wait=1.0,
         ...             evaluating=2.0), examples_per_step=64, flops_per_step=1e12, peak=1e14)
         >>> w.seconds, w.examples_per_sec, w.data_wait, w.flops_per_sec, w.mfu, w.input_bound
-        (8.0, 1600.0, 0.375, 25000000000000.0, 0.25, True)
+        (8.0, 1600.0, 0.625, 25000000000000.0, 0.25, True)
     """
     steps = later.step - earlier.step
     seconds = (later.time - earlier.time) - (later.evaluating - earlier.evaluating)
@@ -166,6 +168,7 @@ class FitClock:
         self._flops_known = False
         self._clock = clock
         self._data_wait = self._device_wait = self._evaluating = 0.0
+        self._evaluation: float | None = None  # when the evaluation under way started
         self.started = self.read()
         #: The reading once the fit's first step was dispatched (it waits for
         #: XLA to compile the step): windows start no earlier. None until then.
@@ -180,8 +183,11 @@ class FitClock:
         return cls(lambda: loop.step, examples, mesh.size, mesh.devices.flat[0].device_kind, flops)
 
     def read(self) -> Reading:
-        """The running timings now (a clock read, nothing from the devices)."""
-        return Reading(self._clock(), self._steps(), self._data_wait, self._device_wait, self._evaluating)
+        """The running timings now (a clock read, nothing from the devices).
+        Read during an evaluation (``eval_end``), they count it so far."""
+        now = self._clock()
+        evaluating = self._evaluating + (0.0 if self._evaluation is None else now - self._evaluation)
+        return Reading(now, self._steps(), self._data_wait, self._device_wait, evaluating)
 
     @property
     def flops_per_step(self) -> float | None:
@@ -207,10 +213,15 @@ class FitClock:
 
     def window(self, earlier: Reading, later: Reading | None = None) -> Window | None:
         """The figures of the steps between ``earlier`` and ``later`` (default:
-        now). A window that starts before the fit's first step was dispatched
-        starts once it was: the step's compilation is left out."""
+        now), or None: no step between them.
+
+        The fit's first step waits for XLA to compile it: a window from
+        before it starts once the loop went on to fetch the next batch, and
+        is None until then."""
         later = later or self.read()
-        if self.warm is not None and earlier.time < self.warm.time <= later.time:
+        if earlier.step == self.started.step:
+            if self.warm is None or later.time < self.warm.time:
+                return None
             earlier = self.warm
         if later.step <= earlier.step:
             return None
@@ -252,10 +263,13 @@ class FitClock:
             return None
 
         def timed(*args: Any, **kwargs: Any) -> _T:
-            start = self._clock()
+            if self._evaluation is not None:  # one inside another (a handler of its events): timed already
+                return evaluate(*args, **kwargs)
+            self._evaluation = self._clock()
             try:
                 return evaluate(*args, **kwargs)
             finally:
-                self._evaluating += self._clock() - start
+                self._evaluating += self._clock() - self._evaluation
+                self._evaluation = None
 
         return timed
