@@ -88,7 +88,8 @@ def loaders(examples: int, batch_size: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     arrays = {"image": rng.random((examples, 28, 28, 1), dtype=np.float32),
               "label": rng.integers(0, 10, examples).astype(np.int32)}
-    return {name: mnist.train_loader(mnist.Config(loader=name), arrays, batch_size) for name in ("array", "grain")}
+    return {name: mnist.train_loader(mnist.Config(loader=name), arrays, batch_size)
+            for name in ("array", "grain")}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -118,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rates[name].append(steps / (time.perf_counter() - start))
         ratios.append(rates["grain"][-1] / rates["array"][-1])
         print(f"round {round_index + 1}/{args.rounds} ({order[0]} first): "
-              + "  ".join(f"{n} {rates[n][-1]:6.2f} steps/s, data wait {waits[n].shares[-1]:.2%}" for n in data)
+              + "  ".join(f"{n} {rates[n][-1]:6.2f} steps/s, data wait {waits[n].shares[-1]:.2%}"
+                          for n in data)
               + f"  ratio {ratios[-1]:.4f}")
 
     result: dict[str, Any] = {

@@ -34,6 +34,7 @@ from flaxhooks.callbacks import (
 )
 from flaxhooks.core import (
     EVENTS,
+    PEAK_FLOPS,
     Callback,
     CallbackError,
     Event,
@@ -69,6 +70,7 @@ __all__ = [
     "AXIS",
     "EVENTS",
     "FSDP",
+    "PEAK_FLOPS",
     "ActivationGradStats",
     "ActivationStats",
     "ArrayLoader",

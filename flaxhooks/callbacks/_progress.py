@@ -18,7 +18,7 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from flaxhooks.callbacks._console import TerminalRedirect, counted, format_metrics, metric_texts, print_line
-from flaxhooks.core import Callback, Every, as_every
+from flaxhooks.core import Callback, Every, Reading, Window, as_every
 from flaxhooks.data import host_scalars
 
 if TYPE_CHECKING:
@@ -27,15 +27,29 @@ if TYPE_CHECKING:
 
 
 class Progress(Callback):
-    """A live progress bar: step, epoch, steps/s, ETA, and the latest metrics.
+    """A live progress bar: step, epoch, steps/s, ETA, where the time goes, and the latest metrics.
 
     The bar shows the epoch, the steps taken out of the fit's total, the step
-    rate, the time since ``fit_start`` and the time left, the newest *settled*
-    training metrics, and the results of the latest evaluation (each
-    evaluation is also printed as a line above the bar). It always stays on
-    one line: at each redraw it keeps what fits the console's width, dropping
-    first the evaluation, then the metrics after the loss, then the elapsed
-    time, the ETA and the rate, and then narrowing the bar.
+    rate, the time since ``fit_start`` and the time left, where the time of
+    the latest window went (below), the newest *settled* training metrics,
+    and the results of the latest evaluation (each evaluation is also
+    printed as a line above the bar). It always stays on one line: at each
+    redraw it keeps what fits the console's width, dropping first the
+    FLOP/s, then the evaluation, the metrics after the loss, MFU, the
+    elapsed time, examples/s, the ETA, the data wait and the rate, and then
+    narrowing the bar.
+
+    Where the time goes, over each window of ``every`` (default 10 s; shown
+    once the first one ends), from the loop's host clock (``loop.clock``,
+    evaluations and the first step's compilation left out):
+    ``1,234 ex/s  data 3%  41.2 TFLOP/s  MFU 38%``: global examples per second;
+    the share of the time the loop waited for its next batch, with
+    ``(input-bound)`` when that held training back (see
+    :attr:`flaxhooks.core.Window.input_bound`); the mesh's FLOP/s (the lean
+    step's FLOPs, from XLA's cost analysis of the compiled step) where the
+    backend counts them; and the model FLOP utilization where the devices'
+    peak is known (:data:`flaxhooks.PEAK_FLOPS`). The summary gives the same
+    over the whole fit.
 
     From ``fit_start`` until the first step ends (the first dispatch blocks
     while XLA compiles the train step) a spinner shows
@@ -63,9 +77,10 @@ class Progress(Callback):
     prints no control characters, and never wraps a line: ``compiling the
     train step…`` at ``fit_start``, the first step's time when it ends, then
     plain lines such as
-    ``step 300/1000  epoch 2/5  loss 0.3127 (step 298)  41.2 steps/s  ETA 0:00:17``
-    whenever ``every`` is due, and each evaluation's results. Log records go
-    where their handlers send them.
+    ``step 300/1000  epoch 2/5  loss 0.3127 (step 298)  41.2 steps/s  ETA 0:00:17  2,637 ex/s  data 2%``
+    whenever ``every`` is due (the time figures of the window since the last
+    line), and each evaluation's results. Log records go where their
+    handlers send them.
 
     At ``fit_end``, which runs also after an error or a KeyboardInterrupt, the
     bar is stopped first (the terminal gets its cursor back), then a summary
@@ -83,8 +98,9 @@ class Progress(Callback):
 
     Args:
         refresh_per_second: how often the bar is refreshed, at most.
-        every: when to print a line when the console is not a terminal
-            (default: every 10 seconds, on ``clock``).
+        every: when to print a line when the console is not a terminal, and
+            when a window of the time figures ends (default: every 10
+            seconds, on ``clock``).
         quiet: print only the summary line at the end of each fit.
         console: the rich console to draw on (default: a new one on stdout).
             Whether it is a terminal (``Console.is_terminal``) picks the bar
@@ -129,6 +145,9 @@ class Progress(Callback):
         self._metrics: dict[str, float] = {}
         self._metrics_step: int | None = None
         self._eval = ""
+        self._timed: Reading | None = None  # the loop's clock where the current window started
+        self._timed_start: Reading | None = None  # and at fit_start
+        self._window: Window | None = None  # the last complete window
 
     def __repr__(self) -> str:
         quiet = ", quiet=True" if self.quiet else ""
@@ -143,6 +162,8 @@ class Progress(Callback):
         self._next_refresh = now
         self._total = _total(loop)
         self._metrics, self._metrics_step, self._eval = {}, None, ""
+        self._timed = self._timed_start = loop.clock.read() if loop.clock is not None else None
+        self._window = None
         self._first_step_pending = True
         if self.quiet:
             return
@@ -163,11 +184,14 @@ class Progress(Callback):
         if self.quiet:
             return
         if self._bar is not None:
+            if self.every(loop.step):
+                self._close_window(loop)
             now = self._clock()
             if now >= self._next_refresh:
                 self._next_refresh = now + 1 / self.refresh_per_second
                 self._refresh_bar(loop)
         elif self.every(loop.step):
+            self._close_window(loop)
             self._print(self._plain_line(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
@@ -219,7 +243,8 @@ class Progress(Callback):
         self._bar = _OneLineProgress(
             self._bar_line, console=self.console, auto_refresh=False, get_time=self._clock)
         self._task = self._bar.add_task(
-            self._epoch_text(loop), total=self._total, completed=loop.step, metrics=[], evaluation="")
+            self._epoch_text(loop), total=self._total, completed=loop.step, metrics=[], evaluation="",
+            window=None)
         self._bar.start()
 
     def _stop_terminal(self) -> None:
@@ -264,6 +289,14 @@ class Progress(Callback):
             _Field(f"ETA {_clock_text(self._eta(int(task.completed)))}", keep=(3, 0),
                    style="progress.remaining"),
         ]
+        window: Window | None = task.fields.get("window")
+        if window is not None:
+            texts = _time_texts(window)
+            # The data wait stays longest (an input-bound run); FLOP/s goes first (MFU says more).
+            keeps = [(2, 1), (3, 1), (0, -1), (1, 1)]
+            for text, keep in zip(texts, keeps, strict=False):
+                style = "yellow" if text.endswith(_INPUT_BOUND) else "progress.data.speed"
+                fields.append(_Field(text, keep=keep, separator="  ", style=style))
         metrics: list[str] = task.fields.get("metrics", [])
         for index, text in enumerate(metrics):
             # The first metric (the loss) stays longest; the others go, last first.
@@ -283,11 +316,21 @@ class Progress(Callback):
         self._metrics = host_scalars(metrics)
         self._metrics_step = step
 
+    def _close_window(self, loop: Loop) -> None:
+        """Ends the window of the time figures here (clock reads only)."""
+        if loop.clock is None or self._timed is None:
+            return
+        now = loop.clock.read()
+        window = loop.clock.window(self._timed, now)
+        if window is not None:  # else the window goes on (no step since, or the first one's compilation)
+            self._window, self._timed = window, now
+
     def _refresh_bar(self, loop: Loop) -> None:
         assert self._bar is not None
         self._pull(loop)
         self._bar.update(self._task, completed=loop.step, description=self._epoch_text(loop),
-                         metrics=metric_texts(self._metrics), evaluation=self._eval)
+                         metrics=metric_texts(self._metrics), evaluation=self._eval,
+                         window=self._window)
         self._bar.refresh()
 
     def _epoch_text(self, loop: Loop) -> str:
@@ -328,6 +371,8 @@ class Progress(Callback):
             line += f"  {speed:.1f} steps/s"
         if eta is not None:
             line += f"  ETA {_duration(eta)}"
+        if self._window is not None:
+            line += "".join(f"  {text}" for text in _time_texts(self._window))
         return line
 
     def _summary(self, loop: Loop) -> str:
@@ -346,6 +391,9 @@ class Progress(Callback):
         rate = f", {speed:.1f} steps/s" if speed is not None else ""
         fields = [f"{how} {self._position(loop)}",
                   f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
+        if loop.clock is not None and self._timed_start is not None:
+            window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
+            fields += _time_texts(window) if window is not None else []
         if self._metrics_step is not None:
             texts = metric_texts(self._metrics)
             fields += [*texts[:-1], f"{texts[-1]} (step {self._metrics_step})"] if texts else []
@@ -357,6 +405,43 @@ class Progress(Callback):
 
     def _print(self, text: str) -> None:
         print_line(self.console, text)
+
+
+#: What follows the data wait when it held training back.
+_INPUT_BOUND = "(input-bound)"
+
+
+def _time_texts(window: Window) -> list[str]:
+    """``['1,234 ex/s', 'data 3%', '41.2 TFLOP/s', 'MFU 38%']``, each where known.
+
+    Example:
+        >>> from flaxhooks.core import Window
+        >>> _time_texts(Window(10.0, 100, 1234.4, 0.62, 0.01, 4.12e13, 0.376))
+        ['1,234 ex/s', 'data 62% (input-bound)', '41.2 TFLOP/s', 'MFU 38%']
+        >>> _time_texts(Window(10.0, 100, 12.34, 0.004, 0.5))
+        ['12.3 ex/s', 'data 0%']
+    """
+    rate = window.examples_per_sec
+    texts = [f"{rate:,.0f} ex/s" if rate >= 100 else f"{rate:.1f} ex/s",
+             f"data {window.data_wait:.0%}" + (f" {_INPUT_BOUND}" if window.input_bound else "")]
+    if window.flops_per_sec is not None:
+        texts.append(f"{_si(window.flops_per_sec)}FLOP/s")
+    if window.mfu is not None:
+        texts.append(f"MFU {window.mfu:.0%}" if window.mfu >= 0.1 else f"MFU {window.mfu:.1%}")
+    return texts
+
+
+def _si(value: float) -> str:
+    """``41.2 T``, ``812 G``, ``3.0 ``: three figures or so, and an SI prefix.
+
+    Example:
+        >>> _si(4.12e13), _si(8.123e11), _si(3.0), _si(2.5e18)
+        ('41.2 T', '812 G', '3.0 ', '2.5 E')
+    """
+    prefix, scale = next(((p, x) for p, x in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9),
+                                             ("M", 1e6), ("k", 1e3)) if value >= x), ("", 1.0))
+    value /= scale
+    return f"{value:.1f} {prefix}" if value < 100 else f"{value:.0f} {prefix}"
 
 
 #: What the spinner says, and the plain line at ``fit_start``.

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, Reading, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
@@ -49,6 +49,14 @@ class TensorBoard(Callback):
       step's global gradient norm and ``|update| / |params|``, averaged
       likewise), ``optimizer/learning_rate`` (at the logged step) and
       ``throughput/steps_per_s``;
+    - where the time of the steps since the last log went (the loop's host
+      clock, ``loop.clock``; evaluations left out): ``train/data_wait``, the
+      share (0 to 1) of it the loop waited for its next batch;
+      ``train/device_wait``, the share it waited for the devices;
+      ``train/examples_per_sec`` (global); ``train/flops_per_sec``, the
+      mesh's FLOP/s (the lean step's FLOPs from XLA's cost analysis); and
+      ``train/mfu`` (0 to 1) where the devices' peak is known
+      (:data:`flaxhooks.PEAK_FLOPS`);
     - a Custom Scalars layout whose first category holds these charts, train
       and eval together; the statistics callbacks add theirs after it (one
       chart per statistic, a line per layer: each layer is a run of its own,
@@ -126,6 +134,7 @@ class TensorBoard(Callback):
         self._window_start: Totals | None = None
         self._carried: dict[str, Any] | None = None
         self._latest_totals: Totals | None = None
+        self._timed: Reading | None = None  # the loop's clock at the last log
         self._charted: set[str] = set()  # the tags of the training category
         self._fits = 0  # fits this callback has written
 
@@ -240,6 +249,7 @@ class TensorBoard(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._rate.start(loop.settled_step or loop.step)
         self._window_start, self._latest_totals = None, None
+        self._timed = loop.clock.read() if loop.clock is not None else None
 
     def on_step_end(self, loop: Loop) -> None:
         self._latest_totals = loop.totals  # a reference: nothing is read
@@ -256,6 +266,7 @@ class TensorBoard(Callback):
         learning_rate = self._learning_rate(loop)
         if learning_rate is not None:
             extra["optimizer/learning_rate"] = learning_rate
+        extra.update(self._time_tags(loop))
         if end is None:  # no totals (a hand-made loop): this step's own metrics
             self.writer.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
             return
@@ -273,6 +284,22 @@ class TensorBoard(Callback):
         if loop.exception is None:  # a later fit goes on with this window
             self._carried = self._pending_window()
         self._window_start, self._latest_totals = None, None
+
+    def _time_tags(self, loop: Loop) -> dict[str, float]:
+        """Where the time of the steps since the last log went (host clock reads only)."""
+        if loop.clock is None or self._timed is None:
+            return {}
+        now = loop.clock.read()
+        window, self._timed = loop.clock.window(self._timed, now), now
+        if window is None:
+            return {}
+        tags = {"train/data_wait": window.data_wait, "train/device_wait": window.device_wait,
+                "train/examples_per_sec": window.examples_per_sec}
+        if window.flops_per_sec is not None:
+            tags["train/flops_per_sec"] = window.flops_per_sec
+        if window.mfu is not None:
+            tags["train/mfu"] = window.mfu
+        return tags
 
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:

@@ -3,6 +3,7 @@ context, schedules, signals, agreement between processes, and the Trainer."""
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
+from flaxhooks.core._clock import PEAK_FLOPS, FitClock, Reading, Window
 from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
 from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
@@ -19,6 +20,10 @@ from flaxhooks.core._trainer import Trainer
 __all__ = [
     "ALWAYS_RUN",
     "EVENTS",
+    "FitClock",
+    "PEAK_FLOPS",
+    "Reading",
+    "Window",
     "Callback",
     "CallbackError",
     "Event",

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import CallbackError, StopTraining
+from flaxhooks.core._clock import FitClock
 from flaxhooks.core._events import Event, Phase
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan, check_fit
@@ -57,6 +58,8 @@ class Fit:
         """Trains until the loop's limits or a stop; every end hook runs."""
         loop, bus, stops = self.loop, self.bus, self.stops
         loop.replay = lambda batch, contributors: self.runner.replay(loop.state, batch, contributors)
+        loop.clock = FitClock.of(loop, self.runner.step_flops, self.placement.mesh)
+        loop.evaluate = loop.clock.evaluations(loop.evaluate)  # windows leave evaluations out
         # Writers open before fit_start and close after fit_end: every handler can write.
         writer_callbacks = bus.of(WriterCallback)
         try:
@@ -87,9 +90,10 @@ class Fit:
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
         batches: Any = self.pipeline.device_batches(host, spec, self.placement, remaining)
         zeros = functools.partial(lambda: (self.pipeline.zeros(spec, self.placement), None))
+        clock = cast(FitClock, loop.clock)  # set by run: it times the waits for data and devices
         steps_before = loop.step
         try:
-            completed = self._steps(batches, zeros)
+            completed = self._steps(clock.batches(batches), zeros, clock.device_waits(stops.wait_ready))
         finally:
             batches.close()  # stops the input thread: a one-shot iterator is read no further
             source.rewind(loop.data_position)
@@ -103,7 +107,7 @@ class Fit:
             else:
                 loop.stop("the data iterator is exhausted")
 
-    def _steps(self, batches: Iterator[tuple[Any, DataPosition | None]], zeros: Any) -> bool:
+    def _steps(self, batches: Iterator[tuple[Any, DataPosition | None]], zeros: Any, wait: Any) -> bool:
         """The epoch's steps; whether its data ran out (rather than training stopping)."""
         loop, bus, stops = self.loop, self.bus, self.stops
         for batch, position in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
@@ -113,7 +117,7 @@ class Fit:
             bus.emit(Event.STEP_START, loop)
             if stops.at_boundary(loop) or not stops.may_dispatch(loop):
                 return False
-            self.runner.run(loop, batch, stops.wait_ready)
+            self.runner.run(loop, batch, wait)
             if position is not None:  # zeros standing in for failed data have none
                 loop.data_position = position
             bus.emit(Event.STEP_END, loop)

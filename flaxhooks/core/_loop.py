@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from flaxhooks.core._clock import FitClock
 from flaxhooks.data import BatchSpec, DataPosition, host_scalars
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import Model, TrainState
@@ -82,6 +83,10 @@ class Loop:
             step) with the given step contributors due, and returns their
             results; the loop's state is left as it is. The non-finite guard
             uses it to name the layer of a NaN.
+        clock: the fit's host clock (:class:`~flaxhooks.core.FitClock`): how
+            long the loop waited for its batches and the devices, and spent
+            evaluating. Two of its readings (``loop.clock.read()``) make a
+            window: examples/s, the data-wait share, FLOP/s and MFU. None outside ``fit``.
     """
 
     state: TrainState
@@ -113,6 +118,7 @@ class Loop:
     evaluate: Callable[..., EvalResult] | None = dataclasses.field(default=None, repr=False)
     emit: Callable[[Any, Any], None] | None = dataclasses.field(default=None, repr=False)
     replay: Callable[[Any, Any], tuple[Any, ...]] | None = dataclasses.field(default=None, repr=False)
+    clock: FitClock | None = dataclasses.field(default=None, repr=False)
     _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
     _after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list, repr=False)
 

@@ -63,6 +63,7 @@ class StepRunner:
         self._freezers: tuple[Any, ...] = ()
         self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
         self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
+        self._lean: tuple[Any, Any] | None = None  # this fit's lean step, and its arguments' types
 
     def use(self, callbacks: Sequence[Any]) -> None:
         """Takes the step contributors among ``callbacks``, in their order, and
@@ -71,6 +72,7 @@ class StepRunner:
         self.contributors = tuple(cb for cb in callbacks if isinstance(cb, StepContributor))
         self._freezers = tuple(cb for cb in callbacks if hasattr(cb, "freezes_on_nonfinite"))
         self._in_flight.clear()
+        self._lean = None
 
     @property
     def freeze(self) -> bool:
@@ -214,6 +216,21 @@ class StepRunner:
             carries.append(carry)
         return tuple(carries)
 
+    def step_flops(self) -> float | None:
+        """The FLOPs of one lean step on each device, as XLA counts them in the
+        compiled step (its cost analysis), or None: before this fit ran a lean
+        step, or where the backend does not count them. The step is lowered
+        with the types it ran with, so it comes from JAX's caches: nothing is
+        traced or compiled again."""
+        if self._lean is None:
+            return None
+        step_fn, types = self._lean
+        cost = step_fn.lower(*types).compile().cost_analysis()
+        if isinstance(cost, (list, tuple)):  # one per program on older backends
+            cost = cost[0] if cost else None
+        flops = cost.get("flops") if isinstance(cost, dict) else None
+        return float(flops) if flops is not None and flops > 0 else None
+
     def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:
         """Dispatches the step after ``loop.step`` on ``batch`` and updates the
         loop; hands each due contributor its result. Then waits (reading
@@ -225,6 +242,8 @@ class StepRunner:
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
         step_fn = self.variant(due, self.norms_due(step))
         carries = self._carries(due)
+        if not due and self._lean is None:  # once per fit, before the state is donated
+            self._lean = (step_fn, _types((loop.state, batch, loop.totals, carries)))
         loop.state, loop.metrics, loop.totals, results = step_fn(loop.state, batch, loop.totals, carries)
         # One statement: a KeyboardInterrupt cannot land between the two.
         loop.step, loop.epoch_step = step, loop.epoch_step + 1
@@ -234,6 +253,12 @@ class StepRunner:
         if len(self._in_flight) > self.max_steps_in_flight:
             loop.settled_step, loop.settled_metrics = self._in_flight.popleft()
             wait(loop, loop.settled_metrics["loss"])
+
+
+def _types(args: Any) -> Any:
+    """Each array's shape, type and place: what lowering a step needs of it."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=x.aval.weak_type), args)
 
 
 def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:

@@ -84,6 +84,17 @@ def text_of(console):
     return ANSI.sub("", console.file.getvalue())
 
 
+def summary_of(console):
+    """The summary at the end, its lines (broken between fields on a terminal) joined."""
+    lines = text_of(console).rstrip().splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith(("done:", "stopped")))
+    return "  ".join(line.strip() for line in lines[first:])
+
+
+#: What a line or the summary says of where the time went (no MFU on CPUs: their peak is not known).
+TIME_FIGURES = r"[\d,.]+ ex/s  data \d+%( \(input-bound\))?(  [\d.]+ [kMGTPE]?FLOP/s)?"
+
+
 def bar_frames(console):
     """Every frame of the bar drawn on a terminal console, in order."""
     return [frame for frame in re.split(r"[\r\n]", text_of(console)) if frame.startswith("epoch ")]
@@ -101,8 +112,11 @@ def test_a_terminal_gets_a_bar_with_steps_epoch_rate_eta_and_loss():
     assert re.search(r"\d+\.\d steps/s", text)
     assert "ETA" in text
     assert re.search(r"loss \d", text)
-    summary = text.rstrip().splitlines()[-1]
+    summary = summary_of(console)
     assert summary.startswith("done: step 12/12  epoch")
+    # Where the time went, over the whole fit; no MFU: the peak of a CPU is not known.
+    assert re.search(rf"12 steps in \S+, \d+\.\d steps/s\)  {TIME_FIGURES}  loss", summary), summary
+    assert "MFU" not in summary
     # The last step's own metrics, as off a terminal (the bar showed a settled step's, two behind).
     assert re.search(r"loss \S+ .*\(step 12\)", summary)
 
@@ -130,7 +144,9 @@ def test_plain_output_has_no_control_characters_and_periodic_lines():
     periodic = [line for line in lines if line.startswith("step ")]
     assert [line.split()[1] for line in periodic] == ["4/12", "8/12", "12/12"]
     for line in periodic:  # rates leave the compilation out
-        assert re.search(r"loss \S+ .*\(step \d+\)  4\.0 steps/s  ETA \d:\d\d:\d\d$", line), line
+        # Then where the time of the steps since the last line went.
+        assert re.search(rf"loss \S+ .*\(step \d+\)  4\.0 steps/s  ETA \d:\d\d:\d\d  {TIME_FIGURES}$",
+                         line), line
     assert lines[-1].startswith("done: step 12/12  epoch")
     assert len(lines) == 6
 
@@ -153,8 +169,10 @@ def test_quiet_prints_only_the_summary(make_console):
     out = console.file.getvalue()
     assert HIDE_CURSOR not in out
     lines = text_of(console).splitlines()
-    assert len(lines) == 1 and lines[0].startswith("done: step 8/8")
-    assert "loss" in lines[0] and "| eval loss" in lines[0]
+    # One line, broken between fields on a terminal.
+    assert lines[0].startswith("done: step 8/8") and all(line.startswith("  ") for line in lines[1:])
+    summary = summary_of(console)
+    assert "loss" in summary and "eval loss" in summary
 
 
 def test_a_clock_that_never_moves_means_no_reads_during_the_steps(monkeypatch):
@@ -164,7 +182,7 @@ def test_a_clock_that_never_moves_means_no_reads_during_the_steps(monkeypatch):
     assert reads.count == 0
     # The first refresh happens at the first step, before anything settled.
     assert "loss" not in bar_frames(console)[0]
-    assert "loss" in text_of(console).splitlines()[-1]  # the summary, after fit_end
+    assert "loss" in summary_of(console)  # the summary, after fit_end
 
 
 @pytest.mark.parametrize("make_console", [terminal, plain])
@@ -221,7 +239,7 @@ def test_the_bar_is_stopped_at_fit_end_after_an_error(error):
     assert console._live_stack == []
     out = console.file.getvalue()
     assert out.rindex(SHOW_CURSOR) > out.rindex(HIDE_CURSOR)
-    summary = text_of(console).rstrip().splitlines()[-1]
+    summary = summary_of(console)
     name = type(error).__name__ if isinstance(error, KeyboardInterrupt) else "CallbackError"
     assert summary.startswith(f"stopped by {name} at step 5/12  epoch 2/3")
     assert "loss" in summary
