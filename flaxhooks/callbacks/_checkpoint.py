@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.callbacks import _data_positions as positions
+from flaxhooks.callbacks._data_positions import (
+    DATA_ITEM,
+    gather_positions,
+    post_position,
+    read_positions,
+    split_positions,
+)
+from flaxhooks.callbacks._data_positions import save_args as data_save_args
 from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
 from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
 from flaxhooks.data import DataPosition, device0_copy
@@ -539,7 +546,7 @@ class Checkpoint(Callback):
                 )
             leaves[info["path"]] = array
         return Restored(step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path,
-                        meta["stop_reason"], positions.read(path, meta.get("data")))
+                        meta["stop_reason"], read_positions(path, meta.get("data")))
 
     # -- writing -------------------------------------------------------------
 
@@ -723,7 +730,7 @@ class Checkpoint(Callback):
         self._due = False
         state, (epoch, epoch_step), step = loop.state, loop.position, loop.step
         if jax.process_index() != 0:  # process 0 writes every process's data position
-            positions.post(distributed_client(), self._exchange, step, loop.data_position)
+            post_position(distributed_client(), self._exchange, step, loop.data_position)
             if not self._across:
                 return
         if step == self._saved_step:
@@ -817,12 +824,12 @@ class Checkpoint(Callback):
         files: dict[str, str] = {}
         if jax.process_index() == 0:
             deadline = time.monotonic() + self.PEER_WAIT_SECONDS
-            gathered = positions.gather(
+            gathered = gather_positions(
                 data, lambda key, whose: self._read_posted(key, whose, step, deadline), self._exchange, step)
-            meta["data"], files = positions.split(gathered)
+            meta["data"], files = split_positions(gathered)
         items = {"state": ocp.args.StandardSave(arrays), "meta": ocp.args.JsonSave(meta)}
         if data is not None and data.state is not None:  # the same on every process that writes
-            items[positions.ITEM] = positions.save_args()(files)
+            items[DATA_ITEM] = data_save_args()(files)
         if not logs_synced.wait(timeout=300):
             _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:

@@ -26,7 +26,7 @@ import jax
 from flaxhooks.data import DataPosition
 
 #: The checkpoint item that holds the loaders' states.
-ITEM = "data"
+DATA_ITEM = "data"
 
 
 def file_name(index: int, count: int) -> str:
@@ -39,13 +39,13 @@ def key(exchange: str, step: int, index: int) -> str:
     return f"{exchange}/{step}/data/{index}"
 
 
-def post(client: Any, exchange: str, step: int, position: DataPosition | None) -> None:
+def post_position(client: Any, exchange: str, step: int, position: DataPosition | None) -> None:
     """Posts this process's position at ``step`` (never waits)."""
     value = json.dumps(None if position is None else position.to_json())
     client.key_value_set(key(exchange, step, jax.process_index()), value, allow_overwrite=True)
 
 
-def gather(
+def gather_positions(
     own: DataPosition | None, read: Callable[[str, str], str | None], exchange: str, step: int
 ) -> list[dict[str, Any] | None]:
     """Every process's position at ``step`` as JSON values, in process order:
@@ -60,7 +60,9 @@ def gather(
     return positions
 
 
-def split(positions: Sequence[dict[str, Any] | None]) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def split_positions(
+    positions: Sequence[dict[str, Any] | None],
+) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """What ``meta`` holds (None when a process has no position yet) and the
     ``data`` item's files (the loaders' states, grain's layout)."""
     if not positions or any(p is None for p in positions):
@@ -80,7 +82,7 @@ def split(positions: Sequence[dict[str, Any] | None]) -> tuple[dict[str, Any] | 
     return {"processes": count, "positions": kept}, files
 
 
-def read(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition, ...] | None:
+def read_positions(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition, ...] | None:
     """Every process's position, loader states included, from a checkpoint's
     ``meta["data"]`` and ``data`` item (None: it holds none)."""
     if not meta:
@@ -90,7 +92,7 @@ def read(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition, ...] | N
         position = dict(position)
         name, kind = position.pop("state_file", None), position.pop("state_kind", None)
         if name is not None:
-            with open(os.path.join(path, ITEM, name)) as file:
+            with open(os.path.join(path, DATA_ITEM, name)) as file:
                 text = file.read()
             position["state"] = {"bytes": text} if kind == "bytes" else json.loads(text)
         positions.append(DataPosition.from_json(position))

@@ -38,8 +38,8 @@ class Probe(flaxhooks.Callback):
     """Reads the loop's clock at step ``first`` and at every later step end
     up to ``last``, with the host's own clock beside it; keeps the window from ``first``.
 
-    (The pipeline fetches ahead: the last steps of a slowed loader's data
-    wait for no batch, their batches came earlier.)"""
+    (The input thread reads ahead while the first step compiles: the first
+    steps of a slowed loader's data wait little, their batches came earlier.)"""
 
     def __init__(self, first=4, last=None):
         self.first, self.last = first, last
@@ -63,9 +63,10 @@ def test_the_data_wait_is_the_share_the_slowed_loaders_sleeps_imply():
     sgd_trainer(callbacks=[fast], devices=jax.local_devices()[:1]).fit(batches, epochs=1)
     window = slow.window
     assert window is not None and window.steps == slow.steps == 16
-    # The loop waited for each batch at least as long as the loader slept for it.
-    implied = window.steps * SLEEP / slow.wall
-    assert implied - 0.05 <= window.data_wait <= min(1.0, implied + 0.25), (window, implied)
+    # The loader's sleeps set the pace (the input thread overlaps them with the steps): the loop
+    # waits for its batches nearly all the time, less the little work of the steps.
+    implied = min(1.0, window.steps * SLEEP / slow.wall)
+    assert implied - 0.1 <= window.data_wait <= 1.0, (window, implied)
     assert window.data_wait > 0.5 and window.input_bound
     # The loader sets the pace: no faster than it hands out batches.
     assert 0.3 * 16 / SLEEP < window.examples_per_sec < 1.05 * 16 / SLEEP
@@ -100,10 +101,11 @@ def test_a_loader_slower_than_the_step_is_input_bound_and_one_faster_is_not():
 
     alone = fit(batches)
     step = alone.seconds / alone.steps  # what the devices take per step, the data in memory
-    # Batches that come 4x faster than the steps: the loop waits for them while the devices are
-    # still busy with the steps in flight, which costs nothing.
+    # Batches that come 4x faster than the steps: the input thread reads them while the devices
+    # run the steps in flight, so the loop hardly waits, and the devices set the pace.
     hidden = fit(slowed(batches, step / 4))
-    assert hidden.data_wait > 0.05 and not hidden.input_bound, (alone, hidden)
+    assert hidden.data_wait < 0.05 and not hidden.input_bound, (alone, hidden)
+    assert hidden.examples_per_sec > 0.8 * alone.examples_per_sec
     # Batches that take twice the step: the devices idle, waiting for them.
     held = fit(slowed(batches, 2 * step))
     assert held.input_bound and held.data_wait > 0.5 and held.device_wait < 0.1, (alone, held)
@@ -221,10 +223,11 @@ def test_tensorboard_writes_where_the_time_went(tmp_path, monkeypatch):
 
     wait, examples = values("train/data_wait"), values("train/examples_per_sec")
     assert sorted(wait) == sorted(examples) == [4, 8, 12]
-    assert all(0.5 < share <= 1.0 for share in wait.values()), wait
+    # The input thread read batches ahead while the first step compiled: the first window took
+    # those. From then on every batch is waited for, and training goes no faster than the loader.
+    assert all(0.5 < wait[step] <= 1.0 for step in (8, 12)), wait
     assert all(0.0 <= share < 0.5 for share in values("train/device_wait").values())
-    # No faster than the loader (but at the end: the pipeline fetched the last batches ahead).
-    assert all(0 < examples[step] < 1.05 * 16 / SLEEP for step in (4, 8)), examples
+    assert all(0 < examples[step] < 1.05 * 16 / SLEEP for step in (8, 12)), examples
     flops, mfu = values("train/flops_per_sec"), values("train/mfu")
     per_step = probe.clock.flops_per_step
     for step in (8, 12):  # the FLOP rate is the step's FLOPs at the examples' rate
@@ -241,7 +244,7 @@ def test_progress_says_a_run_is_input_bound(monkeypatch):
     lines = console.file.getvalue().splitlines()
     periodic = [line for line in lines if line.startswith("step ")]
     assert len(periodic) == 3
-    for line in periodic[:2]:  # the last steps' batches were fetched ahead
+    for line in periodic[1:]:  # the first window's batches were read while the first step compiled
         match = re.search(r"  ([\d,.]+) ex/s  data (\d+)% \(input-bound\)  [\d.]+ [kMG]?FLOP/s  MFU [\d.]+%$",
                           line)
         assert match and int(match.group(2)) > 50, line
