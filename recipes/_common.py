@@ -225,26 +225,23 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-class Examples:
-    """Equal-length arrays as a random-access source of examples (for grain):
-    ``source[i]`` is ``{key: array[i]}``; several at once are sliced in one go.
+
+class Gather:
+    """A batch of examples by their indices, gathered from equal-length arrays
+    in one go (a grain ``map`` over batches of indices).
 
     Example:
         >>> import numpy as np
-        >>> Examples({"x": np.arange(3)})[1]["x"]
-        np.int64(1)
+        >>> Gather({"x": np.arange(5) * 10})(np.array([3, 1]))["x"].tolist()
+        [30, 10]
     """
 
     def __init__(self, arrays: dict[str, Any]):
         self.arrays = arrays
-        self._length = len(next(iter(arrays.values())))
 
-    def __len__(self) -> int:
-        return self._length
+    def __call__(self, indices: Any) -> dict[str, Any]:
+        return {key: value[indices] for key, value in self.arrays.items()}
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {key: value[index] for key, value in self.arrays.items()}
-
-    def __repr__(self) -> str:  # grain checks a resumed loader's source by its repr
+    def __repr__(self) -> str:
         shapes = ", ".join(f"{key}: {value.shape}" for key, value in self.arrays.items())
-        return f"Examples({shapes})"
+        return f"Gather({shapes})"

@@ -66,16 +66,17 @@ class DevicePrefetch:
         Raises:
             BatchError: a batch does not fit ``spec`` (or is smaller, with ``ragged="error"``).
         """
-        ready: queue.Queue[Any] = queue.Queue(maxsize=self.size)
+        # Batches ready, in order, and room for more: the queue's C fast path,
+        # bounded by a semaphore the training thread releases as it takes them.
+        ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        room = threading.Semaphore(self.size)
         stop = threading.Event()
 
         def offer(item: Any) -> bool:
             while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.05)
+                if room.acquire(timeout=0.05):
+                    ready.put(item)
                     return True
-                except queue.Full:
-                    continue
             return False
 
         def read() -> None:
@@ -92,6 +93,7 @@ class DevicePrefetch:
         try:
             while True:
                 item = ready.get()
+                room.release()
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
