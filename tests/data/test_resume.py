@@ -80,7 +80,7 @@ def test_a_killed_run_resumes_exactly_mid_epoch_on_any_data(tmp_path, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grain_loader", "grain_map"])
+@pytest.mark.parametrize("kind", ["grain_loader", "grain_map", "torch"])
 def test_a_killed_run_on_two_processes_resumes_exactly_mid_epoch(tmp_path, kind):
     _check_kill_and_resume(tmp_path, kind, 2)
 
