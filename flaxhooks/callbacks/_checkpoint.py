@@ -22,11 +22,11 @@ import numpy as np
 from flaxhooks.callbacks._data_positions import (
     DATA_ITEM,
     gather_positions,
+    loader_states_args,
     post_position,
     read_positions,
     split_positions,
 )
-from flaxhooks.callbacks._data_positions import save_args as data_save_args
 from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
 from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
 from flaxhooks.data import DataPosition, device0_copy
@@ -829,7 +829,7 @@ class Checkpoint(Callback):
             meta["data"], files = split_positions(gathered)
         items = {"state": ocp.args.StandardSave(arrays), "meta": ocp.args.JsonSave(meta)}
         if data is not None and data.state is not None:  # the same on every process that writes
-            items[DATA_ITEM] = data_save_args()(files)
+            items[DATA_ITEM] = loader_states_args()(files)
         if not logs_synced.wait(timeout=300):
             _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
         if self._writer is None:

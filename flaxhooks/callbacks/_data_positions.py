@@ -100,7 +100,7 @@ def read_positions(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition
 
 
 @functools.cache
-def save_args() -> Callable[[dict[str, str]], Any]:
+def loader_states_args() -> Callable[[dict[str, str]], Any]:
     """orbax's save arguments for the ``data`` item: ``{file name: text}``,
     written by process 0 (made once: orbax registers them globally)."""
     import orbax.checkpoint as ocp

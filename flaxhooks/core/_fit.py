@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -89,7 +88,7 @@ class Fit:
         assert spec is not None
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
         batches: Any = self.pipeline.device_batches(host, spec, self.placement, remaining)
-        zeros = functools.partial(lambda: (self.pipeline.zeros(spec, self.placement), None))
+        zeros = lambda: (self.pipeline.zeros(spec, self.placement), None)
         clock = cast(FitClock, loop.clock)  # set by run: it times the waits for data and devices
         steps_before = loop.step
         try:

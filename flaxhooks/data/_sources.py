@@ -169,7 +169,8 @@ class DataSource:
         #: A one-shot iterator: never rewound, it keeps its own position.
         # (Asked of the type: iter() would start a grain DataLoader's workers.)
         self.one_shot = isinstance(data, Iterator)
-        self._by_index = _grain_map(data) or (
+        self._grain_map = _grain_map(data)
+        self._by_index = self._grain_map or (
             callable(data) and "start" in inspect.signature(data).parameters)
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[tuple[HostBatch, DataPosition]]:
@@ -244,7 +245,7 @@ class DataSource:
 
     def _iterator(self, epoch: int, start: int = 0) -> Iterator[HostBatch]:
         data: Any = self.data
-        if _grain_map(data):
+        if self._grain_map:
             length = self.length
             first, end = epoch * (length or 0) + start, (epoch + 1) * (length or 0)
             view = data[start:] if length is None else data.repeat()[first:end]
