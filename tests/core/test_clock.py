@@ -116,7 +116,7 @@ def test_a_loader_slower_than_the_step_is_input_bound_and_one_faster_is_not():
     assert hidden.examples_per_sec > 0.8 * alone.examples_per_sec
     # Batches that take twice the step: the devices idle, waiting for them.
     held = fit(slowed(batches, 2 * step))
-    assert held.input_bound and held.data_wait > 0.5 and held.device_wait < 0.1, (alone, held)
+    assert held.input_bound and held.data_wait > 0.5 and held.device_wait < held.data_wait / 4, (alone, held)
     assert held.examples_per_sec < 0.7 * alone.examples_per_sec
 
 
