@@ -362,8 +362,7 @@ class Diagnose(InstrumentedCallback):
         if jax.process_index() == 0:
             _log.warning("%s", finding.message())
         loop.writers.text("health/findings", _markdown(finding), finding.step)
-        if loop.emit is not None:
-            loop.emit(Event.FINDING, finding)
+        loop.emit(Event.FINDING, finding)
 
 
 #: The heatmaps, and whether each is coloured on a log scale.

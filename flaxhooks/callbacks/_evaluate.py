@@ -94,7 +94,6 @@ class Evaluate(Callback):
         if self._evaluated_step == loop.step or loop.diverged is not None:
             return  # due twice at one step (every N and epoch end), or the state holds NaN
         self._evaluated_step = loop.step
-        assert loop.evaluate is not None, "set by Trainer.fit"
         self.result = loop.evaluate(
             self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name
         )

@@ -12,7 +12,7 @@ import jax
 
 from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
 from flaxhooks.core._events import ALWAYS_RUN, Event, Phase
-from flaxhooks.core._loop import Loop
+from flaxhooks.core._loop import Loop, record_of
 from flaxhooks.core._processes import ProcessError
 
 _log = logging.getLogger("flaxhooks")
@@ -26,7 +26,8 @@ class HookBus:
     Handlers are looked up once at registration, so emitting an event nobody
     handles costs one dictionary lookup.
 
-    Attributes:
+    Args:
+        callbacks: the callbacks to register.
         defer: on runs of several processes, where a handler's error goes
             instead of being raised: every handler of an event then runs even
             if one raises, and ``StopTraining`` acts as ``loop.stop``, so each
@@ -36,12 +37,34 @@ class HookBus:
             (names a lost process); called once, where the error is first caught.
     """
 
-    def __init__(self, callbacks: Iterable[Callback] = ()):
+    def __init__(
+        self, callbacks: Iterable[Callback] = (), *, defer: Callable[[Loop, Exception], None] | None = None,
+        failure: Callable[[Loop, BaseException], BaseException] | None = None,
+    ):
         self._callbacks: list[Callback] = []
         self._handlers: dict[Event, tuple[tuple[Callback, Handler], ...]] = {event: () for event in Event}
-        self.defer: Callable[[Loop, Exception], None] | None = None
-        self.failure: Callable[[Loop, BaseException], BaseException] = lambda loop, error: error
+        self._defer = defer
+        self._failure = failure or _as_it_is
         self.add(*callbacks)
+
+    @property
+    def defer(self) -> Callable[[Loop, Exception], None] | None:
+        """Where a handler's error goes instead of being raised (None: raised)."""
+        return self._defer
+
+    @property
+    def failure(self) -> Callable[[Loop, BaseException], BaseException]:
+        """What turns an error that ends training into the one reported."""
+        return self._failure
+
+    def with_policy(
+        self, *, defer: Callable[[Loop, Exception], None] | None,
+        failure: Callable[[Loop, BaseException], BaseException],
+    ) -> HookBus:
+        """The same callbacks, with another error policy (one ``fit``'s)."""
+        bus = HookBus(defer=defer, failure=failure)
+        bus._callbacks, bus._handlers = list(self._callbacks), self._handlers
+        return bus
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
@@ -90,35 +113,40 @@ class HookBus:
             StopTraining: passed through from a handler.
             CallbackError: a handler raised; it names the callback and event.
         """
-        outer = loop.event, loop.payload, loop._after
-        loop.event, loop.payload, loop._after = event, payload, []
+        handlers = self._handlers[event]
+        record = record_of(loop)
+        outer = record.event, record.payload, record.after, record.handling
+        record.event, record.payload, record.after = event, payload, []
         try:
             if failing:
-                for callback, handler in self._handlers[event]:
+                for callback, handler in handlers:
+                    record.handling = callback
                     try:
                         handler(loop)
                     except Exception:
                         _log.exception("%r raised in %s while training was already ending",
                                        callback, event.handler)
                 return
-            if self.defer is not None or event in ALWAYS_RUN:
-                self._emit_to_all(event, loop)
+            if self._defer is not None or event in ALWAYS_RUN:
+                self._emit_to_all(event, loop, handlers)
             else:
-                for callback, handler in self._handlers[event]:
+                for callback, handler in handlers:
+                    record.handling = callback
                     self._call(callback, handler, event, loop)
             # What handlers asked to do once all of them had run (loop.after).
-            for callback, then in loop._after:
+            for callback, then in record.after:
+                record.handling = callback
                 self._call(callback, then, event, loop)
         except StopTraining as stop:
-            if self.defer is None:
+            if self._defer is None:
                 raise
             loop.stop(str(stop) or "a callback raised StopTraining")
         except Exception as error:
-            if self.defer is None or event is Event.FIT_END:
+            if self._defer is None or event is Event.FIT_END:
                 raise
-            self.defer(loop, error)
+            self._defer(loop, error)
         finally:
-            loop.event, loop.payload, loop._after = outer
+            record.event, record.payload, record.after, record.handling = outer
 
     @staticmethod
     def _call(callback: Callback, handler: Handler, event: Event, loop: Loop) -> None:
@@ -129,13 +157,15 @@ class HookBus:
         except Exception as error:
             raise CallbackError(callback, event.value, loop.step, error) from error
 
-    def _emit_to_all(self, event: Event, loop: Loop) -> None:
+    def _emit_to_all(self, event: Event, loop: Loop, handlers: tuple[tuple[Callback, Handler], ...]) -> None:
         first: Exception | None = None
-        for callback, handler in self._handlers[event]:
+        record = record_of(loop)
+        for callback, handler in handlers:
+            record.handling = callback
             try:
                 handler(loop)
             except StopTraining as stop:
-                if self.defer is None:
+                if self._defer is None:
                     first = first or stop
                     continue
                 loop.stop(str(stop) or f"{callback!r} raised StopTraining")
@@ -171,8 +201,8 @@ class HookBus:
         except BaseException as error:
             reported = error
             if loop.exception is None:
-                reported = self.failure(loop, error)
-                loop.exception = reported
+                reported = self._failure(loop, error)
+                record_of(loop).exception = reported
                 self.emit(Event.EXCEPTION, loop, reported, failing=True)
             self.emit(phase.end, loop, failing=True)
             if reported is not error:
@@ -191,5 +221,9 @@ class HookBus:
             # (``failure`` names it, and this process leaves the run).
             if loop.exception is not None or not isinstance(error.__cause__, ProcessError):
                 raise
-            reported = loop.exception = self.failure(loop, error.__cause__)
+            reported = record_of(loop).exception = self._failure(loop, error.__cause__)
             raise reported from error
+
+
+def _as_it_is(loop: Loop, error: BaseException) -> BaseException:
+    return error

@@ -12,7 +12,7 @@ from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import CallbackError, StopTraining
 from flaxhooks.core._clock import FitClock
 from flaxhooks.core._events import Event, Phase
-from flaxhooks.core._loop import Loop
+from flaxhooks.core._loop import Loop, LoopRecord
 from flaxhooks.core._plan import FitPlan, check_fit
 from flaxhooks.core._processes import LocalStops
 from flaxhooks.core._restore import SavedRun, restore_latest
@@ -39,7 +39,8 @@ class Fit:
 
     Attributes:
         loop: what every handler sees.
-        bus: the callbacks, and the bracket of every phase.
+        record: what the loop knows, which this fit (and its runner, bus and stops) writes.
+        bus: the callbacks with this fit's error policy, and the bracket of every phase.
         runner: runs each step (lean, or instrumented when a contributor is due).
         pipeline: puts the host batches on the devices.
         placement: the mesh, and where batches go on it.
@@ -47,43 +48,58 @@ class Fit:
     """
 
     loop: Loop
+    record: LoopRecord
     bus: HookBus
     runner: StepRunner
     pipeline: DevicePrefetch
     placement: Placement
     stops: LocalStops
 
+    @classmethod
+    def open(cls, trainer: Any, start: Start, source: DataSource, stops: LocalStops, state: TrainState,
+             steps: int | None, epochs: int | None) -> Fit:
+        """The loop of one ``trainer.fit``, built whole before anything runs."""
+        runner, placement = trainer.runner, trainer.placement
+        record = LoopRecord(
+            state=state, step=start.step, epoch=start.epoch, epoch_step=start.skip, max_steps=steps,
+            max_epochs=epochs, steps_per_epoch=source.length, resumed_from=start.record["resumed"],
+            callbacks=trainer.callbacks, model=trainer.model, spec=trainer.batch_spec,
+            totals=runner.zero_totals())
+        record.clock = clock = FitClock.of(record, runner.step_flops, placement.mesh)
+        bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
+        # The clock's windows leave evaluations out.
+        loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
+                    replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
+        return cls(loop, record, bus, runner, trainer.pipeline, placement, stops)
+
     def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:
         """Trains until the loop's limits or a stop; every end hook runs."""
-        loop, bus, stops = self.loop, self.bus, self.stops
-        loop.replay = lambda batch, contributors: self.runner.replay(loop.state, batch, contributors)
-        loop.clock = FitClock.of(loop, self.runner.step_flops, self.placement.mesh)
-        loop.evaluate = loop.clock.evaluations(loop.evaluate)  # windows leave evaluations out
+        loop, record, bus, stops = self.loop, self.record, self.bus, self.stops
         # Writers open before fit_start and close after fit_end: every handler can write.
         writer_callbacks = bus.of(WriterCallback)
         try:
-            loop.writers = Writers.open(writer_callbacks, loop)
+            record.writers = Writers.open(writer_callbacks, loop)
         except Exception as error:
             stops.defer(loop, error)
         try:
             with bus.phase(Phase.FIT, loop):
-                while not (stops.at_boundary(loop) or _reached(loop)):
+                while not (stops.at_boundary(loop) or _reached(record)):
                     with bus.phase(Phase.EPOCH, loop):
                         self._epoch(source, source.epoch(loop.epoch) if first_epoch is None else first_epoch)
                     first_epoch = None
-                    if loop.epoch_done:
-                        loop.epoch, loop.epoch_step, loop.epoch_done = loop.epoch + 1, 0, False
+                    if record.epoch_done:
+                        record.epoch, record.epoch_step, record.epoch_done = record.epoch + 1, 0, False
                 stops.finish(loop)
         except StopTraining:
             pass  # a stop like any other: every end hook ran
         finally:
-            loop.writers = Writers()
+            record.writers = Writers()
             _closed(Writers.close(writer_callbacks, loop), loop)
         if loop.stop_reason:  # Progress and ConsoleLog say it to people
             _log.debug("training stopped at step %d: %s", loop.step, loop.stop_reason)
 
     def _epoch(self, source: DataSource, host: Iterator[tuple[HostBatch, DataPosition]]) -> None:
-        loop, stops = self.loop, self.stops
+        loop, record, stops = self.loop, self.record, self.stops
         spec = loop.spec
         assert spec is not None
         remaining = None if loop.max_steps is None else max(loop.max_steps - loop.step, 0)
@@ -96,9 +112,9 @@ class Fit:
         finally:
             batches.close()  # stops the input thread: a one-shot iterator is read no further
             source.rewind(loop.data_position)
-        loop.batch = None
+        record.batch = None
         # Stopped on an epoch's last batch: that epoch is done all the same.
-        loop.epoch_done = completed or loop.epoch_step == loop.steps_per_epoch
+        record.epoch_done = completed or loop.epoch_step == loop.steps_per_epoch
         if loop.step == steps_before and not loop.should_stop:
             if not source.one_shot:
                 empty = EmptyDataError(f"epoch {loop.epoch + 1} of the training data yielded no batch")
@@ -108,19 +124,20 @@ class Fit:
 
     def _steps(self, batches: Iterator[tuple[Any, DataPosition | None]], zeros: Any, wait: Any) -> bool:
         """The epoch's steps; whether its data ran out (rather than training stopping)."""
-        loop, bus, stops = self.loop, self.bus, self.stops
+        loop, record, bus, stops = self.loop, self.record, self.bus, self.stops
         for batch, position in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
-            loop.batch = batch
+            record.batch = batch
             if stops.at_boundary(loop, pulled=True):
                 return False
             bus.emit(Event.STEP_START, loop)
             if stops.at_boundary(loop) or not stops.may_dispatch(loop):
                 return False
-            self.runner.run(loop, batch, wait)
+            for contributor, result in self.runner.run(record, batch, wait):
+                contributor.take(loop, result)
             if position is not None:  # zeros standing in for failed data have none
-                loop.data_position = position
+                record.data_position = position
             bus.emit(Event.STEP_END, loop)
-            if stops.at_boundary(loop) or (loop.max_steps is not None and loop.step >= loop.max_steps):
+            if stops.at_boundary(loop) or (record.max_steps is not None and record.step >= record.max_steps):
                 return False
         return True
 
@@ -149,7 +166,7 @@ def _closed(failures: Sequence[tuple[Any, Exception]], loop: Loop) -> None:
         _log.error("%r failed to close its writer: %s", callback, error)
 
 
-def _reached(loop: Loop) -> bool:
+def _reached(loop: Loop | LoopRecord) -> bool:
     return (loop.max_steps is not None and loop.step >= loop.max_steps) or (
         loop.max_epochs is not None and loop.epoch >= loop.max_epochs
     )

@@ -174,10 +174,8 @@ class NonFiniteGuard(Callback):
                                values={"loss": value, **values})
         self._unchecked.clear()
         _log.error("%s", message)
-        loop.diverged = step
-        loop.stop(message)
-        if loop.emit is not None:
-            loop.emit(Event.FINDING, self.finding)
+        loop.mark_diverged(step, message)
+        loop.emit(Event.FINDING, self.finding)
 
     def _cause(self, loop: Loop, step: int, value: float, batch: Any) -> tuple[str, dict[str, Any]]:
         """Replays ``step`` from the state before it and says which call went non-finite first."""

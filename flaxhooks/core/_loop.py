@@ -1,95 +1,36 @@
-"""The loop context every handler receives."""
+"""The loop context every handler receives: facts it reads, requests it makes."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Callable
+import operator
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+
 from flaxhooks.core._clock import FitClock
+from flaxhooks.core._events import Event
+from flaxhooks.core._findings import Finding
 from flaxhooks.data import BatchSpec, DataPosition, host_scalars
-from flaxhooks.eval import EvalResult
+from flaxhooks.eval import EvalResult, EvalStart
 from flaxhooks.step import Model, TrainState
 from flaxhooks.writers import Writers
 
+#: The events a callback may emit itself, and the payload each takes.
+EMITTABLE: dict[Event, type] = {
+    Event.EVAL_START: EvalStart, Event.EVAL_END: EvalResult, Event.FINDING: Finding}
+
 
 @dataclasses.dataclass(eq=False)
-class Loop:
-    """What the loop knows, shared by the Trainer and every handler.
+class LoopRecord:
+    """What the loop knows, written only by the code that runs the loop (the
+    Trainer, its fit, the step runner, the bus, the stop protocol): each
+    handler reads it through :class:`Loop`, whose fields are read-only."""
 
-    Device values (``state``, ``metrics``, ``batch``) are left on the devices,
-    replicated or sharded over the leading device axis. Reading them on the
-    host waits for the computation that makes them, so a callback does it only
-    when it is due (see :meth:`host_metrics`).
-
-    Attributes:
-        state: the replicated train state after the latest step. The next
-            step consumes it (its buffers are donated): copy what you keep.
-        step: optimizer steps completed (counting steps of a resumed state).
-        epoch: the index of the current epoch, from 0 (as ``data(epoch)``
-            takes it). Whatever a person reads counts epochs from 1, as the
-            progress bar does: print ``loop.epoch + 1``.
-        epoch_step: batches taken so far in the current epoch.
-        data_position: where this process's data stands after the batch
-            of the latest step (:class:`~flaxhooks.data.DataPosition`: the
-            loader's own state where it keeps one, a fingerprint of the
-            batch): what a checkpoint saves to resume exactly there.
-        epoch_done: whether the current epoch's data ran out (set before
-            ``epoch_end``), as opposed to training stopping inside it.
-        max_steps: the step at which training ends, if bounded by steps.
-        max_epochs: the number of epochs, if bounded by epochs.
-        steps_per_epoch: batches per epoch when the data has a length, else None.
-        resumed_from: on ``fit(..., resume=True)``, the checkpoint's step
-            (0 when there was none and training started afresh); else None.
-            Writers drop what they logged after it, as it is logged again.
-        batch: the device batch of the current step (``step_start``/``step_end``).
-        metrics: the latest step's metrics as device arrays, replicated.
-            Reading them waits for that step to finish.
-        settled_step: the newest step known to have finished on the devices
-            (the loop waits for it anyway to bound the steps in flight).
-        settled_metrics: that step's metrics; reading them does not wait.
-        totals: running totals of every step's metrics since ``fit``
-            started, kept on the devices by the step itself (never donated):
-            the mean over the steps between two readings is
-            ``window_means(window_sums(earlier, later))`` (``flaxhooks.step``),
-            read off the training thread when due.
-        event: the event being emitted.
-        payload: that event's data: an ``EvalStart`` or ``EvalResult`` for
-            evaluations, the error for ``exception``, else None.
-        stop_reason: why training was asked to stop, or None.
-        diverged: the first step whose loss (or a watched value) went NaN or
-            infinite, once a guard stopped training for it; the state after
-            it is not evaluated or saved, and ``fit`` raises ``NonFiniteError``.
-        interrupted: the signal (SIGINT, SIGTERM) that asked training to stop
-            at the next step boundary, or None.
-        exception: the error that is ending training, if any.
-        published: results callbacks published for each other, by topic.
-        callbacks: the registered callbacks, in the order their handlers run.
-        model: the model adapter (see :class:`flaxhooks.step.Model`).
-        spec: the layout of the training batches.
-        writers: what the fit's writers (TensorBoard) offer every callback:
-            scalars, text, histograms and a sync point (see
-            :class:`flaxhooks.writers.Writers`); empty without any.
-        evaluate: evaluates the current state during this fit:
-            ``loop.evaluate(data, batch_size=..., metrics=..., name=...)``
-            emits ``eval_start`` and ``eval_end`` and returns the
-            :class:`~flaxhooks.EvalResult` (see ``Trainer.evaluate``).
-        emit: ``loop.emit(event, payload)`` emits an event to every callback,
-            for a callback that evaluates in its own way: it emits
-            ``Event.EVAL_END`` with its own ``EvalResult``, which logging and
-            early stopping consume as any other.
-        replay: ``loop.replay(batch, contributors)`` runs the step from
-            ``loop.state`` on ``batch`` (a device batch kept from an earlier
-            step) with the given step contributors due, and returns their
-            results; the loop's state is left as it is. The non-finite guard
-            uses it to name the layer of a NaN.
-        clock: the fit's host clock (:class:`~flaxhooks.core.FitClock`): how
-            long the loop waited for its batches and the devices, and spent
-            evaluating. Two of its readings (``loop.clock.read()``) make a
-            window: examples/s, the data-wait share, FLOP/s and MFU. None outside ``fit``.
-    """
-
-    state: TrainState
+    state: TrainState | None = None
     step: int = 0
     epoch: int = 0
     epoch_step: int = 0
@@ -115,47 +56,255 @@ class Loop:
     model: Model | None = None
     spec: BatchSpec | None = None
     writers: Writers = dataclasses.field(default_factory=Writers)
-    evaluate: Callable[..., EvalResult] | None = dataclasses.field(default=None, repr=False)
-    emit: Callable[[Any, Any], None] | None = dataclasses.field(default=None, repr=False)
-    replay: Callable[[Any, Any], tuple[Any, ...]] | None = dataclasses.field(default=None, repr=False)
-    clock: FitClock | None = dataclasses.field(default=None, repr=False)
-    _host_metrics: tuple[int, dict[str, float]] | None = dataclasses.field(default=None, repr=False)
-    _after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list, repr=False)
+    clock: FitClock | None = None
+    #: The handler running now (requests are recorded as its), and what the
+    #: handlers of the event being emitted asked to run after all of them.
+    handling: Any = None
+    after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list)
+    requests: collections.deque[Request] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=1024))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request a handler made of the loop, as the loop recorded it.
+
+    Attributes:
+        kind: ``"stop"``, ``"evaluate"``, ``"emit"``, ``"mark_diverged"`` or ``"replace_state"``.
+        step: the step it was made at.
+        event: the event being handled.
+        by: the callback that made it (None: the loop's own code).
+        detail: the reason, the event emitted, the evaluation's name.
+    """
+
+    kind: str
+    step: int
+    event: str
+    by: Any
+    detail: str = ""
+
+
+def _fact(name: str, doc: str) -> property:
+    return property(operator.attrgetter(f"_record.{name}"), doc=doc)
+
+
+class Loop:
+    """What every handler receives: read-only facts about training, and the
+    requests a callback may make of the loop (each checked, and recorded in
+    :attr:`requests`). Device values (``state``, ``metrics``, ``batch``) stay
+    on the devices; reading them on the host waits for the step that makes
+    them, so a callback reads them only when it is due.
+
+    Example:
+        >>> import flaxhooks
+        >>> loop = flaxhooks.Loop(state=None, step=3)
+        >>> loop.step, loop.should_stop
+        (3, False)
+        >>> loop.stop("enough"); loop.stop_reason
+        'enough'
+    """
+
+    state = _fact("state", "The train state after the latest step (its buffers are donated to the "
+                  "next step: copy what you keep; ask for another with :meth:`replace_state`).")
+    step = _fact("step", "Optimizer steps completed, counting a resumed state's.")
+    epoch = _fact("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
+    epoch_step = _fact("epoch_step", "Batches taken so far in the current epoch.")
+    epoch_done = _fact("epoch_done", "Whether the current epoch's data ran out (set before ``epoch_end``).")
+    data_position = _fact("data_position", "Where this process's data stands after the latest step's "
+                          "batch (a :class:`~flaxhooks.data.DataPosition`), as a checkpoint saves it.")
+    max_steps = _fact("max_steps", "The step at which training ends, if bounded by steps.")
+    max_epochs = _fact("max_epochs", "The number of epochs, if bounded by epochs.")
+    steps_per_epoch = _fact("steps_per_epoch", "Batches per epoch when the data has a length, else None.")
+    resumed_from = _fact("resumed_from", "On ``fit(resume=True)``, the checkpoint's step (0: none); else "
+                         "None. Writers drop what they logged after it.")
+    batch = _fact("batch", "The device batch of the current step (``step_start`` / ``step_end``).")
+    metrics = _fact("metrics", "The latest step's metrics, device arrays: reading them waits for the step.")
+    settled_step = _fact("settled_step", "The newest step known to have finished on the devices.")
+    settled_metrics = _fact("settled_metrics", "That step's metrics: reading them does not wait.")
+    totals = _fact("totals", "Running totals of every step's metrics since ``fit`` started, on the "
+                   "devices (``window_means(window_sums(earlier, later))``).")
+    event = _fact("event", "The event being emitted.")
+    payload = _fact("payload", "That event's data: an ``EvalStart`` or ``EvalResult``, a ``Finding``, "
+                    "the error for ``exception``; else None.")
+    stop_reason = _fact("stop_reason", "Why training was asked to stop, or None.")
+    diverged = _fact("diverged", "The first step whose loss (or a watched value) went non-finite, once a "
+                     "guard stopped training for it; ``fit`` then raises ``NonFiniteError``.")
+    interrupted = _fact("interrupted", "The signal (SIGINT, SIGTERM) that asked training to stop, or None.")
+    exception = _fact("exception", "The error that is ending training, if any.")
+    callbacks = _fact("callbacks", "The registered callbacks, in the order their handlers run.")
+    model = _fact("model", "The model adapter (:class:`flaxhooks.step.Model`).")
+    spec = _fact("spec", "The layout of the training batches.")
+    writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
+    clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.core.FitClock`); None outside ``fit``.")
+
+    def __init__(
+        self, state: TrainState | None = None, *, bus: Any = None,
+        evaluate: Callable[..., EvalResult] | None = None,
+        replay: Callable[[Any, Any], tuple[Any, ...]] | None = None,
+        record: LoopRecord | None = None, **facts: Any,
+    ):
+        record = record or LoopRecord(state=state, **facts)
+        object.__setattr__(self, "_record", record)
+        object.__setattr__(self, "_bus", bus)
+        object.__setattr__(self, "_evaluate", evaluate)
+        object.__setattr__(self, "_replay", replay)
+        object.__setattr__(self, "_published", types.MappingProxyType(record.published))
+        object.__setattr__(self, "_host_metrics", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(
+            f"loop.{name} cannot be set: a callback reads the loop's facts and asks for changes with "
+            "loop.stop(), loop.evaluate(), loop.emit(), loop.after(), loop.publish(), loop.mark_diverged() "
+            "or loop.replace_state(); keep your own values on the callback")
+
+    def __repr__(self) -> str:
+        return f"Loop(step={self.step}, epoch={self.epoch}, event={self.event!r})"
+
+    # Facts derived from the others.
 
     @property
     def should_stop(self) -> bool:
-        """Whether some callback asked training to stop."""
-        return self.stop_reason is not None
-
-    def stop(self, reason: str = "stopped by a callback") -> None:
-        """Asks the loop to stop after the current event (on several processes,
-        at the step every process agrees on); end hooks still run."""
-        if self.stop_reason is None:
-            self.stop_reason = reason
+        """Whether something asked training to stop."""
+        return self._record.stop_reason is not None
 
     @property
     def position(self) -> tuple[int, int]:
         """``(epoch, batches into it)`` at which training would go on from here."""
-        return (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.epoch_step)
+        record = self._record
+        return (record.epoch + 1, 0) if record.epoch_done else (record.epoch, record.epoch_step)
 
-    def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:
-        """Runs ``then(loop)`` once every handler of the current event has run,
-        whatever their order (a checkpoint saves after the epoch's evaluation).
-        It does not run if one of them fails; an error in it is ``callback``'s.
-        """
-        self._after.append((callback, then))
+    @property
+    def published(self) -> Mapping[str, Any]:
+        """Results callbacks published for each other (:meth:`publish`), by topic; read-only."""
+        return self._published
 
-    def publish(self, topic: str, value: Any) -> None:
-        """Makes a result visible to every other callback as ``published[topic]``."""
-        self.published[topic] = value
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """The requests made during this fit (the latest 1,024), oldest first."""
+        return tuple(self._record.requests)
 
     def host_metrics(self) -> dict[str, float]:
         """The latest step's metrics as Python floats.
 
         Waits for the step; callbacks due at the same step share one transfer.
         """
-        if self.metrics is None:
+        record = self._record
+        if record.metrics is None:
             return {}
-        if self._host_metrics is None or self._host_metrics[0] != self.step:
-            self._host_metrics = (self.step, host_scalars(self.metrics))
+        if self._host_metrics is None or self._host_metrics[0] != record.step:
+            self._host_metrics = (record.step, host_scalars(record.metrics))
         return dict(self._host_metrics[1])
+
+    # Requests.
+
+    def stop(self, reason: str = "stopped by a callback") -> None:
+        """Asks the loop to stop after the current event (on several processes,
+        at the step every process agrees on); end hooks still run. The first
+        reason given is kept."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"loop.stop needs the reason as a non-empty string, got {reason!r}")
+        self._note("stop", reason)
+        if self._record.stop_reason is None:
+            self._record.stop_reason = reason
+
+    def evaluate(self, data: Any, **options: Any) -> EvalResult | None:
+        """Evaluates the current state on ``data``, emitting ``eval_start`` and
+        ``eval_end``: ``loop.evaluate(data, batch_size=..., metrics=..., name=...)``
+        takes what ``Trainer.evaluate`` takes, and returns its :class:`~flaxhooks.EvalResult`."""
+        if self._evaluate is None:
+            raise RuntimeError("loop.evaluate works during fit, where the loop has a state to evaluate")
+        self._note("evaluate", str(options.get("name", "eval")))
+        return self._evaluate(data, **options)
+
+    def emit(self, event: Event | str, payload: Any = None) -> None:
+        """Emits ``eval_start``, ``eval_end`` or ``finding`` to every callback,
+        for a callback that evaluates or diagnoses in its own way; the payload
+        is an ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
+        try:
+            event = Event(event)
+        except ValueError:
+            event = None  # type: ignore[assignment]
+        if event not in EMITTABLE:
+            allowed = ", ".join(repr(e.value) for e in EMITTABLE)
+            raise ValueError(f"a callback may emit only {allowed}; the loop emits the others")
+        if not isinstance(payload, EMITTABLE[event]):
+            expected = EMITTABLE[event].__name__
+            raise TypeError(f"{event.value} takes a {expected}, got {type(payload).__name__}")
+        if self._bus is None:
+            raise RuntimeError("this Loop is not attached to a Trainer's callbacks: nobody to emit to")
+        self._note("emit", event.value)
+        self._bus.emit(event, self, payload)
+
+    def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:
+        """Runs ``then(loop)`` once every handler of the current event has run,
+        whatever their order (a checkpoint saves after the epoch's evaluation).
+        It does not run if one of them fails; an error in it is ``callback``'s.
+        """
+        if not callable(then):
+            raise TypeError(f"loop.after needs a callable, got {then!r}")
+        self._record.after.append((callback, then))
+
+    def publish(self, topic: str, value: Any) -> None:
+        """Makes a result visible to every other callback as ``loop.published[topic]``."""
+        if not isinstance(topic, str) or not topic:
+            raise ValueError(f"a published topic is a non-empty string, got {topic!r}")
+        self._record.published[topic] = value
+
+    def mark_diverged(self, step: int, reason: str) -> None:
+        """Says training diverged at ``step`` (its loss or a watched value went
+        non-finite) and stops it: the state after that step is neither
+        evaluated nor saved, and ``fit`` raises ``NonFiniteError``. The first
+        step marked is kept."""
+        record = self._record
+        if not isinstance(step, int) or not 0 < step <= record.step:
+            raise ValueError(f"a diverged step is one of the steps taken (1 to {record.step}), got {step!r}")
+        self._note("mark_diverged", f"step {step}: {reason}")
+        if record.diverged is None:
+            record.diverged = step
+        self.stop(reason)
+
+    def replace_state(self, state: TrainState) -> None:
+        """Hands the next step ``state`` instead of the current one (weights
+        averaged, an optimizer state reset). It must match the current state
+        leaf for leaf: structure, shapes, dtypes and shardings."""
+        record = self._record
+        if record.state is not None:
+            _check_like(state, record.state)
+        self._note("replace_state")
+        record.state = state
+
+    def replay(self, batch: Any, contributors: Any) -> tuple[Any, ...]:
+        """Runs the step from ``loop.state`` on ``batch`` (a device batch kept
+        from an earlier step) with ``contributors`` due, and returns their
+        results; the loop's state is left as it is (the guard names a NaN's layer so)."""
+        if self._replay is None:
+            raise RuntimeError("loop.replay works during fit")
+        return self._replay(batch, contributors)
+
+    def _note(self, kind: str, detail: str = "") -> None:
+        record = self._record
+        record.requests.append(Request(kind, record.step, record.event, record.handling, detail))
+
+
+def record_of(loop: Loop) -> LoopRecord:
+    """The record behind ``loop``: for the code that runs the loop, never a callback."""
+    return loop._record
+
+
+def _check_like(new: Any, current: Any) -> None:
+    new_leaves, new_tree = jax.tree.flatten(new)
+    leaves, tree = jax.tree.flatten(current)
+    if new_tree != tree:
+        raise ValueError(f"loop.replace_state needs the current state's structure: got {new_tree}, "
+                         f"expected {tree}")
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(current)[0]]
+    for path, a, b in zip(paths, new_leaves, leaves, strict=True):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(f"loop.replace_state: state{path} is {a.dtype}{list(a.shape)}, "
+                             f"the current one {b.dtype}{list(b.shape)}")
+        if getattr(a, "sharding", None) != getattr(b, "sharding", None):
+            raise ValueError(f"loop.replace_state: state{path} is placed as {getattr(a, 'sharding', None)}, "
+                             f"the current one as {b.sharding}: put it in place first (jax.device_put)")

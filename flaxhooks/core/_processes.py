@@ -55,14 +55,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
+from flaxhooks.core._loop import Loop, record_of
 from flaxhooks.data import cpu_pool_size, cpu_threads_needed
-
-if TYPE_CHECKING:
-    from flaxhooks.core._loop import Loop
 
 _log = logging.getLogger("flaxhooks")
 
@@ -741,9 +739,10 @@ class AgreedStops(LocalStops):
                 "%s on another process: every process stops at step %d",
                 signal.Signals(self._signal).name, loop.step,
             )
-        loop.interrupted = self._signal
+        record = record_of(loop)
+        record.interrupted = self._signal
         if reasons:
-            loop.stop_reason = None  # the same words on every process
+            record.stop_reason = None  # the same words on every process
             loop.stop("; ".join(reasons))
         return True
 

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from flaxhooks.core._loop import Loop
+from flaxhooks.core._loop import Loop, record_of
 
 _log = logging.getLogger("flaxhooks")
 
@@ -55,7 +55,7 @@ def stop_on_signals(loop: Loop) -> Iterator[None]:
             _log.warning("%s after every process agreed to stop at step %d: already stopping",
                          signal.Signals(signum).name, loop.step)
             return
-        loop.interrupted = signum
+        record_of(loop).interrupted = signum
         loop.stop(f"interrupted by {signal.Signals(signum).name}")
         again = "press Ctrl-C again" if signum == signal.SIGINT else "signal again"
         _log.warning("%s: stopping at the next step boundary (%s to stop at once)",

@@ -136,7 +136,7 @@ class Trainer:
         self._final: TrainState | None = None  # a copy of it that fit returned: the caller's
         self._plan_made: StatePlan | None = None
         self._last: tuple[int, tuple[int, int]] | None = None  # the last fit's step and data position
-        self._loop: Loop | None = None
+        self._fit: Fit | None = None  # the fit running now
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
@@ -194,7 +194,8 @@ class Trainer:
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
         """
-        loop = self._loop
+        fit = self._fit
+        loop, bus = (fit.loop, fit.bus) if fit else (None, self.bus)
         if state is not None:
             step = int(jax.device_get(state.step))
             plan = self._plan_made
@@ -210,10 +211,10 @@ class Trainer:
             batch_size = self.batch_spec.batch_size
         if check:
             return self.evaluations.check(state, data, batch_size, metrics, name)
-        loop = loop or Loop(state=state, step=step, callbacks=self.callbacks, model=self.model)
-        self.bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
+        loop = loop or Loop(state=state, step=step, callbacks=self.callbacks, model=self.model, bus=bus)
+        bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
         result = self.evaluations.run(state, step, data, batch_size, metrics, name)
-        self.bus.emit(Event.EVAL_END, loop, result)
+        bus.emit(Event.EVAL_END, loop, result)
         return result
 
     def fit(
@@ -265,27 +266,20 @@ class Trainer:
             given = set(map(id, jax.tree.leaves(start.state)))
             self._state = jax.tree.map(lambda x: x.copy() if id(x) in given else x,
                                        placed(start.state, plan.shardings))
-        loop = self._loop = Loop(
-            state=self._state, step=start.step, epoch=start.epoch, epoch_step=start.skip,
-            max_steps=steps, max_epochs=epochs, steps_per_epoch=source.length,
-            resumed_from=start.record["resumed"], callbacks=self.callbacks, model=self.model,
-            spec=self.batch_spec, evaluate=self.evaluate, totals=self.runner.zero_totals(),
-        )
-        loop.emit = lambda event, payload=None: self.bus.emit(event, loop, payload)
+        fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs)
+        loop = fit.loop
         if start.restored is not None and start.restored.stop_reason:
             loop.stop(f"the checkpointed run had stopped: {start.restored.stop_reason}")
-        self.bus.defer, self.bus.failure = (stops.defer if stops.several else None), stops.failed
         error: BaseException | None = None
         try:
             with stop_on_signals(loop):
-                fit = Fit(loop, self.bus, self.runner, self.pipeline, self.placement, stops)
                 fit.run(source, start.batches)
         except BaseException as failed:
             error = failed
             raise
         finally:
             step = loop.step if loop.diverged is None else loop.diverged - 1  # the guard kept that state
-            self._loop, self._state = None, loop.state
+            self._fit, self._state = None, loop.state
             self._last = (step, (loop.epoch, loop.epoch_step - loop.step + step))
             # A copy: the next fit donates the loop's state (a step interrupted mid-way consumed it).
             final = self._final = jax.tree.map(lambda x: x if x.is_deleted() else x.copy(), loop.state)

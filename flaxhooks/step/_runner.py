@@ -231,28 +231,28 @@ class StepRunner:
         flops = cost.get("flops") if isinstance(cost, dict) else None
         return float(flops) if flops is not None and flops > 0 else None
 
-    def run(self, loop: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> None:
-        """Dispatches the step after ``loop.step`` on ``batch`` and updates the
-        loop; hands each due contributor its result. Then waits (reading
-        nothing) for the oldest step beyond ``max_steps_in_flight``, which
-        becomes ``loop.settled_step``: dispatch cannot queue a whole epoch.
+    def run(self, record: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> list[tuple[Any, Any]]:
+        """Dispatches the step after ``record.step`` on ``batch`` and updates
+        ``record`` (the loop's facts); returns each due contributor with its
+        result. Then waits (reading nothing) for the oldest step beyond
+        ``max_steps_in_flight``, which becomes ``record.settled_step``: dispatch
+        cannot queue a whole epoch.
         """
-        step = loop.step + 1
+        step = record.step + 1
         # Decided on the host, per step: the lean step unless a contributor is due.
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
         step_fn = self.variant(due, self.norms_due(step))
         carries = self._carries(due)
         if not due and self._lean is None:  # once per fit, before the state is donated
-            self._lean = (step_fn, _types((loop.state, batch, loop.totals, carries)))
-        loop.state, loop.metrics, loop.totals, results = step_fn(loop.state, batch, loop.totals, carries)
+            self._lean = (step_fn, _types((record.state, batch, record.totals, carries)))
+        record.state, record.metrics, record.totals, results = step_fn(record.state, batch, record.totals, carries)
         # One statement: a KeyboardInterrupt cannot land between the two.
-        loop.step, loop.epoch_step = step, loop.epoch_step + 1
-        for contributor, result in zip(due, results, strict=True):
-            contributor.take(loop, result)
-        self._in_flight.append((step, loop.metrics))
+        record.step, record.epoch_step = step, record.epoch_step + 1
+        self._in_flight.append((step, record.metrics))
         if len(self._in_flight) > self.max_steps_in_flight:
-            loop.settled_step, loop.settled_metrics = self._in_flight.popleft()
-            wait(loop, loop.settled_metrics["loss"])
+            record.settled_step, record.settled_metrics = self._in_flight.popleft()
+            wait(record, record.settled_metrics["loss"])
+        return list(zip(due, results, strict=True))
 
 
 def _types(args: Any) -> Any:

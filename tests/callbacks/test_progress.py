@@ -47,11 +47,7 @@ class _WatchedLoop(Loop):
     def metrics(self):
         if _WatchedLoop.watching:
             _WatchedLoop.reads += 1
-        return self.__dict__["metrics"]
-
-    @metrics.setter
-    def metrics(self, value):
-        self.__dict__["metrics"] = value
+        return Loop.metrics.fget(self)
 
 
 class Watch(Callback):

@@ -254,16 +254,17 @@ def agreement(index: int, count: int, out: str) -> dict[str, Any]:
             yield batch
 
     def slow_replay(loop):  # process 1 has the replay's outcome half a second after process 0
-        replay = loop.replay
+        replay = trainer.runner.replay
 
         def slow(*args):
             flags = replay(*args)
             time.sleep(0.5)
             return flags
 
-        loop.replay = slow
+        trainer.runner.replay = slow  # the fit's loop.replay runs the runner's
 
     run("nan_on_1", (1, 1, "step_end", slow_replay), data=nan_on_1)
+    vars(trainer.runner).pop("replay", None)
     results["nan_on_1"]["state_step"] = int(np.asarray(trainer.state.step.addressable_shards[0].data))
     results["nan_on_1"]["params"] = leaves(trainer.state.params)
     results["nan_on_1"]["two_steps"] = leaves(trainer.fit(loader(), steps=2, state=initial).params)
@@ -460,7 +461,7 @@ def split_checkpoint(index: int, count: int, out: str, workdir: str) -> dict[str
             if index == 1:  # no collective: process 1 rebuilds the array from its own poisoned shards
                 leaves_[i] = jax.make_array_from_single_device_arrays(
                     x.shape, x.sharding, [s.data * np.nan for s in x.addressable_shards])
-            loop.state = jax.tree.unflatten(treedef, leaves_)
+            loop.replace_state(jax.tree.unflatten(treedef, leaves_))
 
     poison = Poison()
     across_checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "across"), every=4)

@@ -291,10 +291,9 @@ def test_a_peer_lost_while_an_end_hook_waits_is_the_loops_failure_not_the_callba
         def on_fit_end(self, loop):
             raise flaxhooks.PeerLost("process 1 was lost at step 3", [1], 3)
 
-    bus = HookBus([WaitsForAPeer()])
     named = flaxhooks.PeerLost("named by failure", [1], 3)
     seen = []
-    bus.failure = lambda loop, error: seen.append(error) or named
+    bus = HookBus([WaitsForAPeer()], failure=lambda loop, error: seen.append(error) or named)
     loop = flaxhooks.Loop(state=None)
     with pytest.raises(flaxhooks.PeerLost, match="named by failure") as info, bus.phase(Phase.FIT, loop):
         pass
@@ -305,8 +304,7 @@ def test_a_peer_lost_while_an_end_hook_waits_is_the_loops_failure_not_the_callba
         def on_fit_end(self, loop):
             raise RuntimeError("cleanup failed")
 
-    bus = HookBus([FailsAtTheEnd()])
-    bus.failure = lambda loop, error: pytest.fail("not a failure of the loop")
+    bus = HookBus([FailsAtTheEnd()], failure=lambda loop, error: pytest.fail("not a failure of the loop"))
     loop = flaxhooks.Loop(state=None)
     with pytest.raises(CallbackError, match="cleanup failed"), bus.phase(Phase.FIT, loop):
         pass
