@@ -101,3 +101,13 @@ def test_tests_and_benchmarks_use_only_public_names():
                  *(ROOT / "recipes").glob("*.py")]:
         for line in path.read_text().splitlines():
             assert not private.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"
+
+
+def test_only_the_loops_own_code_writes_the_loop():
+    """Callbacks read the loop's facts and make requests; the record behind
+    the facts (``LoopRecord``, ``record_of``) is the core's and the step
+    runner's, which is handed it."""
+    writers = re.compile(r"\brecord_of\b|\bLoopRecord\b|\._record\b")
+    for path in [*(PACKAGE / "callbacks").rglob("*.py"), *(PACKAGE / "diagnose").rglob("*.py")]:
+        for line in path.read_text().splitlines():
+            assert not writers.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"

@@ -255,9 +255,8 @@ class Loop:
 
     def mark_diverged(self, step: int, reason: str) -> None:
         """Says training diverged at ``step`` (its loss or a watched value went
-        non-finite) and stops it: the state after that step is neither
-        evaluated nor saved, and ``fit`` raises ``NonFiniteError``. The first
-        step marked is kept."""
+        non-finite) and stops it: no state is evaluated or saved after it, and
+        ``fit`` raises ``NonFiniteError``. The first step marked is kept."""
         record = self._record
         if not isinstance(step, int) or not 0 < step <= record.step:
             raise ValueError(f"a diverged step is one of the steps taken (1 to {record.step}), got {step!r}")

@@ -31,6 +31,7 @@ from flaxhooks.data import (
     Placement,
     Replicated,
     ShardRule,
+    first_replica,
 )
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
 from flaxhooks.step import AXIS, InputKeys, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
@@ -278,7 +279,8 @@ class Trainer:
             error = failed
             raise
         finally:
-            step = loop.step if loop.diverged is None else loop.diverged - 1  # the guard kept that state
+            # After a divergence the guard may have kept the state from before it: the state says.
+            step = loop.step if loop.diverged is None else int(first_replica(loop.state.step))
             self._fit, self._state = None, loop.state
             self._last = (step, (loop.epoch, loop.epoch_step - loop.step + step))
             # A copy: the next fit donates the loop's state (a step interrupted mid-way consumed it).

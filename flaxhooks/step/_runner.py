@@ -245,14 +245,15 @@ class StepRunner:
         carries = self._carries(due)
         if not due and self._lean is None:  # once per fit, before the state is donated
             self._lean = (step_fn, _types((record.state, batch, record.totals, carries)))
-        record.state, record.metrics, record.totals, results = step_fn(record.state, batch, record.totals, carries)
+        state, record.metrics, record.totals, results = step_fn(record.state, batch, record.totals, carries)
+        record.state = state
         # One statement: a KeyboardInterrupt cannot land between the two.
         record.step, record.epoch_step = step, record.epoch_step + 1
         self._in_flight.append((step, record.metrics))
         if len(self._in_flight) > self.max_steps_in_flight:
             record.settled_step, record.settled_metrics = self._in_flight.popleft()
             wait(record, record.settled_metrics["loss"])
-        return list(zip(due, results, strict=True))
+        return list(zip(due, results, strict=True)) if due else []
 
 
 def _types(args: Any) -> Any:
