@@ -1,11 +1,11 @@
 """flaxhooks: a training loop for Flax with a hook bus for callbacks.
 
-The names here are what users write. The subpackages show the architecture
-and hold the rest: ``core`` (events, callbacks, the bus, the loop, the
-Trainer), ``step`` (the model adapter, the state, the step and its runner),
-``data`` (batches, the input pipeline, devices), ``eval`` (exact
-evaluation), ``callbacks`` (one file each) and ``writers`` (what callbacks
-write through).
+The names here are what users write in a training script. The subpackages
+export what users extend: ``core`` (callbacks, the loop's facts and
+requests, schedules), ``step`` (model adapters, step contributors),
+``data`` (loaders, placement), ``eval`` (metrics), ``callbacks`` (the
+built-in callbacks and their bases), ``writers`` (what callbacks write
+through) and ``diagnose`` (thresholds). README.md, "API", lists them all.
 
 Example:
     >>> import flaxhooks
@@ -23,13 +23,11 @@ from flaxhooks.callbacks import (
     Diagnose,
     EarlyStopping,
     Evaluate,
-    InstrumentedCallback,
     NonFiniteError,
     ParamStats,
     Profile,
     Progress,
     Summary,
-    TapStats,
     TensorBoard,
 )
 from flaxhooks.core import (
@@ -40,7 +38,6 @@ from flaxhooks.core import (
     Event,
     Every,
     Finding,
-    FitPlan,
     Loop,
     NonFiniteGuard,
     PeerLost,
@@ -59,11 +56,10 @@ from flaxhooks.data import (
     EmptyDataError,
     Replicated,
     ShardingError,
-    device0_copy,
     use_cpu_devices,
 )
 from flaxhooks.eval import EvalResult, LossAccuracy
-from flaxhooks.step import AXIS, LossError, Tapped, Taps, TrainState, select_modules
+from flaxhooks.step import AXIS, LossError, TrainState
 from flaxhooks.writers import LogdirError
 
 __all__ = [
@@ -90,8 +86,6 @@ __all__ = [
     "Event",
     "Every",
     "Finding",
-    "FitPlan",
-    "InstrumentedCallback",
     "LogdirError",
     "LossAccuracy",
     "LossError",
@@ -108,17 +102,32 @@ __all__ = [
     "Progress",
     "StopTraining",
     "Summary",
-    "TapStats",
-    "Tapped",
-    "Taps",
     "TensorBoard",
     "TrainState",
     "Trainer",
     "TrainingInterrupted",
-    "device0_copy",
     "run_directory",
-    "select_modules",
     "use_cpu_devices",
 ]
 
 __version__ = "0.8.0.dev0"
+
+#: Names that moved from the top level in 0.8, to the subpackage users extend;
+#: the old names work until 0.9, with a DeprecationWarning.
+_MOVED = {
+    "FitPlan": "flaxhooks.core", "InstrumentedCallback": "flaxhooks.callbacks",
+    "TapStats": "flaxhooks.callbacks", "Tapped": "flaxhooks.step", "Taps": "flaxhooks.step",
+    "select_modules": "flaxhooks.step", "device0_copy": "flaxhooks.data",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        module = _MOVED[name]
+        warnings.warn(f"flaxhooks.{name} moved to {module}.{name} (the top level keeps what a training "
+                      f"script writes); the old name goes in 0.9", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'flaxhooks' has no attribute {name!r}")

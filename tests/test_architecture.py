@@ -111,3 +111,15 @@ def test_only_the_loops_own_code_writes_the_loop():
     for path in [*(PACKAGE / "callbacks").rglob("*.py"), *(PACKAGE / "diagnose").rglob("*.py")]:
         for line in path.read_text().splitlines():
             assert not writers.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"
+
+
+def test_names_moved_from_the_top_level_still_work_for_a_minor_version_with_a_warning():
+    import importlib
+
+    import pytest
+
+    for name, module in flaxhooks._MOVED.items():
+        assert name not in flaxhooks.__all__ and name in importlib.import_module(module).__all__
+        with pytest.warns(DeprecationWarning, match=rf"flaxhooks\.{name} moved to {module}\.{name}"):
+            moved = getattr(flaxhooks, name)
+        assert moved is getattr(importlib.import_module(module), name)

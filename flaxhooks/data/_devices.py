@@ -132,6 +132,6 @@ def unreplicate(tree: Any) -> Any:
     copy (see :func:`device0_copy`)."""
     warnings.warn(
         "flaxhooks.data.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
-        "(no device axis) since 0.7; use them as they are, or flaxhooks.device0_copy for a replicated "
+        "(no device axis) since 0.7; use them as they are, or flaxhooks.data.device0_copy for a replicated "
         "value's local copy", DeprecationWarning, stacklevel=2)
     return device0_copy(tree)

@@ -279,7 +279,7 @@ def test_perturbations_follow_the_batch_size():
 # -- the two steps ------------------------------------------------------------
 
 
-class ProbeSteps(flaxhooks.InstrumentedCallback):
+class ProbeSteps(flaxhooks.callbacks.InstrumentedCallback):
     """Records the steps whose results it got, and the parameter-gradient norm."""
 
     def __init__(self, every):
