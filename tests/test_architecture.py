@@ -123,3 +123,20 @@ def test_names_moved_from_the_top_level_still_work_for_a_minor_version_with_a_wa
         with pytest.warns(DeprecationWarning, match=rf"flaxhooks\.{name} moved to {module}\.{name}"):
             moved = getattr(flaxhooks, name)
         assert moved is getattr(importlib.import_module(module), name)
+
+
+def test_the_readme_lists_every_public_name_and_no_other():
+    """README.md, "API": one line per module, ``- `module`: `name`, ...``, as its ``__all__``."""
+    import importlib
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        if match := re.match(r"- `(flaxhooks(?:\.\w+)?)`: (.*)", line):
+            listed[match[1]] = set(re.findall(r"`(\w+)`", match[2]))
+    modules = ["flaxhooks", *(f"flaxhooks.{layer}" for layer in LAYERS)]
+    assert sorted(listed) == sorted(modules)
+    for module in modules:
+        names = set(importlib.import_module(module).__all__)
+        assert listed[module] == names, (module, sorted(listed[module] ^ names))

@@ -1,7 +1,11 @@
 """What ``Diagnose`` reasons with: pure functions and small host-side
 watchers that turn statistics into findings (:class:`flaxhooks.Finding`),
 and the pictures that show them. The callback itself is
-:class:`flaxhooks.Diagnose`."""
+:class:`flaxhooks.Diagnose`.
+
+``__all__`` is what users set (the thresholds); the other names here are
+``Diagnose``'s own and may change in any release.
+"""
 
 from flaxhooks.diagnose._heatmap import (
     MISSING,
@@ -46,33 +50,6 @@ from flaxhooks.writers import (
 )
 
 __all__ = [
-    "COLUMNS",
-    "CallSources",
-    "DEFAULT_RNG_NAMES",
-    "DropoutCall",
-    "Heatmaps",
-    "LayerFigures",
     "LossThresholds",
-    "LossWatch",
-    "MISSING",
-    "NON_FINITE",
-    "SLOPE_BINS",
-    "Sources",
     "Thresholds",
-    "Window",
-    "add_windows",
-    "call_sources",
-    "colormap",
-    "dropout_in_eval",
-    "encode_png",
-    "heatmap",
-    "layer_figures",
-    "layer_findings",
-    "layer_sums",
-    "output_sources",
-    "param_findings",
-    "rng_streams",
-    "setup_findings",
-    "step_window",
-    "update_ratios",
 ]

@@ -1,5 +1,9 @@
 """Exact full-dataset evaluation: every example counted exactly once on any
-number of devices and processes, with clu metrics."""
+number of devices and processes, with clu metrics.
+
+``__all__`` is what users write and extend (results, metrics); the other names
+here are the layers' own interface and may change in any release.
+"""
 
 from flaxhooks.eval._evaluator import (
     EvalResult,
@@ -18,13 +22,8 @@ from flaxhooks.eval._evaluator import (
 __all__ = [
     "EvalResult",
     "EvalStart",
-    "Evaluations",
-    "Evaluator",
     "ExampleLossFn",
     "LossAccuracy",
     "LossOnly",
     "Metrics",
-    "as_collection",
-    "eval_batches",
-    "per_example",
 ]
