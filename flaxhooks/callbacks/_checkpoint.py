@@ -230,7 +230,7 @@ def _snapshot(x: jax.Array) -> Any:
     """A copy of a state leaf that process 0 alone can take and read, with no
     collective: a replicated leaf's local copy, else the parts its devices hold."""
     if x.is_fully_replicated:
-        return jnp.copy(x.addressable_shards[0].data)
+        return jnp.copy(device0_copy(x))
     if jax.process_count() == 1:
         return jnp.copy(x)
     seen: dict[Any, tuple[slice, ...]] = {}
@@ -244,7 +244,7 @@ def _global_snapshot(x: jax.Array) -> jax.Array:
     no collective: a replicated leaf's local copy, else the same global array
     made of copies of this process's shards (every process must take its own)."""
     if x.is_fully_replicated:
-        return jnp.copy(x.addressable_shards[0].data)
+        return jnp.copy(device0_copy(x))
     copies = [jnp.copy(shard.data) for shard in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
 

@@ -16,11 +16,12 @@ from flaxhooks.core._plan import FitPlan
 from flaxhooks.core._restore import Restorer, SavedRun
 from flaxhooks.core._runs import latest_run, run_directory
 from flaxhooks.core._schedule import Every, Rate, as_every
+from flaxhooks.core._schedule import refuse_time_on_several_processes as refuse_time_on_several_processes
 from flaxhooks.core._signals import TrainingInterrupted
 from flaxhooks.core._stops import peer_gone as peer_gone
 from flaxhooks.core._trainer import Trainer
 
-# Re-exported with ``as`` for the callbacks (waits on peers outside the step), not in __all__.
+# Re-exported with ``as`` for the callbacks, not in __all__: waits on peers, the refusal of time schedules.
 __all__ = [
     "ALWAYS_RUN",
     "EVENTS",

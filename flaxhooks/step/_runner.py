@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxhooks.data import BatchSpec, Placement
+from flaxhooks.data import BatchSpec, InFlight, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._model import Model, axis_name
@@ -59,7 +59,7 @@ class StepRunner:
         #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
         #: optimizer's), known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
-        self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+        self._in_flight: InFlight[tuple[int, Any]] = InFlight(max_steps_in_flight)
         self._freezers: tuple[Any, ...] = ()
         self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
         self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
@@ -249,10 +249,13 @@ class StepRunner:
         loop.step, loop.epoch_step = step, loop.epoch_step + 1
         for contributor, result in zip(due, results, strict=True):
             contributor.take(loop, result)
-        self._in_flight.append((step, loop.metrics))
-        if len(self._in_flight) > self.max_steps_in_flight:
-            loop.settled_step, loop.settled_metrics = self._in_flight.popleft()
-            wait(loop, loop.settled_metrics["loss"])
+        self._in_flight.push((step, loop.metrics), functools.partial(_settle, loop, wait))
+
+
+def _settle(loop: Any, wait: Callable[[Any, jax.Array], None], entry: tuple[int, Any]) -> None:
+    """Makes ``entry``'s step the loop's settled step, then waits for it (reading nothing)."""
+    loop.settled_step, loop.settled_metrics = entry
+    wait(loop, entry[1]["loss"])
 
 
 def _types(args: Any) -> Any:
