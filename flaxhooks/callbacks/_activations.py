@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
@@ -85,11 +85,7 @@ class InstrumentedCallback(Callback):
         raise NotImplementedError
 
     def check_fit(self, plan: FitPlan) -> None:
-        if jax.process_count() > 1 and self.every.seconds is not None:
-            raise ValueError(
-                f"{self!r} is due by time, which differs between processes; every process must run "
-                "the instrumented step at the same steps: use Every(steps=N)"
-            )
+        refuse_time_on_several_processes(self.every, self, "run the instrumented step")
 
 
 #: What selects statistics: None (the defaults, chosen for signal), ``"all"``

@@ -27,8 +27,17 @@ from flaxhooks.callbacks._data_positions import (
     read_positions,
     split_positions,
 )
-from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
-from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
+from flaxhooks.core import (
+    WAIT_NOTE_SECONDS,
+    Callback,
+    Every,
+    Loop,
+    PeerLost,
+    ProcessError,
+    as_every,
+    distributed_client,
+    peer_gone,
+)
 from flaxhooks.data import DataPosition, device0_copy
 from flaxhooks.writers import check_writable
 
@@ -221,7 +230,7 @@ def _snapshot(x: jax.Array) -> Any:
     """A copy of a state leaf that process 0 alone can take and read, with no
     collective: a replicated leaf's local copy, else the parts its devices hold."""
     if x.is_fully_replicated:
-        return jnp.copy(x.addressable_shards[0].data)
+        return jnp.copy(device0_copy(x))
     if jax.process_count() == 1:
         return jnp.copy(x)
     seen: dict[Any, tuple[slice, ...]] = {}
@@ -235,7 +244,7 @@ def _global_snapshot(x: jax.Array) -> jax.Array:
     no collective: a replicated leaf's local copy, else the same global array
     made of copies of this process's shards (every process must take its own)."""
     if x.is_fully_replicated:
-        return jnp.copy(x.addressable_shards[0].data)
+        return jnp.copy(device0_copy(x))
     copies = [jnp.copy(shard.data) for shard in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
 

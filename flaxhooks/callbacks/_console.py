@@ -35,6 +35,17 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def epoch_text(epoch: int, max_epochs: int | None) -> str:
+    """``epoch 2/10`` (``epoch 2`` with no number of epochs)."""
+    return f"epoch {epoch}/{max_epochs}" if max_epochs else f"epoch {epoch}"
+
+
+def position_text(step: int, total: int | None, epoch: int, max_epochs: int | None) -> str:
+    """``step 120/1000  epoch 2/10``: where training stands (a total that is None is left out)."""
+    steps = f"step {step}/{total}" if total is not None else f"step {step}"
+    return f"{steps}  {epoch_text(epoch, max_epochs)}"
+
+
 def print_line(console: Console, text: str) -> None:
     """Prints ``text`` exactly: no markup, highlighting or emoji, and never
     wrapped or cut by rich (a terminal folds a long line itself, a file keeps it whole)."""
@@ -214,11 +225,6 @@ class ConsoleLog(Callback):
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
-    def _position(self, loop: Loop) -> str:
-        total = f"/{loop.max_steps}" if loop.max_steps else ""
-        epochs = f"/{loop.max_epochs}" if loop.max_epochs else ""
-        return f"step {loop.step}{total}  epoch {loop.epoch + 1}{epochs}"
-
     def on_fit_start(self, loop: Loop) -> None:
         self._rate.start(loop.step)
 
@@ -227,7 +233,8 @@ class ConsoleLog(Callback):
             metrics = format_metrics(loop.host_metrics())  # waits for this step
             rate = self._rate(loop.step)
             speed = f"  ({rate:.1f} steps/s)" if rate is not None else ""
-            self._print(f"{self._position(loop)}  {metrics}{speed}")
+            position = position_text(loop.step, loop.max_steps or None, loop.epoch + 1, loop.max_epochs)
+            self._print(f"{position}  {metrics}{speed}")
 
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload

@@ -18,6 +18,7 @@ from flax import nnx
 
 from flaxhooks.callbacks._activations import InstrumentedCallback
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
+from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
     Heatmaps,
     LayerFigures,
@@ -57,13 +58,6 @@ _MODEL_WIDE = frozenset({
 
 def _once_key(finding: Finding) -> tuple[str, str | None]:
     return (finding.kind, None) if finding.kind in _MODEL_WIDE else finding.key
-
-
-def _host(x: Any) -> np.ndarray:
-    """A replicated array on the host (on several processes: this process's copy)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(jax.device_get(x.addressable_shards[0].data))
 
 
 @dataclasses.dataclass
@@ -172,7 +166,7 @@ class Diagnose(InstrumentedCallback):
 
     def sums_of(self, packed: Any) -> Window:
         """One step's (or window's) packed sums, on the host, as a :class:`~flaxhooks.diagnose.Window`."""
-        return Window.unpack(_host(packed), *self._sizes)
+        return Window.unpack(first_replica(packed), *self._sizes)
 
     def inside_step(self, tapped: Tapped) -> jax.Array:
         gradients = {t.name: t for t in tapped.gradients if not isinstance(t, RepeatedTap)}

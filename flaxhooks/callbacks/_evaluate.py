@@ -6,9 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
-
-from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every
+from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
 from flaxhooks.eval import EvalResult, Metrics
 
 
@@ -63,11 +61,7 @@ class Evaluate(Callback):
         """Refuses, before the train step compiles, an eval set that cannot be
         evaluated (checked on abstract values), and a schedule by time on
         several processes."""
-        if jax.process_count() > 1 and self.every is not None and self.every.seconds is not None:
-            raise ValueError(
-                f"{self!r} is due by time, which differs between processes; every process must "
-                "evaluate at the same steps: use Every(steps=N)"
-            )
+        refuse_time_on_several_processes(self.every, self, "evaluate")
         plan.check_evaluation(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name)
 
     def on_fit_start(self, loop: Loop) -> None:

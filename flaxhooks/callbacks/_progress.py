@@ -17,7 +17,15 @@ from rich.progress_bar import ProgressBar
 from rich.spinner import Spinner
 from rich.text import Text
 
-from flaxhooks.callbacks._console import TerminalRedirect, counted, format_metrics, metric_texts, print_line
+from flaxhooks.callbacks._console import (
+    TerminalRedirect,
+    counted,
+    epoch_text,
+    format_metrics,
+    metric_texts,
+    position_text,
+    print_line,
+)
 from flaxhooks.core import Callback, Every, Reading, Window, as_every
 from flaxhooks.data import host_scalars
 
@@ -334,14 +342,10 @@ class Progress(Callback):
         self._bar.refresh()
 
     def _epoch_text(self, loop: Loop) -> str:
-        epochs = f"/{loop.max_epochs}" if loop.max_epochs else ""
-        # Between epochs (and after the last one) the last epoch is shown.
-        epoch = loop.epoch + 1 if loop.epoch_step or not loop.epoch else loop.epoch
-        return f"epoch {epoch}{epochs}"
+        return epoch_text(_shown_epoch(loop), loop.max_epochs)
 
     def _position(self, loop: Loop) -> str:
-        total = f"/{self._total}" if self._total is not None else ""
-        return f"step {loop.step}{total}  {self._epoch_text(loop)}"
+        return position_text(loop.step, self._total, _shown_epoch(loop), loop.max_epochs)
 
     def _metrics_text(self) -> str:
         if self._metrics_step is None:
@@ -554,6 +558,11 @@ def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[
         else:  # a field that starts a line needs no separator of its own ("| eval ...")
             lines.append(field if not lines else indent + field.removeprefix("| "))
     return lines
+
+
+def _shown_epoch(loop: Loop) -> int:
+    """The epoch under way, counted from 1; between epochs (and after the last one), the last one."""
+    return loop.epoch + 1 if loop.epoch_step or not loop.epoch else loop.epoch
 
 
 def _total(loop: Loop) -> int | None:

@@ -140,7 +140,7 @@ class Summary(Callback):
                 self.console = Console(**self.console_kwargs)
             rendered = Text.from_ansi(self.render(loop))
             rendered.rstrip()  # the note below sits right under the table
-            self.parameters = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(loop.state.params))
+            self.parameters = parameter_count(loop.state.params)
             shapes = "\n".join(filter(None, [_per_device_note(loop.spec), sharding_note(loop.state)]))
             self.table = rendered.plain.rstrip() + (f"\n{shapes}" if shapes else "")
             self.console.print(rendered, soft_wrap=True)  # as rendered: never wrapped again
@@ -151,6 +151,11 @@ class Summary(Callback):
         if loop.writers and not self._written:
             loop.writers.text(self.tag, f"```\n{self.table.rstrip()}\n```", loop.step)
             self._written = True
+
+
+def parameter_count(params: Any) -> int:
+    """How many scalars ``params`` holds (every leaf's size, whole)."""
+    return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
 
 
 def _size(size: float) -> str:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
+from flaxhooks.callbacks._summary import parameter_count
 from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, Reading, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
@@ -184,7 +183,7 @@ class TensorBoard(Callback):
             layout = read_layout(self.logdir)
             self._charted.update(layout.get(self.CATEGORY, {}))  # a chart's title is its tag
         self.writer = SummaryWriterThread(self.logdir, layout=layout)
-        self._parameters = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(loop.state.params))
+        self._parameters = parameter_count(loop.state.params)
         if self.hparams and not self._hparams_written:
             self._hparams_written = True
             rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())

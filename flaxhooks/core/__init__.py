@@ -9,14 +9,19 @@ from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._peers import WAIT_NOTE_SECONDS as WAIT_NOTE_SECONDS
+from flaxhooks.core._peers import PeerLost, PeerTimeout, ProcessError
+from flaxhooks.core._peers import distributed_client as distributed_client
 from flaxhooks.core._plan import FitPlan
-from flaxhooks.core._processes import PeerLost, PeerTimeout, ProcessError
 from flaxhooks.core._restore import Restorer, SavedRun
 from flaxhooks.core._runs import latest_run, run_directory
 from flaxhooks.core._schedule import Every, Rate, as_every
+from flaxhooks.core._schedule import refuse_time_on_several_processes as refuse_time_on_several_processes
 from flaxhooks.core._signals import TrainingInterrupted
+from flaxhooks.core._stops import peer_gone as peer_gone
 from flaxhooks.core._trainer import Trainer
 
+# Re-exported with ``as`` for the callbacks, not in __all__: waits on peers, the refusal of time schedules.
 __all__ = [
     "ALWAYS_RUN",
     "EVENTS",

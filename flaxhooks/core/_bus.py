@@ -13,7 +13,7 @@ import jax
 from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
 from flaxhooks.core._events import ALWAYS_RUN, Event, Phase
 from flaxhooks.core._loop import Loop, record_of
-from flaxhooks.core._processes import ProcessError
+from flaxhooks.core._peers import ProcessError
 
 _log = logging.getLogger("flaxhooks")
 

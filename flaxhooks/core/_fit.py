@@ -14,8 +14,8 @@ from flaxhooks.core._clock import FitClock
 from flaxhooks.core._events import Event, Phase
 from flaxhooks.core._loop import Loop, LoopRecord
 from flaxhooks.core._plan import FitPlan, check_fit
-from flaxhooks.core._processes import LocalStops
 from flaxhooks.core._restore import SavedRun, restore_latest
+from flaxhooks.core._stops import LocalStops
 from flaxhooks.data import (
     BatchSpec,
     DataPosition,

@@ -19,6 +19,7 @@ from flaxhooks.core._events import Event
 from flaxhooks.core._findings import Finding
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
+from flaxhooks.data import first_replica
 from flaxhooks.step import RepeatedTap, Tapped, Taps
 
 _log = logging.getLogger("flaxhooks")
@@ -182,14 +183,14 @@ class NonFiniteGuard(Callback):
         replay = getattr(loop, "replay", None)
         if not self.replay or replay is None or batch is None:
             return "the step was not replayed to find the layer (NonFiniteGuard(replay=False))", {}
-        before = int(jax.device_get(loop.state.step.addressable_shards[0].data))
+        before = int(first_replica(loop.state.step))
         if before != step - 1:
             return (f"the state from before it was not kept (the state is at step {before}), so the step "
                     "could not be replayed"), {}
         probe = _Probe()
         started = time.perf_counter()
         (flags,) = replay(batch, (probe,))
-        flags = {k: np.asarray(jax.device_get(v.addressable_shards[0].data)) for k, v in flags.items()}
+        flags = {k: first_replica(v) for k, v in flags.items()}
         # Each process times its own replay; on several, the words (their agreed stop
         # is said once if they are the same) leave the time out.
         seconds = time.perf_counter() - started
@@ -197,7 +198,7 @@ class NonFiniteGuard(Callback):
         cost = f"found by replaying step {step} instrumented{timed}"
         # The state itself, before the step (the probe's view of the parameters is the
         # updated ones less the update, non-finite when the update is).
-        flags["params"] = _host(_nonfinite_leaves(loop.state.params))
+        flags["params"] = first_replica(_nonfinite_leaves(loop.state.params))
         params = [name for name, bad in zip(probe.params, flags["params"], strict=True) if bad]
         if params:
             return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"
@@ -242,16 +243,7 @@ def _nonfinite_leaves(params: Any) -> jax.Array:
     return jnp.stack([~jnp.all(jnp.isfinite(x)) for x in leaves]) if leaves else jnp.zeros(0, bool)
 
 
-def _host(value: Any) -> np.ndarray:
-    """A replicated array on the host (on several processes: this process's copy)."""
-    if value.is_fully_addressable:
-        return np.asarray(value)
-    return np.asarray(jax.device_get(value.addressable_shards[0].data))
-
-
 def _host_float(value: Any) -> float:
-    """A replicated scalar's value (on several processes, read from this process's first shard)."""
-    if value.is_fully_addressable:  # 4 us where going through a shard takes 20
-        return float(np.asarray(value).reshape(-1)[0])
-    return float(np.asarray(jax.device_get(value.addressable_shards[0].data)).reshape(-1)[0])
+    """A replicated scalar's value (on several processes, this process's copy)."""
+    return float(first_replica(value).reshape(-1)[0])
 

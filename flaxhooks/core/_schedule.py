@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import jax
+
 
 class Every:
     """Due every ``steps`` optimizer steps and/or every ``seconds`` of wall time.
@@ -57,6 +59,20 @@ class Every:
             if due:
                 self._last = now
         return due
+
+
+def refuse_time_on_several_processes(every: Every | None, owner: object, action: str) -> None:
+    """Refuses a schedule by time on several processes, whose clocks differ:
+    every process must do ``action`` at the same steps.
+
+    Raises:
+        ValueError: ``every`` is due by time and there are several processes.
+    """
+    if jax.process_count() > 1 and every is not None and every.seconds is not None:
+        raise ValueError(
+            f"{owner!r} is due by time, which differs between processes; every process must {action} "
+            "at the same steps: use Every(steps=N)"
+        )
 
 
 def as_every(every: Every | int) -> Every:

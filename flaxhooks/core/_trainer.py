@@ -18,8 +18,8 @@ from flaxhooks.core._events import Event
 from flaxhooks.core._fit import Fit, prepare
 from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
-from flaxhooks.core._processes import stops_for, wait_ready
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
+from flaxhooks.core._stops import stops_for, wait_ready
 from flaxhooks.data import (
     DATA_AXIS,
     AxisRules,

@@ -9,6 +9,7 @@ from flaxhooks.data._batches import (
     HostBatch,
     check_layout,
 )
+from flaxhooks.data._devices import InFlight as InFlight  # for step and eval, not in __all__
 from flaxhooks.data._devices import (
     cpu_pool_size,
     cpu_threads_needed,

@@ -3,7 +3,6 @@ to the data axis and masked out of clu metrics."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import math
@@ -22,6 +21,7 @@ from flaxhooks.data import (
     BatchError,
     EmptyDataError,
     HostBatch,
+    InFlight,
     Placement,
     check_layout,
     first_replica,
@@ -173,6 +173,7 @@ class Evaluator:
         example_loss_fn: ExampleLossFn,
         label_key: str | None,
         placement: Placement,
+        wait: Callable[[Any], None] = jax.block_until_ready,
     ):
         self.model = model
         self.metrics = metrics
@@ -220,7 +221,7 @@ class Evaluator:
         self._no_totals = placement.replicated_constant(lambda: (metrics.empty(), jnp.zeros((), jnp.int32)))
         #: Waits for device values before they are read; the Trainer gives one
         #: that a lost peer ends (on several processes).
-        self.wait: Callable[[Any], None] = jax.block_until_ready
+        self.wait = wait
 
     def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
         """Traces the eval step on abstract values of ``state`` and a batch
@@ -339,7 +340,7 @@ class Evaluator:
                 num_classes = self.check(state, {k: v[:1] for k, v in shape_from.items()})
             except Exception as error:
                 failure = error
-        in_flight: collections.deque[Any] = collections.deque()
+        in_flight: InFlight[Any] = InFlight(1 if several else MAX_BATCHES_IN_FLIGHT)
         chunks = None if failure else self._chunks(first, batches, padded, labels_checked, num_classes)
         while True:
             arrays = None
@@ -353,11 +354,9 @@ class Evaluator:
             if arrays is None:
                 arrays = self._empty(shape_from, padded, failed=failure is not None)
             totals, flags = self._step(variables, totals, self.placement.put_batch(arrays))
-            in_flight.append(flags)
-            if len(in_flight) > (1 if several else MAX_BATCHES_IN_FLIGHT):
-                flags = in_flight.popleft()
-                self.wait(flags)  # on several processes, a lost peer ends the wait
-                found = np.asarray(first_replica(flags))
+            settled = in_flight.push(flags, self.wait)  # on several processes, a lost peer ends the wait
+            if settled is not None:
+                found = np.asarray(first_replica(settled))
                 if several and (not found[0] or found[1]):
                     break
         if failure is not None and not several:
@@ -467,8 +466,7 @@ class Evaluations:
         evaluator = self._evaluators.get(collection)
         if evaluator is None:
             evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key,
-                                  self.placement)
-            evaluator.wait = self.wait
+                                  self.placement, self.wait)
             self._evaluators[collection] = evaluator
         return evaluator
 

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxhooks.data import BatchSpec, Placement
+from flaxhooks.data import BatchSpec, InFlight, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor
 from flaxhooks.step._model import Model, axis_name
@@ -59,7 +59,7 @@ class StepRunner:
         #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
         #: optimizer's), known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
-        self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+        self._in_flight: InFlight[tuple[int, Any]] = InFlight(max_steps_in_flight)
         self._freezers: tuple[Any, ...] = ()
         self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
         self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
@@ -249,11 +249,14 @@ class StepRunner:
         record.state = state
         # One statement: a KeyboardInterrupt cannot land between the two.
         record.step, record.epoch_step = step, record.epoch_step + 1
-        self._in_flight.append((step, record.metrics))
-        if len(self._in_flight) > self.max_steps_in_flight:
-            record.settled_step, record.settled_metrics = self._in_flight.popleft()
-            wait(record, record.settled_metrics["loss"])
+        self._in_flight.push((step, record.metrics), functools.partial(_settle, record, wait))
         return list(zip(due, results, strict=True)) if due else []
+
+
+def _settle(record: Any, wait: Callable[[Any, jax.Array], None], entry: tuple[int, Any]) -> None:
+    """Makes ``entry``'s step the loop's settled step, then waits for it (reading nothing)."""
+    record.settled_step, record.settled_metrics = entry
+    wait(record, entry[1]["loss"])
 
 
 def _types(args: Any) -> Any:

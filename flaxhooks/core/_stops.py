@@ -1,55 +1,75 @@
-"""Agreement between the JAX processes of one run.
+"""The stop protocol: every process of a run stops at one agreed step.
 
 Under ``jax.distributed`` every compiled step is a collective: a process that
 stops alone leaves the others waiting in it forever. So a stop anywhere is a
 stop everywhere, at one agreed step boundary, and a fault on one process is
-reported on all of them, naming that process.
+reported on all of them, naming that process. The processes agree through
+:class:`~flaxhooks.core._peers.Peers` (JAX's key-value store); with one
+process :class:`LocalStops` does the same jobs with no peer to ask.
 
-The processes talk through JAX's distributed key-value store (the
-coordination service ``jax.distributed.initialize`` starts), never through a
-collective, so a process that waits for another can time out, say whom it
-waits for, and tell a slow peer from a lost one.
+At the start of a fit (:meth:`AgreedStops.start`):
 
-How a stop is agreed, in rounds that cost nothing while nothing happens:
+1. Each process posts its start record (batch layout, batches per epoch,
+   start step and data position, the checkpoint it resumed from, its first
+   batch's fingerprint) and its error, if preparing the fit failed.
+2. It waits for every process's record. Any error is raised on every process
+   (a ``BatchError`` or a :class:`ProcessError` naming the processes), and
+   so is any difference in the fields of ``_AGREED_AT_START``.
+3. It starts its watcher thread, which posts a heartbeat every
+   ``HEARTBEAT_SECONDS`` and answers stop requests (below).
+
+A stop is agreed in rounds, which cost nothing while nothing happens (one
+lock and a few attribute reads per step on the main thread):
 
 1. A process that wants to stop (a signal, ``loop.stop``, ``StopTraining``,
-   an error, data that ran out) posts a request carrying the last step it
-   dispatched, and raises the round's trigger.
-2. A watcher thread in every process waits on that trigger. It answers at
-   once with the last step its process dispatched, and from then on that
-   process dispatches no further step until the round is settled. Answering
-   from a thread matters: the main thread may be blocked in a collective that
-   waits for the requester.
-3. Each main thread, at its next step boundary, reads every answer; the
-   largest step is the round's target. Every process runs (all events
-   included, so their collectives match) until it reaches the target.
-4. At the target each process posts its final word (its error, signal or
-   stop if it has one by then, else "go on"); from all of them every
-   process derives the same outcome: stop, interrupted, failed (naming the
-   processes), or, when every process's data ran out at the same step, the
-   epoch simply ended.
+   the non-finite guard's stop at a NaN, an error kept by :meth:`defer`,
+   data that ran out) posts a request: its word (what it asks for) and the
+   last step it dispatched. Then it raises the round's trigger.
+2. The watcher thread of every other process waits on that trigger. It
+   answers at once with the last step its process dispatched, and from then
+   on that process dispatches no further step until the round is settled
+   (:meth:`AgreedStops.may_dispatch`). Answering from a thread matters: the
+   main thread may be blocked in a collective that waits for the requester.
+3. Each main thread, at its next step boundary
+   (:meth:`AgreedStops.at_boundary`), reads every answer; the largest step
+   is the round's target. Every process runs (all events included, so their
+   collectives match) until it reaches the target.
+4. At the target each process posts its final word, as of then: its error,
+   its signal or its stop, else "go on". From every final word each process
+   derives the same outcome: failed (a :class:`ProcessError` naming the
+   processes with an error, raised on every process), interrupted (the
+   signal; the Trainer raises ``TrainingInterrupted``), or stopped (every
+   process's ``stop_reason`` the same words, naming who asked). A NaN is a
+   stop like any other: every guard sees the same global loss. When every
+   process's data ran out at the same step, the epoch simply ended and the
+   next round begins; when one process's data ran out before another's, it
+   goes on with zeros (:meth:`AgreedStops.batches`) to the target, and
+   training fails there on every process.
 
-Per step this costs one lock and a few attribute reads on the main thread.
+Data of the same known length everywhere ends every epoch at the same step
+without a round. At the end of the loop (:meth:`AgreedStops.finish`) each
+process answers the round under way and concludes it; after the end hooks
+(:meth:`AgreedStops.close`) they exchange how the fit ended, so a fit that
+failed on one process fails on all.
 
-Faults that no round can carry: the watcher also posts a heartbeat every
-:data:`HEARTBEAT_SECONDS` and reads everyone's. A process whose heartbeat
-stops for :data:`LOST_AFTER_SECONDS` is lost (:class:`PeerLost`); one that
-gives up (a timeout, a second Ctrl-C) says so in place of its heartbeat.
-Either way the others raise at their next check (waits for device values
-poll for it: :func:`wait_ready`), and a process whose main thread is stuck
-in a collective with the missing one (gloo waits for a killed peer for
-ever) reports :class:`PeerLost` from the watcher and ends itself after
-:data:`END_GRACE_SECONDS`.
+When a peer is lost: the watcher reads every heartbeat. A process whose
+heartbeat stops for ``LOST_AFTER_SECONDS`` is lost
+(:class:`PeerLost`); one that gives up (a timeout, a second Ctrl-C, an error
+no round can carry: :meth:`AgreedStops.failed_at`) says so in place of its
+heartbeat. Either way the others raise at their next check: a step boundary,
+or a wait for device values, which polls for it (:func:`wait_ready`,
+:meth:`AgreedStops.wait_until_ready`). A process whose main thread is stuck
+in a collective with the missing one (gloo waits for a killed peer for ever)
+reports :class:`PeerLost` from the watcher and ends itself after
+``END_GRACE_SECONDS``, skipping JAX's shutdown barrier.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -60,27 +80,25 @@ from typing import Any
 import jax
 
 from flaxhooks.core._loop import Loop, record_of
-from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+from flaxhooks.core._peers import (
+    END_GRACE_SECONDS,
+    HEARTBEAT_SECONDS,
+    PeerLost,
+    Peers,
+    PeerTimeout,
+    ProcessError,
+    abandoned,
+    cause_within,
+    describe,
+    exit_without_shutdown_barrier,
+    from_the_runtime,
+    gone_error,
+    mark_abandoned,
+    timed_out,
+    warn_of_a_small_cpu_pool,
+)
 
 _log = logging.getLogger("flaxhooks")
-
-#: Seconds between a watcher's heartbeats.
-HEARTBEAT_SECONDS = 0.5
-#: A peer whose heartbeat has not moved for this long is taken as lost. The
-#: beat comes from a thread of its own, so a busy main thread (compiling,
-#: loading data) does not delay it; short enough that a killed peer is named
-#: within seconds, as a collective with it never ends.
-LOST_AFTER_SECONDS = 4.0
-#: How often a process that waits for another says so.
-WAIT_NOTE_SECONDS = 5.0
-#: After a peer is lost (or this process abandoned the others), how long
-#: ``fit`` may take to raise and run its end hooks before the process exits on
-#: its own: its main thread, or an end hook reading a device value, may be
-#: stuck in a collective with a process that will never take part, which
-#: gloo never fails. Detection plus this stays under 10 s.
-END_GRACE_SECONDS = 4.0
-
-_fits = itertools.count()
 
 #: The agreement of the fit under way on several processes, if any: waits
 #: for device values outside the train step watch its peers through it.
@@ -121,216 +139,6 @@ def peer_gone(step: int | None = None) -> ProcessError | None:
     return stops._gone_error(stops._dispatched if step is None else step)
 
 
-class ProcessError(RuntimeError):
-    """Training failed on one of the processes, so it stopped on all of them.
-
-    Every process raises it, at the same step, naming the process(es) that
-    failed and their original error (on a failing process it is also the
-    ``__cause__``).
-
-    Attributes:
-        processes: the indices of the processes that failed.
-        step: the step at which every process stopped (None if before training).
-    """
-
-    def __init__(self, message: str, processes: Sequence[int] = (), step: int | None = None):
-        super().__init__(message)
-        self.processes = tuple(processes)
-        self.step = step
-
-
-class PeerLost(ProcessError):
-    """A process stopped answering (killed, crashed, or its host went down)."""
-
-
-class PeerTimeout(ProcessError, TimeoutError):
-    """A process waited longer than ``peer_timeout`` for another one."""
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def distributed_client() -> Any:
-    """JAX's distributed client: the key-value store the processes agree through."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError(
-            "several JAX processes but no distributed client: call jax.distributed.initialize first"
-        )
-    return client
-
-
-def _timed_out(error: Exception) -> bool:
-    return "DEADLINE_EXCEEDED" in str(error)
-
-
-#: Set when a process leaves its peers inside a collective they can never
-#: finish (it was lost, or it abandoned them): JAX's shutdown barrier at exit
-#: would then wait for them until its own timeout.
-_abandoned: list[str] = []
-
-
-def _exit_without_shutdown_barrier() -> None:
-    if not _abandoned:
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001, S110 - nothing left to report to
-            pass
-    logging.shutdown()
-    # jax.distributed.shutdown() would wait for every process at a barrier;
-    # a lost or abandoned peer never arrives there.
-    os._exit(1)
-
-
-def _mark_abandoned(reason: str) -> None:
-    if not _abandoned:
-        # Registered after JAX's own shutdown hook, so it runs before it.
-        atexit.register(_exit_without_shutdown_barrier)
-    _abandoned.append(reason)
-
-
-class Peers:
-    """This run's processes, reached through JAX's distributed key-value store.
-
-    Values are JSON, posted under ``<key>/<process index>``; keys are
-    namespaced per ``fit``, which every process calls in the same order.
-
-    Args:
-        timeout: the longest a process waits for another, in seconds.
-    """
-
-    def __init__(self, timeout: float):
-        self.client = distributed_client()
-        self.index = jax.process_index()
-        self.count = jax.process_count()
-        self.timeout = timeout
-        self.prefix = f"flaxhooks/fit-{next(_fits)}"
-        self._seen: dict[int, tuple[str, float]] = {}  # process -> (heartbeat, when it last moved)
-        self._lock = threading.Lock()
-
-    def key(self, name: str, process: int | None = None) -> str:
-        return f"{self.prefix}/{name}/{self.index if process is None else process}"
-
-    def post(self, name: str, value: Mapping[str, Any]) -> None:
-        """Posts this process's ``value`` under ``name``."""
-        self.client.key_value_set(self.key(name), json.dumps(value), allow_overwrite=True)
-
-    def gather(self, name: str, what: str) -> list[dict[str, Any]]:
-        """Every process's value under ``name``, in process order; waits for
-        each, up to ``timeout`` in all, saying whom it waits for.
-
-        Raises:
-            PeerTimeout: a process did not post in time.
-            PeerLost: a process stopped answering while this one waited.
-            ProcessError: a process left the run.
-        """
-        start = time.monotonic()
-        noted = start
-        values = []
-        for process in range(self.count):
-            while True:
-                waited = time.monotonic() - start
-                if waited >= self.timeout:
-                    raise PeerTimeout(
-                        f"process {self.index} waited {waited:.0f} s for process {process} to reach "
-                        f"{what}, and it has not (peer_timeout={self.timeout:g} s: raise it for slower "
-                        "processes)", [process],
-                    )
-                try:
-                    raw = self.client.blocking_key_value_get(
-                        self.key(name, process), int(1000 * min(1.0, self.timeout - waited)) or 1
-                    )
-                    values.append(json.loads(raw))
-                    break
-                except jax.errors.JaxRuntimeError as error:
-                    if not _timed_out(error):
-                        raise PeerLost(
-                            f"process {self.index} cannot reach JAX's coordination service (it runs in "
-                            f"process 0) while waiting for {what}: {error}", [0],
-                        ) from error
-                self.check(process, what)
-                now = time.monotonic()
-                if now - noted >= WAIT_NOTE_SECONDS:
-                    noted = now
-                    _log.warning(
-                        "process %d is waiting for process %d to reach %s (%.0f s so far, peer_timeout=%g s)",
-                        self.index, process, what, now - start, self.timeout,
-                    )
-        return values
-
-    def check(self, process: int, what: str) -> None:
-        """Raises if a process left the run or stopped answering."""
-        where = f"while process {self.index} waited for process {process} to reach {what}"
-        error = gone_error(*self.gone(), where)
-        if error is not None:
-            raise error
-
-    def beat(self, count: int) -> None:
-        self.client.key_value_set(self.key("alive"), str(count), allow_overwrite=True)
-
-    def leave(self, step: int, error: BaseException) -> None:
-        """Tells the others, in place of a heartbeat, that this process leaves the run."""
-        record = json.dumps({"left": step, "error": _describe(error)})
-        self.client.key_value_set(self.key("alive"), record, allow_overwrite=True)
-
-    def _heartbeats(self) -> dict[int, str]:
-        """Every process's latest heartbeat, in one read."""
-        try:
-            entries = self.client.key_value_dir_get(f"{self.prefix}/alive/")
-        except jax.errors.JaxRuntimeError:
-            return {}
-        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
-
-    def gone(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
-        """The processes that left the run (with what they said), and those
-        whose heartbeat has not moved for :data:`LOST_AFTER_SECONDS` (as seen
-        over the calls so far; one that never beat yet is slow, not lost)."""
-        now = time.monotonic()
-        left, lost = {}, []
-        with self._lock:
-            for process, beat in self._heartbeats().items():
-                if process == self.index:
-                    continue
-                if beat.startswith("{"):
-                    left[process] = json.loads(beat)
-                    continue
-                seen = self._seen.get(process)
-                if seen is None or seen[0] != beat:
-                    self._seen[process] = (beat, now)
-                elif now - seen[1] >= LOST_AFTER_SECONDS:
-                    lost.append(process)
-        return left, lost
-
-    def lost_now(self, settle: float = 3 * HEARTBEAT_SECONDS) -> list[int]:
-        """The processes whose heartbeat does not move over ``settle`` seconds:
-        after a collective failed, which peer is gone."""
-        before = self._heartbeats()
-        time.sleep(settle)
-        after = self._heartbeats()
-        return [p for p, beat in before.items() if p != self.index and after.get(p) == beat]
-
-
-def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where: str,
-               step: int | None = None) -> ProcessError | None:
-    """The error that names the processes that left the run or were lost, or None."""
-    if left:
-        each = "; ".join(
-            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items()
-        )
-        return ProcessError(f"{each}, {where}", list(left), step)
-    if lost:
-        return PeerLost(
-            f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost {where}: no "
-            f"heartbeat for {LOST_AFTER_SECONDS:g} s (killed, crashed, or its host went down), so "
-            "training cannot go on", list(lost), step,
-        )
-    return None
-
 
 @dataclasses.dataclass
 class _Round:
@@ -349,13 +157,16 @@ class LocalStops:
     several = False
 
     def start(self, record: Mapping[str, Any], failure: BaseException | None) -> None:
+        """Before training: raises ``failure`` (preparing the fit failed), if any."""
         if failure is not None:
             raise failure
 
     def at_boundary(self, loop: Loop, pulled: bool = False) -> bool:
+        """Whether the loop stops at this step boundary: whether a stop was asked for."""
         return loop.should_stop
 
     def may_dispatch(self, loop: Loop) -> bool:
+        """Whether the next step may be dispatched: always, with no peer to wait for."""
         return True
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
@@ -363,6 +174,7 @@ class LocalStops:
         value.block_until_ready()
 
     def data_ended(self, loop: Loop) -> bool:
+        """This process's data ran out: the epoch ends here (True)."""
         return True
 
     def defer(self, loop: Loop, error: Exception) -> None:
@@ -374,13 +186,14 @@ class LocalStops:
         return batches
 
     def finish(self, loop: Loop) -> None:
-        pass
+        """The loop ended at its last epoch or step: nothing to agree on."""
 
     def failed(self, loop: Loop, error: BaseException) -> BaseException:
+        """The error the fit raises for ``error``: ``error`` itself."""
         return error
 
     def close(self, loop: Loop, error: BaseException | None) -> None:
-        pass
+        """After the end hooks, with the fit's error if any: nothing to tell."""
 
     def interrupted(self, loop: Loop) -> int | None:
         """The signal that stopped training, if one did."""
@@ -430,7 +243,7 @@ class AgreedStops(LocalStops):
 
         mine = dict(record)
         if failure is not None:
-            mine.update(error=_describe(failure), batch_error=isinstance(failure, BatchError))
+            mine.update(error=describe(failure), batch_error=isinstance(failure, BatchError))
         self.peers.post("start", mine)
         try:
             everyone = self.peers.gather("start", "the start of fit")
@@ -469,9 +282,9 @@ class AgreedStops(LocalStops):
             ProcessError: this fit ended without error here but failed elsewhere.
         """
         try:
-            if _abandoned:
+            if abandoned:
                 return  # some peer cannot answer
-            self.peers.post("end", {"step": loop.step, "error": None if error is None else _describe(error)})
+            self.peers.post("end", {"step": loop.step, "error": None if error is None else describe(error)})
             everyone = self.peers.gather("end", "the end of fit")
         finally:
             self._stop_watching()
@@ -551,10 +364,10 @@ class AgreedStops(LocalStops):
         while a peer's heartbeat is stale is that peer's loss."""
         if self.gone is not None:
             return self._gone_error(step)
-        found = _within(error, (PeerLost, PeerTimeout))
+        found = cause_within(error, (PeerLost, PeerTimeout))
         if found is not None:  # a copy: raised from ``error``, which holds it
             return found if found is error else type(found)(str(found), found.processes, found.step)
-        if not _from_the_runtime(error):
+        if not from_the_runtime(error):
             return None
         lost = self.peers.lost_now()
         if not lost:
@@ -563,7 +376,7 @@ class AgreedStops(LocalStops):
         return PeerLost(
             f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {step} (killed, crashed, or "
             f"its host went down), so training cannot go on. The collective that noticed failed with "
-            f"{_describe(_within(error, (jax.errors.JaxRuntimeError,)) or error)}", lost, step,
+            f"{describe(cause_within(error, (jax.errors.JaxRuntimeError,)) or error)}", lost, step,
         )
 
     def defer(self, loop: Loop, error: Exception) -> None:
@@ -652,12 +465,12 @@ class AgreedStops(LocalStops):
         it), and at exit skips JAX's shutdown barrier. The watcher stays to
         end the process if ``fit`` cannot finish."""
         self._leaving = time.monotonic()
-        _log.error("process %d leaves the run at step %d: %s", self.peers.index, step, _describe(error))
+        _log.error("process %d leaves the run at step %d: %s", self.peers.index, step, describe(error))
         try:
             self.peers.leave(step, error)
         except Exception:  # noqa: BLE001 - the coordination service may be gone too
             _log.debug("could not tell the other processes", exc_info=True)
-        _mark_abandoned(_describe(error))
+        mark_abandoned(describe(error))
 
     # -- rounds --------------------------------------------------------------
 
@@ -669,7 +482,7 @@ class AgreedStops(LocalStops):
     def _word(self, loop: Loop, ran_out: bool = False) -> dict[str, Any]:
         """What this process has to say about stopping, as of now."""
         if self.fault is not None:
-            return {"kind": "error", "error": _describe(self.fault)}
+            return {"kind": "error", "error": describe(self.fault)}
         if loop.interrupted is not None:
             return {"kind": "signal", "reason": loop.stop_reason, "signal": loop.interrupted}
         if loop.should_stop:
@@ -786,7 +599,7 @@ class AgreedStops(LocalStops):
                     f"{self.peers.prefix}/round-{current.number}/trigger", int(1000 * HEARTBEAT_SECONDS)
                 )
             except jax.errors.JaxRuntimeError as error:
-                if _timed_out(error):
+                if timed_out(error):
                     continue
                 _log.debug("the watcher lost the coordination service: %s", error)
                 return
@@ -817,8 +630,8 @@ class AgreedStops(LocalStops):
             f"will never take part, {END_GRACE_SECONDS:g} s later: exiting with status 1"
         )
         print(message, file=sys.stderr, flush=True)
-        _mark_abandoned(message)
-        _exit_without_shutdown_barrier()
+        mark_abandoned(message)
+        exit_without_shutdown_barrier()
 
 
 #: What every process must agree on at the start of a fit: (record field,
@@ -858,49 +671,10 @@ def _agreed_failure(
     )
 
 
-def _within(error: BaseException | None, kinds: tuple[type[BaseException], ...]) -> Any:
-    """The first exception of ``kinds`` in ``error``'s chain of causes, or None."""
-    for _ in range(6):  # a bounded walk: chains may loop
-        if error is None or isinstance(error, kinds):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _from_the_runtime(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause) is a failure of the JAX runtime, as a
-    collective whose peer is gone fails."""
-    seen = 0
-    while error is not None and seen < 5:
-        if isinstance(error, jax.errors.JaxRuntimeError):
-            return True
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-        seen += 1
-    return False
-
 
 def stops_for(timeout: float) -> LocalStops:
     """The agreement a fit needs: local with one process, agreed with several."""
     if jax.process_count() == 1:
         return LocalStops()
-    _warn_of_a_small_cpu_pool()
+    warn_of_a_small_cpu_pool()
     return AgreedStops(Peers(timeout))
-
-
-_warned_of_pool: list[bool] = []
-
-
-def _warn_of_a_small_cpu_pool() -> None:
-    """Once: several CPU devices per process, with collectives across processes,
-    on a pool of XLA:CPU threads too small for them can deadlock a step."""
-    devices = jax.local_devices()
-    if _warned_of_pool or devices[0].platform != "cpu" or len(devices) == 1:
-        return
-    pool, needed = cpu_pool_size(len(devices)), cpu_threads_needed(len(devices))
-    if pool < needed:
-        _warned_of_pool.append(True)
-        _log.warning(
-            "XLA's CPU client runs this process's %d devices on a pool of %d threads, too few for "
-            "collectives across processes: a step can deadlock. Set PJRT_NPROC=%d in the environment before "
-            "JAX starts (flaxhooks.use_cpu_devices(..., across_processes=True) does it)",
-            len(devices), pool, needed)

@@ -1,0 +1,307 @@
+"""The processes of one run, as peers: JAX's distributed key-value store,
+heartbeats, and the errors that name a process that failed, was lost or
+timed out.
+
+The processes talk through the key-value store (the coordination service
+``jax.distributed.initialize`` starts), never through a collective, so a
+process that waits for another can time out, say whom it waits for, and tell
+a slow peer from a lost one. Each process's watcher thread (see
+:mod:`flaxhooks.core._stops`) posts a heartbeat every
+:data:`HEARTBEAT_SECONDS`; a peer whose heartbeat has not moved for
+:data:`LOST_AFTER_SECONDS` is lost, and one that gives up on the others says
+so in place of its heartbeat.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+
+_log = logging.getLogger("flaxhooks")
+
+#: Seconds between a watcher's heartbeats.
+HEARTBEAT_SECONDS = 0.5
+#: A peer whose heartbeat has not moved for this long is taken as lost. The
+#: beat comes from a thread of its own, so a busy main thread (compiling,
+#: loading data) does not delay it; short enough that a killed peer is named
+#: within seconds, as a collective with it never ends.
+LOST_AFTER_SECONDS = 4.0
+#: How often a process that waits for another says so.
+WAIT_NOTE_SECONDS = 5.0
+#: After a peer is lost (or this process abandoned the others), how long
+#: ``fit`` may take to raise and run its end hooks before the process exits on
+#: its own: its main thread, or an end hook reading a device value, may be
+#: stuck in a collective with a process that will never take part, which
+#: gloo never fails. Detection plus this stays under 10 s.
+END_GRACE_SECONDS = 4.0
+
+_fits = itertools.count()
+
+class ProcessError(RuntimeError):
+    """Training failed on one of the processes, so it stopped on all of them.
+
+    Every process raises it, at the same step, naming the process(es) that
+    failed and their original error (on a failing process it is also the
+    ``__cause__``).
+
+    Attributes:
+        processes: the indices of the processes that failed.
+        step: the step at which every process stopped (None if before training).
+    """
+
+    def __init__(self, message: str, processes: Sequence[int] = (), step: int | None = None):
+        super().__init__(message)
+        self.processes = tuple(processes)
+        self.step = step
+
+
+class PeerLost(ProcessError):
+    """A process stopped answering (killed, crashed, or its host went down)."""
+
+
+class PeerTimeout(ProcessError, TimeoutError):
+    """A process waited longer than ``peer_timeout`` for another one."""
+
+
+def describe(error: BaseException) -> str:
+    """``error`` in one line, with its type, as the other processes are told it."""
+    return f"{type(error).__name__}: {error}"
+
+
+def distributed_client() -> Any:
+    """JAX's distributed client: the key-value store the processes agree through."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "several JAX processes but no distributed client: call jax.distributed.initialize first"
+        )
+    return client
+
+
+def timed_out(error: Exception) -> bool:
+    """Whether a key-value store call failed only for its deadline (the value is not there yet)."""
+    return "DEADLINE_EXCEEDED" in str(error)
+
+
+#: Set when a process leaves its peers inside a collective they can never
+#: finish (it was lost, or it abandoned them): JAX's shutdown barrier at exit
+#: would then wait for them until its own timeout.
+abandoned: list[str] = []
+
+
+def exit_without_shutdown_barrier() -> None:
+    """At exit, once this process left its peers: ends it at once, without JAX's shutdown barrier."""
+    if not abandoned:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - nothing left to report to
+            pass
+    logging.shutdown()
+    # jax.distributed.shutdown() would wait for every process at a barrier;
+    # a lost or abandoned peer never arrives there.
+    os._exit(1)
+
+
+def mark_abandoned(reason: str) -> None:
+    """This process left its peers (for ``reason``): it exits without JAX's shutdown barrier."""
+    if not abandoned:
+        # Registered after JAX's own shutdown hook, so it runs before it.
+        atexit.register(exit_without_shutdown_barrier)
+    abandoned.append(reason)
+
+
+class Peers:
+    """This run's processes, reached through JAX's distributed key-value store.
+
+    Values are JSON, posted under ``<key>/<process index>``; keys are
+    namespaced per ``fit``, which every process calls in the same order.
+
+    Args:
+        timeout: the longest a process waits for another, in seconds.
+    """
+
+    def __init__(self, timeout: float):
+        self.client = distributed_client()
+        self.index = jax.process_index()
+        self.count = jax.process_count()
+        self.timeout = timeout
+        self.prefix = f"flaxhooks/fit-{next(_fits)}"
+        self._seen: dict[int, tuple[str, float]] = {}  # process -> (heartbeat, when it last moved)
+        self._lock = threading.Lock()
+
+    def key(self, name: str, process: int | None = None) -> str:
+        """Where ``process`` (default: this one) posts its value under ``name``."""
+        return f"{self.prefix}/{name}/{self.index if process is None else process}"
+
+    def post(self, name: str, value: Mapping[str, Any]) -> None:
+        """Posts this process's ``value`` under ``name``."""
+        self.client.key_value_set(self.key(name), json.dumps(value), allow_overwrite=True)
+
+    def gather(self, name: str, what: str) -> list[dict[str, Any]]:
+        """Every process's value under ``name``, in process order; waits for
+        each, up to ``timeout`` in all, saying whom it waits for.
+
+        Raises:
+            PeerTimeout: a process did not post in time.
+            PeerLost: a process stopped answering while this one waited.
+            ProcessError: a process left the run.
+        """
+        start = time.monotonic()
+        noted = start
+        values = []
+        for process in range(self.count):
+            while True:
+                waited = time.monotonic() - start
+                if waited >= self.timeout:
+                    raise PeerTimeout(
+                        f"process {self.index} waited {waited:.0f} s for process {process} to reach "
+                        f"{what}, and it has not (peer_timeout={self.timeout:g} s: raise it for slower "
+                        "processes)", [process],
+                    )
+                try:
+                    raw = self.client.blocking_key_value_get(
+                        self.key(name, process), int(1000 * min(1.0, self.timeout - waited)) or 1
+                    )
+                    values.append(json.loads(raw))
+                    break
+                except jax.errors.JaxRuntimeError as error:
+                    if not timed_out(error):
+                        raise PeerLost(
+                            f"process {self.index} cannot reach JAX's coordination service (it runs in "
+                            f"process 0) while waiting for {what}: {error}", [0],
+                        ) from error
+                self.check(process, what)
+                now = time.monotonic()
+                if now - noted >= WAIT_NOTE_SECONDS:
+                    noted = now
+                    _log.warning(
+                        "process %d is waiting for process %d to reach %s (%.0f s so far, peer_timeout=%g s)",
+                        self.index, process, what, now - start, self.timeout,
+                    )
+        return values
+
+    def check(self, process: int, what: str) -> None:
+        """Raises if a process left the run or stopped answering."""
+        where = f"while process {self.index} waited for process {process} to reach {what}"
+        error = gone_error(*self.gone(), where)
+        if error is not None:
+            raise error
+
+    def beat(self, count: int) -> None:
+        """Posts this process's heartbeat number ``count``."""
+        self.client.key_value_set(self.key("alive"), str(count), allow_overwrite=True)
+
+    def leave(self, step: int, error: BaseException) -> None:
+        """Tells the others, in place of a heartbeat, that this process leaves the run."""
+        record = json.dumps({"left": step, "error": describe(error)})
+        self.client.key_value_set(self.key("alive"), record, allow_overwrite=True)
+
+    def _heartbeats(self) -> dict[int, str]:
+        """Every process's latest heartbeat, in one read."""
+        try:
+            entries = self.client.key_value_dir_get(f"{self.prefix}/alive/")
+        except jax.errors.JaxRuntimeError:
+            return {}
+        return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
+
+    def gone(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """The processes that left the run (with what they said), and those
+        whose heartbeat has not moved for :data:`LOST_AFTER_SECONDS` (as seen
+        over the calls so far; one that never beat yet is slow, not lost)."""
+        now = time.monotonic()
+        left, lost = {}, []
+        with self._lock:
+            for process, beat in self._heartbeats().items():
+                if process == self.index:
+                    continue
+                if beat.startswith("{"):
+                    left[process] = json.loads(beat)
+                    continue
+                seen = self._seen.get(process)
+                if seen is None or seen[0] != beat:
+                    self._seen[process] = (beat, now)
+                elif now - seen[1] >= LOST_AFTER_SECONDS:
+                    lost.append(process)
+        return left, lost
+
+    def lost_now(self, settle: float = 3 * HEARTBEAT_SECONDS) -> list[int]:
+        """The processes whose heartbeat does not move over ``settle`` seconds:
+        after a collective failed, which peer is gone."""
+        before = self._heartbeats()
+        time.sleep(settle)
+        after = self._heartbeats()
+        return [p for p, beat in before.items() if p != self.index and after.get(p) == beat]
+
+
+def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where: str,
+               step: int | None = None) -> ProcessError | None:
+    """The error that names the processes that left the run or were lost, or None."""
+    if left:
+        each = "; ".join(
+            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items()
+        )
+        return ProcessError(f"{each}, {where}", list(left), step)
+    if lost:
+        return PeerLost(
+            f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost {where}: no "
+            f"heartbeat for {LOST_AFTER_SECONDS:g} s (killed, crashed, or its host went down), so "
+            "training cannot go on", list(lost), step,
+        )
+    return None
+
+
+def cause_within(error: BaseException | None, kinds: tuple[type[BaseException], ...]) -> Any:
+    """The first exception of ``kinds`` in ``error``'s chain of causes, or None."""
+    for _ in range(6):  # a bounded walk: chains may loop
+        if error is None or isinstance(error, kinds):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def from_the_runtime(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is a failure of the JAX runtime, as a
+    collective whose peer is gone fails."""
+    seen = 0
+    while error is not None and seen < 5:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            return True
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
+
+
+
+_warned_of_pool: list[bool] = []
+
+
+def warn_of_a_small_cpu_pool() -> None:
+    """Once: several CPU devices per process, with collectives across processes,
+    on a pool of XLA:CPU threads too small for them can deadlock a step."""
+    devices = jax.local_devices()
+    if _warned_of_pool or devices[0].platform != "cpu" or len(devices) == 1:
+        return
+    pool, needed = cpu_pool_size(len(devices)), cpu_threads_needed(len(devices))
+    if pool < needed:
+        _warned_of_pool.append(True)
+        _log.warning(
+            "XLA's CPU client runs this process's %d devices on a pool of %d threads, too few for "
+            "collectives across processes: a step can deadlock. Set PJRT_NPROC=%d in the environment before "
+            "JAX starts (flaxhooks.use_cpu_devices(..., across_processes=True) does it)",
+            len(devices), pool, needed)
