@@ -1,5 +1,10 @@
 """The loop's core: events, callbacks and the bus that calls them, the loop
-context, schedules, signals, agreement between processes, and the Trainer."""
+context, schedules, signals, agreement between processes, and the Trainer.
+
+``__all__`` is what users write and extend (callbacks, the loop's facts and
+requests, schedules, the restore protocol, errors); the other names here are
+the layers' own interface and may change in any release.
+"""
 
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
@@ -8,7 +13,7 @@ from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
 from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._guard import NonFiniteGuard
-from flaxhooks.core._loop import Loop
+from flaxhooks.core._loop import Loop, Request
 from flaxhooks.core._peers import WAIT_NOTE_SECONDS as WAIT_NOTE_SECONDS
 from flaxhooks.core._peers import PeerLost, PeerTimeout, ProcessError
 from flaxhooks.core._peers import distributed_client as distributed_client
@@ -23,36 +28,29 @@ from flaxhooks.core._trainer import Trainer
 
 # Re-exported with ``as`` for the callbacks, not in __all__: waits on peers, the refusal of time schedules.
 __all__ = [
-    "ALWAYS_RUN",
-    "EVENTS",
-    "FitClock",
-    "PEAK_FLOPS",
-    "Reading",
-    "Window",
     "Callback",
     "CallbackError",
+    "EVENTS",
     "Event",
     "Every",
-    "Fit",
     "Finding",
+    "FitClock",
     "FitPlan",
-    "HookBus",
     "KINDS",
     "Loop",
-    "PeerLost",
-    "PeerTimeout",
-    "Phase",
-    "ProcessError",
-    "Rate",
-    "SavedRun",
-    "Restorer",
     "NonFiniteError",
     "NonFiniteGuard",
+    "PEAK_FLOPS",
+    "PeerLost",
+    "PeerTimeout",
+    "ProcessError",
+    "Reading",
+    "Request",
+    "Restorer",
+    "SavedRun",
     "StopTraining",
     "Trainer",
     "TrainingInterrupted",
-    "as_every",
-    "handlers_of",
-    "latest_run",
+    "Window",
     "run_directory",
 ]

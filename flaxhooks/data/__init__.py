@@ -1,5 +1,10 @@
 """The data side: host batches and their layout, arrays in memory, the input
-pipeline that puts batches on the devices, and the devices themselves."""
+pipeline that puts batches on the devices, and the devices themselves.
+
+``__all__`` is what users write and extend (loaders, placement rules, positions,
+errors); the other names here are the layers' own interface and may change in
+any release.
+"""
 
 from flaxhooks.data._batches import (
     ArrayLoader,
@@ -40,8 +45,6 @@ from flaxhooks.data._sources import (
 )
 
 __all__ = [
-    "DATA_AXIS",
-    "FSDP",
     "ArrayLoader",
     "AxisRules",
     "BatchError",
@@ -49,23 +52,13 @@ __all__ = [
     "Data",
     "DataPosition",
     "DataResumeError",
-    "DataSource",
     "DevicePrefetch",
     "EmptyDataError",
+    "FSDP",
     "HostBatch",
-    "Placement",
     "Replicated",
     "ShardRule",
     "ShardingError",
-    "check_layout",
-    "cpu_pool_size",
-    "cpu_threads_needed",
-    "default_mesh",
-    "fingerprint",
     "device0_copy",
-    "first_replica",
-    "host_scalars",
-    "spec_text",
-    "unreplicate",
     "use_cpu_devices",
 ]
