@@ -119,12 +119,8 @@ class NNXModel:
             if it names one (``deterministic``, its inverse, is recognized
             too); NNX's own switch (``deterministic`` / ``use_running_average``
             attributes, as ``train()`` / ``eval()`` set them) is always used.
-        axis_name: the device axis the step maps over.
-
-    Every ``nnx.BatchNorm`` of the train-mode copy reduces its statistics
-    over the step's device axis (``axis_name``), so they cover the
-    global batch as under a sharded ``jax.jit``; the user's module keeps its
-    own ``axis_name``. The step sees the whole batch: one dropout key draws its masks.
+        axis_name: the device axis the step maps over (every ``nnx.BatchNorm``
+            of the train-mode copy reduces over it; see README, "NNX models").
 
     Example:
         >>> from flax import nnx
