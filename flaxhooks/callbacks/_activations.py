@@ -229,7 +229,7 @@ class _LayerStatistics(InstrumentedCallback):
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
         #: Every value the taps found (with a model output that repeats a module's), in execution
-        #: order, and each one's module: as the latest result's layout says.
+        #: order, and each one's module: as the layout of the traced step says.
         self.names: tuple[str, ...] = ()
         self.modules: tuple[tuple[str, ...], ...] = ()
         self._charts: tuple[Any, dict[str, list[str]]] = (None, {})
@@ -266,6 +266,12 @@ class _LayerStatistics(InstrumentedCallback):
         )
         return WithLayout({"stats": stats, "histograms": histograms}, layout)
 
+    def take_layout(self, layout: _ValuesLayout) -> None:
+        self.names, self.modules = layout.found, layout.found_modules
+        if not layout.found and not self._warned:
+            self._warned = True
+            _log.warning("%r found no values to log: %s", self, self._nothing_found())
+
     def _nothing_found(self) -> str:
         return "no tapped values"
 
@@ -286,10 +292,7 @@ class _LayerStatistics(InstrumentedCallback):
 
     def take(self, loop: Loop, result: WithLayout) -> None:
         step, layout, values = loop.step, result.layout, result.values
-        self.names, self.modules = layout.found, layout.found_modules
-        if not layout.found and not self._warned:
-            self._warned = True
-            _log.warning("%r found no values to log: %s", self, self._nothing_found())
+        self.take_layout(layout)
         stats = device0_copy(values["stats"])
         histograms = None if values["histograms"] is None else device0_copy(values["histograms"])
         latest = TapStats(step, layout.names, layout.modules, self.table_columns, stats, histograms,
@@ -511,7 +514,7 @@ class ParamStats(InstrumentedCallback):
         self.every = as_every(every)
         self.prefix = prefix
         self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
-        #: The modules, in natural order of their names (as the latest result's layout says).
+        #: The modules, in natural order of their names (as the layout of the traced step says).
         self.names: tuple[str, ...] = ()
         #: The latest figures (a :class:`TapStats` of columns ``grad_norm`` and ``update_ratio``).
         self.latest: TapStats | None = None
@@ -523,6 +526,9 @@ class ParamStats(InstrumentedCallback):
         names, table = param_stats(tapped.params, tapped.grads, tapped.updates)
         return WithLayout(table, names)
 
+    def take_layout(self, layout: tuple[str, ...]) -> None:
+        self.names = layout
+
     def charts(self) -> dict[str, list[str]]:
         """A chart of each figure, its tag in every module's run: ``{title: [tag]}``."""
         if self._charts[0] != self.names:
@@ -532,7 +538,7 @@ class ParamStats(InstrumentedCallback):
 
     def take(self, loop: Loop, result: WithLayout) -> None:
         step = loop.step
-        self.names = result.layout
+        self.take_layout(result.layout)
         modules = tuple(() if name == ROOT_MODULE else tuple(name.split("/")) for name in self.names)
         latest = TapStats(step, self.names, modules, PARAM_STATS, device0_copy(result.values))
         self.latest = latest

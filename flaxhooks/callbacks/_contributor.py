@@ -47,6 +47,11 @@ class InstrumentedCallback(Callback):
         """This callback's result of the step just dispatched (``loop.step``)."""
         raise NotImplementedError
 
+    def take_layout(self, layout: Any) -> None:
+        """The layout of a :class:`~flaxhooks.step.WithLayout` result, handed
+        over on the host once the step was traced on abstract values (before
+        anything compiles)."""
+
     def check_fit(self, plan: FitPlan) -> None:
         if jax.process_count() > 1 and self.every.seconds is not None:
             raise ValueError(

@@ -34,7 +34,7 @@ from flaxhooks.diagnose import (
     step_window,
     update_ratios,
 )
-from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, WithLayout, as_module_filter, axis_name
+from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, WithLayout, as_module_filter
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -72,6 +72,7 @@ class _WindowLayout(NamedTuple):
     layers: tuple[str, ...]  # each layer's name
     units: tuple[int, ...]  # each layer's units
     modules: tuple[str, ...]  # the modules with parameters
+    num_classes: int | None  # of a classifier's logits
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -132,11 +133,10 @@ class Diagnose(InstrumentedCallback):
         self.report_dir = None if report_dir is None else Path(report_dir)
         self.console = console
         self._plan: FitPlan | None = None
-        #: The set-up findings and the classes, by the model and layout they were traced for.
-        self._setup: tuple[Any, list[Finding], int | None] = (None, [], None)
+        self._setup: tuple[Any, list[Finding]] = (None, [])
         #: Every finding said during the last fit, in order (the guard's too).
         self.findings: list[Finding] = []
-        #: The classes of a classifier's logits (found when ``fit`` starts), else None.
+        #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
@@ -182,7 +182,8 @@ class Diagnose(InstrumentedCallback):
             units.append(int(tap.value.shape[-1]) if tap.value.ndim else 1)
         modules, ratios = update_ratios(tapped.params, tapped.updates)
         # Fixed by the model while traced: the host reads the sums by them.
-        layout = _WindowLayout(tuple(names), tuple(units), modules)
+        classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
+        layout = _WindowLayout(tuple(names), tuple(units), modules, classes)
         return WithLayout(step_window(pairs, ratios).pack(), layout)
 
     def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
@@ -195,6 +196,9 @@ class Diagnose(InstrumentedCallback):
         # The window's sums so far, added up on the devices: nothing is read until it is judged.
         self._sums = self.carry = result
 
+    def take_layout(self, layout: _WindowLayout) -> None:
+        self.num_classes = layout.num_classes
+
     # -- on the host ----------------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
@@ -206,10 +210,7 @@ class Diagnose(InstrumentedCallback):
             key = (id(plan.model), plan.spec.describe(), jax.tree.structure(plan.state))
             if self._setup[0] != key:
                 state, batch = plan.state, plan.spec.global_batch()
-                found = setup_findings(plan.model, state.params, state.model_state, batch)
-                classes = _classes(_abstract_outputs(plan.model, state, batch), batch.get(self.label_key))
-                self._setup = (key, found, classes)
-            self.num_classes = self._setup[2]
+                self._setup = (key, setup_findings(plan.model, state.params, state.model_state, batch))
             for finding in self._setup[1]:
                 self._say(loop, dataclasses.replace(finding, step=loop.step))
 
@@ -369,31 +370,10 @@ _TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_r
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
 
 
-def _abstract_outputs(model: Any, state: Any, batch: Any) -> Any:
-    """The train-mode outputs' shapes on the global batch, as the step sees
-    them (one share on a device axis of size 1); None if it cannot be traced."""
-    key = jax.eval_shape(jax.random.PRNGKey, 0)
-    rngs = dict.fromkeys(model.rng_names, key)
-    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), dict(batch))
-    params, model_state = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-                           for tree in (state.params, dict(state.model_state)))
-
-    def call(params: Any, model_state: Any, batch: Any, rngs: Any) -> Any:
-        return model.apply(params, model_state, batch, train=True, rngs=rngs)[0]
-
-    mapped = jax.vmap(call, in_axes=(None, None, 0, None), axis_name=axis_name(model), axis_size=1)
-    try:
-        outputs = jax.eval_shape(mapped, params, model_state, one, rngs)
-    except Exception:  # noqa: BLE001 - the step's own check names what is wrong; here only the classes
-        _log.debug("the outputs' shapes could not be traced", exc_info=True)
-        return None
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
-
-
 def _classes(outputs: Any, labels: Any) -> int | None:
     """The number of classes of a classifier's logits (integer labels of the
     outputs' leading shape), else None."""
-    if labels is None or not isinstance(outputs, (jax.Array, jax.ShapeDtypeStruct)) or len(outputs.shape) < 2:
+    if labels is None or not isinstance(outputs, jax.Array) or outputs.ndim < 2:
         return None
     if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != outputs.shape[:-1]:
         return None

@@ -22,7 +22,8 @@ class StepContributor(Protocol):
     host once per step). The runner compiles one variant of the step per set
     of due contributors and hands each due one its own result (:meth:`take`).
     Tracing changes nothing on the host: what the trace found (names, sizes)
-    comes back with the result, in a :class:`WithLayout`.
+    comes back with the result, in a :class:`WithLayout`, and an optional
+    ``take_layout(layout)`` gets it once the runner has checked the step.
     :class:`flaxhooks.InstrumentedCallback` is the callback that implements it.
     """
 
