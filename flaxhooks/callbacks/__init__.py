@@ -1,12 +1,6 @@
 """The callbacks that come with flaxhooks, one file each."""
 
-from flaxhooks.callbacks._activations import (
-    ActivationGradStats,
-    ActivationStats,
-    InstrumentedCallback,
-    ParamStats,
-    TapStats,
-)
+from flaxhooks.callbacks._activations import ActivationGradStats, ActivationStats, ParamStats, TapStats
 from flaxhooks.callbacks._checkpoint import (
     Checkpoint,
     CheckpointConflictError,
@@ -16,6 +10,7 @@ from flaxhooks.callbacks._checkpoint import (
     Restored,
 )
 from flaxhooks.callbacks._console import ConsoleLog
+from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.callbacks._diagnose import AFFINE, Diagnose
 from flaxhooks.callbacks._evaluate import EarlyStopping, Evaluate
 from flaxhooks.callbacks._profile import Profile

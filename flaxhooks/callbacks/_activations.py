@@ -7,15 +7,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Union
 
 import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
+from flaxhooks.callbacks._contributor import InstrumentedCallback
+from flaxhooks.core import Every, Loop, as_every
 from flaxhooks.data import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
@@ -27,6 +28,7 @@ from flaxhooks.step import (
     Tap,
     Tapped,
     Taps,
+    WithLayout,
     as_module_filter,
     bin_edges,
     check_stats,
@@ -36,56 +38,6 @@ from flaxhooks.step import (
 from flaxhooks.writers import Histogram
 
 _log = logging.getLogger("flaxhooks")
-
-
-class InstrumentedCallback(Callback):
-    """A callback that needs values computed inside the train step (a
-    :class:`~flaxhooks.step.StepContributor`).
-
-    It declares what the step must expose (:attr:`taps`), a pure function of
-    it (:meth:`inside_step`) and when it is due (:attr:`every`). The Trainer
-    runs the lean step unless some contributor is due; then it runs the
-    variant compiled for exactly the due ones (each set compiled once), which
-    updates the state as the lean step does, and hands this callback its own
-    result in :meth:`take`, right after the step is dispatched and before
-    ``step_end``: device arrays replicated over the devices (see
-    ``flaxhooks.device0_copy``). Nothing moves to the host unless the
-    callback reads it. On several processes every process must be due at the
-    same steps, so schedules are step-based there.
-
-    Attributes:
-        taps: what the step must expose (sown collections, captured or
-            perturbed modules).
-        every: when the callback is due.
-
-    Example:
-        >>> import jax, flaxhooks
-        >>> class LossSpread(flaxhooks.InstrumentedCallback):
-        ...     every = flaxhooks.Every(steps=10)
-        ...     def inside_step(self, tapped):  # pure: traced into the step
-        ...         high = jax.lax.pmax(tapped.loss, tapped.axis_name)
-        ...         return high - jax.lax.pmin(tapped.loss, tapped.axis_name)
-        ...     def take(self, loop, result):  # on the host, right after the step
-        ...         self.latest = result  # device arrays: read them only when needed
-    """
-
-    taps: Taps = Taps()
-    every: Every = Every(steps=1)
-
-    def due(self, step: int) -> bool:
-        """Whether the callback wants the step that completes ``step`` instrumented."""
-        return self.every(step)
-
-    def inside_step(self, tapped: Tapped) -> Any:
-        """This device's view of the step to a pytree of arrays (traced once per variant)."""
-        raise NotImplementedError
-
-    def take(self, loop: Loop, result: Any) -> None:
-        """This callback's result of the step just dispatched (``loop.step``)."""
-        raise NotImplementedError
-
-    def check_fit(self, plan: FitPlan) -> None:
-        refuse_time_on_several_processes(self.every, self, "run the instrumented step")
 
 
 #: What selects statistics: None (the defaults, chosen for signal), ``"all"``
@@ -233,7 +185,7 @@ _TITLES = {"zero_fraction": "zero fraction", "nonfinite": "non-finite entries", 
            "grad_norm": "gradient norm", "update_ratio": "update ratio"}
 
 
-class _TapStatistics(InstrumentedCallback):
+class _LayerStatistics(InstrumentedCallback):
     """Shared by :class:`ActivationStats` and :class:`ActivationGradStats`."""
 
     kind = ""  # "activations" or "gradients": which taps
@@ -276,11 +228,10 @@ class _TapStatistics(InstrumentedCallback):
         self.prefix = prefix
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
-        #: Every value the taps found (with a model output that repeats a module's), in execution order.
+        #: Every value the taps found (with a model output that repeats a module's), in execution
+        #: order, and each one's module: as the layout of the traced step says.
         self.names: tuple[str, ...] = ()
         self.modules: tuple[tuple[str, ...], ...] = ()
-        self._layout: tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]] = (
-            (), (), ())
         self._charts: tuple[Any, dict[str, list[str]]] = (None, {})
         self._warned = False
         #: The latest statistics (a :class:`TapStats`), also published under ``prefix``.
@@ -300,24 +251,26 @@ class _TapStatistics(InstrumentedCallback):
             return self.stats
         return tuple(c for c in self.stats if c != "zero_fraction")
 
-    def inside_step(self, tapped: Tapped) -> Any:
+    def inside_step(self, tapped: Tapped) -> WithLayout:
         found: Sequence[Tap] = getattr(tapped, self.kind)
-        # Runs while the step is traced: the names are fixed by the model.
-        self.names = tuple(t.name for t in found)
-        self.modules = tuple(t.module for t in found)
-        if not found and not self._warned:
-            self._warned = True
-            _log.warning("%r found no values to log: %s", self, self._nothing_found())
         taps = [t for t in found if self.choice.every_value or not isinstance(t, RepeatedTap)]
         logged = tuple(self.logs(t) for t in taps)
-        self._layout = (tuple(t.name for t in taps), tuple(t.module for t in taps), logged)
+        # The names are fixed by the model while traced: they leave with the result.
+        layout = _ValuesLayout(tuple(t.name for t in found), tuple(t.module for t in found),
+                               tuple(t.name for t in taps), tuple(t.module for t in taps), logged)
         columns = self.table_columns
         always = set(columns) - set(self.stats)  # the guard's flag, what histograms need
         stats, histograms = tap_stats(
             [t.value for t in taps], bins=self.bins, count_nonfinite=self.count_nonfinite,
             axis=tapped.axis_name, columns=columns, wanted=[always | set(row) for row in logged],
         )
-        return {"stats": stats, "histograms": histograms}
+        return WithLayout({"stats": stats, "histograms": histograms}, layout)
+
+    def take_layout(self, layout: _ValuesLayout) -> None:
+        self.names, self.modules = layout.found, layout.found_modules
+        if not layout.found and not self._warned:
+            self._warned = True
+            _log.warning("%r found no values to log: %s", self, self._nothing_found())
 
     def _nothing_found(self) -> str:
         return "no tapped values"
@@ -337,12 +290,13 @@ class _TapStatistics(InstrumentedCallback):
             self._charts = (key, found)
         return self._charts[1]
 
-    def take(self, loop: Loop, result: Mapping[str, Any]) -> None:
-        step = loop.step
-        stats = device0_copy(result["stats"])
-        histograms = None if result["histograms"] is None else device0_copy(result["histograms"])
-        names, modules, logged = self._layout
-        latest = TapStats(step, names, modules, self.table_columns, stats, histograms, logged)
+    def take(self, loop: Loop, result: WithLayout) -> None:
+        step, layout, values = loop.step, result.layout, result.values
+        self.take_layout(layout)
+        stats = device0_copy(values["stats"])
+        histograms = None if values["histograms"] is None else device0_copy(values["histograms"])
+        latest = TapStats(step, layout.names, layout.modules, self.table_columns, stats, histograms,
+                          layout.logged)
         self.latest = latest
         loop.publish(self.prefix, latest)
         # The writer ignores an unchanged declaration; each fit opens a new one.
@@ -354,6 +308,16 @@ class _TapStatistics(InstrumentedCallback):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(every={self.every!r})"
+
+
+class _ValuesLayout(NamedTuple):
+    """What one trace of a statistics callback's in-step function found."""
+
+    found: tuple[str, ...]  # every value, in execution order
+    found_modules: tuple[tuple[str, ...], ...]
+    names: tuple[str, ...]  # the values logged
+    modules: tuple[tuple[str, ...], ...]
+    logged: tuple[tuple[str, ...], ...]  # the statistics each logs
 
 
 def _guard_mode(if_nonfinite: str) -> str:
@@ -399,50 +363,13 @@ def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]
     return found
 
 
-class ActivationStats(_TapStatistics):
-    """Logs per-layer statistics of intermediate values every ``every`` steps.
-
-    Values come from the model's own ``self.sow(collection, name, value)``
-    calls (a module called twice gives two entries, each logged) and from the
-    outputs of modules chosen by ``capture``, recorded with Flax's
-    ``capture_intermediates`` (no change to the model). Values stacked by a
-    scan over layers (``nn.scan`` with its parameters in ``variable_axes``)
-    are logged per layer; those of a recurrence (``nn.RNN``, a scan sharing
-    its parameters) once over every time step, unless ``split_steps``. A
-    scan whose ``variable_axes`` lacks the collection drops the values:
-    one warning then names it and the change that hands them out. Values
-    are named by their module's path (``encoder/Dense_0``); the method is named
-    when it is not ``__call__``, and calls are numbered when there are several.
-
-    Statistics, chosen for signal by default: ``mean`` and ``std`` of every
-    value, and ``zero_fraction`` (dead ReLU units) of the values that can hold
-    a ReLU's exact zeros: sown values and outputs of modules that are not
-    affine, normalization, attention or dropout layers
-    (:data:`NOT_RELU_LIKE`). The model's own output is left out when it is
-    the very output of a module (the model returns it unchanged). ``stats``
-    chooses others among ``mean``, ``std``, ``rms``, ``min``, ``max``,
-    ``zero_fraction`` (then of every value) and ``nonfinite``, or ``"all"``
-    of them for every value. Only what they need is computed, inside the
-    step, in a pass XLA fuses into it, and combined exactly over devices:
-    one small array per step leaves the devices. Histograms of the finite
-    entries are optional.
-
-    In TensorBoard each value is a run of its own, ``layers/<value>``, with
-    the tags ``stats/<prefix>/<statistic>``: a chart of a statistic draws
-    every layer as a line of its own colour, named in the legend. ``std``
-    and ``rms`` are written as their log10 (``log10_std``), so a layer 1,000
-    times smaller than its neighbour shows on TensorBoard's linear axis. The
-    main run has ``stats/<prefix>/nonfinite``: how many values had NaN or
-    infinite entries at that step. A value with such entries gets NaN
-    statistics unless ``count_nonfinite=True``, which counts the entries
-    (then the counter sums them) and leaves them out of the other
-    statistics, at the price of a separate masked pass. The Custom Scalars
-    tab draws one chart per statistic (category ``activations``). The latest
-    figures (not logarithms) are :attr:`latest` and
-    ``loop.published["activations"]``.
-
-    If the loss or any value is NaN or infinite, training stops, naming the
-    step and the first module in execution order whose output went non-finite.
+class ActivationStats(_LayerStatistics):
+    """Logs per-layer statistics of intermediate values every ``every`` steps:
+    the model's own ``sow`` values and the outputs of the modules ``capture``
+    selects, a scan's per layer, computed inside the step (see README,
+    "Inside the model"). By default ``mean`` and ``std`` of every value and
+    ``zero_fraction`` where a ReLU-like op can have made zeros; the latest
+    figures are :attr:`latest` and ``loop.published[prefix]``.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
@@ -507,27 +434,12 @@ class ActivationStats(_TapStatistics):
         )
 
 
-class ActivationGradStats(_TapStatistics):
-    """Logs per-layer statistics of the gradient of the loss with respect to
-    intermediate values every ``every`` steps.
-
-    Gradients are taken at the model's own ``self.perturb(name, value)``
-    sites and at the outputs of modules chosen by ``perturb``, which are
-    perturbed through ``flax.linen.intercept_methods`` (no change to the
-    model). Perturbations are zeros built inside the step with the shapes of
-    the current batch, and the same backward pass gives the parameter
-    gradients, so the update is unchanged. The gradients are those of the
-    mean loss over the whole batch (all devices), as for the parameters.
-
-    By default each value logs its ``rms`` (its ``std`` too when the mean is
-    about 0, and its ``l2`` norm up to a constant); ``stats`` chooses among
-    those of :class:`ActivationStats` plus ``l2``, or ``"all"``. Runs
-    ``layers/<value>`` with tags ``stats/<prefix>/<statistic>`` (``rms``,
-    ``std`` and ``l2`` as their log10: ``log10_rms``, where a vanishing
-    gradient shows), the counter ``stats/<prefix>/nonfinite``; charts in
-    the category ``activation gradients``; the latest figures in
-    ``loop.published["activation_grads"]``.
-    The model's own output is left out when it is the very output of a module.
+class ActivationGradStats(_LayerStatistics):
+    """Logs per-layer statistics of the gradient of the mean loss over the
+    whole batch with respect to intermediate values every ``every`` steps:
+    at the model's own ``perturb`` sites and the outputs of the modules
+    ``perturb`` selects, from the step's own backward pass (see README,
+    "Inside the model"). By default each value's ``rms``.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
@@ -581,25 +493,10 @@ class ActivationGradStats(_TapStatistics):
 
 
 class ParamStats(InstrumentedCallback):
-    """Logs, per module, the norm of the loss's gradient and the ratio of
-    the optimizer's update to the parameters, every ``every`` steps.
-
-    A module's parameters are the leaves whose paths share all but the leaf's
-    name (``Conv_0/kernel`` and ``Conv_0/bias`` make ``Conv_0``; leaves of the
-    model itself make ``(model)``), in Linen's parameter dicts as in NNX's
-    ``nnx.Param`` values. For each: ``grad_norm``, the norm of the gradient
-    averaged over devices, and ``update_ratio``, ``|update| / |params|`` of the
-    update applied at that step (the parameters before it). A ratio far
-    from the others' (around 1e-3 with Adam) shows a layer that learns too
-    fast or not at all. They are computed inside the step from values every
-    device shares, and read on the writer's thread. The whole model's
-    figures are step metrics already (``grad_norm``, ``update_ratio``).
-
-    Runs ``layers/<module>`` with the tags ``stats/<prefix>/log10_grad_norm``
-    and ``.../log10_update_ratio`` (their log10: the ratios of layers that
-    learn at rates 1,000 times apart show on one chart); charts in the
-    category ``parameters``; the latest figures in :attr:`latest` and
-    ``loop.published[prefix]`` (a :class:`TapStats`).
+    """Logs, per module (the leaves that share a path but the last name),
+    the norm of the loss's gradient and the ratio of the optimizer's update
+    to the parameters, every ``every`` steps (see README, "Inside the
+    model"); the latest figures are :attr:`latest`, a :class:`TapStats`.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
@@ -617,17 +514,20 @@ class ParamStats(InstrumentedCallback):
         self.every = as_every(every)
         self.prefix = prefix
         self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
-        #: The modules, in natural order of their names (found while the step is traced).
+        #: The modules, in natural order of their names (as the layout of the traced step says).
         self.names: tuple[str, ...] = ()
         #: The latest figures (a :class:`TapStats` of columns ``grad_norm`` and ``update_ratio``).
         self.latest: TapStats | None = None
         self._charts: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
 
-    def inside_step(self, tapped: Tapped) -> jax.Array:
+    def inside_step(self, tapped: Tapped) -> WithLayout:
         if tapped.updates is None:
             raise ValueError(f"{self!r} needs the optimizer's updates (Tapped.updates): this step has none")
-        self.names, table = param_stats(tapped.params, tapped.grads, tapped.updates)
-        return table
+        names, table = param_stats(tapped.params, tapped.grads, tapped.updates)
+        return WithLayout(table, names)
+
+    def take_layout(self, layout: tuple[str, ...]) -> None:
+        self.names = layout
 
     def charts(self) -> dict[str, list[str]]:
         """A chart of each figure, its tag in every module's run: ``{title: [tag]}``."""
@@ -636,10 +536,11 @@ class ParamStats(InstrumentedCallback):
             self._charts = (self.names, charts)
         return self._charts[1]
 
-    def take(self, loop: Loop, result: Any) -> None:
+    def take(self, loop: Loop, result: WithLayout) -> None:
         step = loop.step
+        self.take_layout(result.layout)
         modules = tuple(() if name == ROOT_MODULE else tuple(name.split("/")) for name in self.names)
-        latest = TapStats(step, self.names, modules, PARAM_STATS, device0_copy(result))
+        latest = TapStats(step, self.names, modules, PARAM_STATS, device0_copy(result.values))
         self.latest = latest
         loop.publish(self.prefix, latest)
         loop.writers.charts(self.chart_category, self.charts(), step)

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxhooks.callbacks._activations import InstrumentedCallback
+from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
@@ -35,7 +35,7 @@ from flaxhooks.diagnose import (
     step_window,
     update_ratios,
 )
-from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, as_module_filter
+from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, WithLayout, as_module_filter
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,34 +60,35 @@ def _once_key(finding: Finding) -> tuple[str, str | None]:
     return (finding.kind, None) if finding.kind in _MODEL_WIDE else finding.key
 
 
+class _WindowLayout(NamedTuple):
+    """What one trace of the in-step function found: how its packed sums are laid out."""
+
+    layers: tuple[str, ...]  # each layer's name
+    units: tuple[int, ...]  # each layer's units
+    modules: tuple[str, ...]  # the modules with parameters
+    num_classes: int | None  # of a classifier's logits
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Layers, units in all, modules: :meth:`~flaxhooks.diagnose.Window.unpack`'s arguments."""
+        return len(self.layers), sum(self.units), len(self.modules)
+
+
 @dataclasses.dataclass
 class _Pending:
     start: int
     end: int
-    sums: jax.Array  # packed (Window.pack)
+    sums: WithLayout  # packed (Window.pack), and the layout it was traced with
 
 
 class Diagnose(InstrumentedCallback):
     """Names what is wrong with training: which layer, since when, and what to try.
 
-    Inside the sampled steps (``every``), for each layer (the outputs of its
-    affine modules, :data:`AFFINE`: its pre-activations) it reduces the
-    pre-activations and the loss's gradient with respect to them, and per
-    module the update ratio; the sums are added up on the devices over a
-    ``window`` of steps and read once the loop has waited for its last step
-    anyway. From them it finds dead and dormant units, saturation, vanishing
-    and exploding gradients, update ratios far from 1e-3 and parameters that
-    never change; from every step's loss (read by the guard every Trainer
-    has), loss spikes, plateaus and an initial loss far from ``log(classes)``;
-    before training, set-up traps (dropout left on in evaluation, RNG
-    streams). The thresholds and their sources are in the README.
-
-    Each problem is said once when it appears (again only if it clears and
-    comes back): logged (above the progress bar), emitted as a ``finding``
-    event (:class:`~flaxhooks.Finding`) other callbacks can act on, written
-    to TensorBoard (a text entry under ``health/findings`` and a ``health/``
-    chart counting the active findings by kind), and listed in a table when
-    ``fit`` ends. A healthy model gives no finding.
+    From sums of each layer's pre-activations and their gradients, added up
+    on the devices over a ``window`` of sampled steps, and from every step's
+    loss: dead units, saturation, vanishing or exploding gradients, update
+    ratios, loss spikes and plateaus, set-up traps. Each problem is said once,
+    as a ``finding`` event and in TensorBoard (see README, "When training goes wrong").
 
     Args:
         every: the steps sampled (an int or :class:`~flaxhooks.Every`).
@@ -129,19 +130,17 @@ class Diagnose(InstrumentedCallback):
         self._setup: tuple[Any, list[Finding]] = (None, [])
         #: Every finding said during the last fit, in order (the guard's too).
         self.findings: list[Finding] = []
-        self._layers: tuple[str, ...] = ()
-        self._units: tuple[int, ...] = ()
-        self._modules: tuple[str, ...] = ()
+        #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
         #: What the step adds this window's next sums to (None: zeros, a new window).
-        self.carry: jax.Array | None = None
+        self.carry: WithLayout | None = None
         self._reset(0)
 
     def __repr__(self) -> str:
         return f"Diagnose(every={self.every!r}, window={self.window})"
 
     def _reset(self, step: int) -> None:
-        self._sums: jax.Array | None = None
+        self._sums: WithLayout | None = None
         self.carry = None
         self._start = step + 1
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -159,16 +158,11 @@ class Diagnose(InstrumentedCallback):
 
     # -- inside the step ----------------------------------------------------
 
-    @property
-    def _sizes(self) -> tuple[int, int, int]:
-        """The packed window's layout: layers, units in all, modules."""
-        return len(self._layers), sum(self._units), len(self._modules)
-
-    def sums_of(self, packed: Any) -> Window:
+    def sums_of(self, packed: WithLayout) -> Window:
         """One step's (or window's) packed sums, on the host, as a :class:`~flaxhooks.diagnose.Window`."""
-        return Window.unpack(first_replica(packed), *self._sizes)
+        return Window.unpack(first_replica(packed.values), *packed.layout.sizes)
 
-    def inside_step(self, tapped: Tapped) -> jax.Array:
+    def inside_step(self, tapped: Tapped) -> WithLayout:
         gradients = {t.name: t for t in tapped.gradients if not isinstance(t, RepeatedTap)}
         pairs, names, units = [], [], []
         for tap in tapped.activations:
@@ -180,21 +174,24 @@ class Diagnose(InstrumentedCallback):
             pairs.append((tap.value, grad.value))
             names.append(tap.name)
             units.append(int(tap.value.shape[-1]) if tap.value.ndim else 1)
-        # Fixed by the model while traced: the host reads the sums by them.
-        self._layers, self._units = tuple(names), tuple(units)
         modules, ratios = update_ratios(tapped.params, tapped.updates)
-        self._modules = modules
-        self.num_classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
-        return step_window(pairs, ratios).pack()
+        # Fixed by the model while traced: the host reads the sums by them.
+        classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
+        layout = _WindowLayout(tuple(names), tuple(units), modules, classes)
+        return WithLayout(step_window(pairs, ratios).pack(), layout)
 
-    def combine(self, carry: jax.Array, result: jax.Array) -> jax.Array:
+    def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
         """The window's sums so far and this step's, as one (in the step: the runner
         gives back what this callback carries, zeros at a window's start)."""
-        return add_windows(carry, result, Window.maxed(*self._sizes))
+        maxed = Window.maxed(*result.layout.sizes)
+        return WithLayout(add_windows(carry.values, result.values, maxed), result.layout)
 
-    def take(self, loop: Loop, result: jax.Array) -> None:
+    def take(self, loop: Loop, result: WithLayout) -> None:
         # The window's sums so far, added up on the devices: nothing is read until it is judged.
         self._sums = self.carry = result
+
+    def take_layout(self, layout: _WindowLayout) -> None:
+        self.num_classes = layout.num_classes
 
     # -- on the host ----------------------------------------------------------
 
@@ -266,10 +263,10 @@ class Diagnose(InstrumentedCallback):
         self._start = step + 1
 
     def _judge(self, loop: Loop, pending: _Pending) -> None:
-        sums = self.sums_of(pending.sums)
+        sums, layout = self.sums_of(pending.sums), pending.sums.layout
         steps = (pending.start, pending.end)
         read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
-        figures = layer_figures(self._layers, self._units, read, self.thresholds)
+        figures = layer_figures(layout.layers, layout.units, read, self.thresholds)
         for f in figures:
             self._first.setdefault(f.name, f)
         grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
@@ -278,7 +275,7 @@ class Diagnose(InstrumentedCallback):
             # heatmaps show it (non-finite cells); the guard has said it.
             self.update(loop, list(self._active.values()), pending.end)
             if self.heatmaps:
-                self._draw(loop, figures, sums, pending.end)
+                self._draw(loop, figures, sums, layout, pending.end)
             return
         found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
         if self._first_max_grad is None and grads:
@@ -288,24 +285,25 @@ class Diagnose(InstrumentedCallback):
         gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
         gone |= {layer for f in dead for layer in f.values.get("follow", ())}
         reached = {f.name: f.silent < 1.0 for f in figures}
-        params = param_findings(self._modules, sums.params, float(sums.steps), steps, self.thresholds,
+        params = param_findings(layout.modules, sums.params, float(sums.steps), steps, self.thresholds,
                                 reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
         self.update(loop, found, pending.end)
         if self.heatmaps:
-            self._draw(loop, figures, sums, pending.end)
+            self._draw(loop, figures, sums, layout, pending.end)
 
-    def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, step: int) -> None:
+    def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
+              step: int) -> None:
         """Adds the window to the heatmaps and logs them, drawn and encoded on the
         writer's thread (drawing the three takes tens of milliseconds)."""
         ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
         self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
         self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
         # Modules in the order of their layers (a module is a layer's path, or a prefix of it).
-        depth = {name: i for i, name in enumerate(self._layers)}
+        depth = {name: i for i, name in enumerate(layout.layers)}
         rank = {m: min((i for name, i in depth.items() if name == m or name.startswith(m + "/")),
-                       default=len(depth)) for m in self._modules}
-        ordered = sorted(zip(self._modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
+                       default=len(depth)) for m in layout.modules}
+        ordered = sorted(zip(layout.modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
         self._maps["update_ratio"].add(step, dict(ordered))
         if loop.writers:
             # Not health/<name>: TensorBoard keeps one kind of data per tag, and health/dead_units

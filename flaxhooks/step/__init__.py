@@ -2,6 +2,8 @@
 the runner that picks the lean or an instrumented variant per step, and what
 an instrumented step exposes (taps) and computes (statistics)."""
 
+import warnings
+
 from flaxhooks.step._adapt import as_model
 from flaxhooks.step._build import (
     OPTIMIZER_METRICS,
@@ -13,10 +15,11 @@ from flaxhooks.step._build import (
     step_rngs,
 )
 from flaxhooks.step._call import InputKeys, ModelCall
-from flaxhooks.step._contributor import StepContributor
-from flaxhooks.step._linen import LinenModel, RepeatedTap
-from flaxhooks.step._model import AXIS, Batch, Model, TapRun, axis_name
+from flaxhooks.step._contributor import StepContributor, WithLayout
+from flaxhooks.step._linen import LinenModel
+from flaxhooks.step._model import AXIS, Batch, Model, RecordedCall, axis_name
 from flaxhooks.step._nnx import NNXModel
+from flaxhooks.step._recording import RepeatedTap
 from flaxhooks.step._runner import StepRunner
 from flaxhooks.step._state import LossError, StatePlan, TrainState
 from flaxhooks.step._stats import (
@@ -58,16 +61,17 @@ __all__ = [
     "OPTIMIZER_METRICS",
     "PARAM_STATS",
     "ROOT_MODULE",
+    "RecordedCall",
     "RepeatedTap",
     "StatePlan",
     "StepContributor",
     "StepRunner",
     "Totals",
     "Tap",
-    "TapRun",
     "Tapped",
     "Taps",
     "TrainState",
+    "WithLayout",
     "add_to_totals",
     "as_model",
     "axis_name",
@@ -87,3 +91,16 @@ __all__ = [
     "window_sums",
     "zero_totals",
 ]
+
+
+#: Old names kept for one minor version: ``{old: (new name, the object)}``.
+_RENAMED = {"TapRun": ("RecordedCall", RecordedCall)}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        new, value = _RENAMED[name]
+        warnings.warn(f"flaxhooks.step.{name} is renamed {new}; the old name goes in 0.9",
+                      DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

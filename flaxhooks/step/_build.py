@@ -13,9 +13,10 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flaxhooks.step._contributor import WithLayout
 from flaxhooks.step._model import AXIS, Batch, Model, axis_name
 from flaxhooks.step._state import LossError, TrainState
-from flaxhooks.step._taps import Tapped, Taps
+from flaxhooks.step._taps import Tap, Tapped, Taps
 
 #: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
 #: with a dict of scalar metrics.
@@ -107,28 +108,23 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                                                 with_optimizer_metrics, norm_split)
             return new_state, metrics, ()
 
-        run = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
-        found: dict[str, Any] = {}
+        recorded = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
 
-        def tapped_objective(params, perturbations):
-            outputs, model_state, activations = run(params, perturbations)
+        def recorded_objective(params, perturbations):
+            outputs, model_state, activations = recorded(params, perturbations)
             loss, metrics = _scalar_loss(loss_fn, outputs, batch)
-            # The taps' values leave the differentiated function as outputs.
-            found["activations"] = activations
-            return loss, (metrics, model_state, tuple(t.value for t in activations), outputs)
+            return loss, (metrics, model_state, outputs, _values_apart(activations))
 
-        (loss, (metrics, model_state, values, outputs)), (grads, perturbation_grads) = jax.value_and_grad(
-            tapped_objective, argnums=(0, 1), has_aux=True
-        )(state.params, run.perturbations(state.params))
+        (loss, (metrics, model_state, outputs, found)), (grads, perturbation_grads) = jax.value_and_grad(
+            recorded_objective, argnums=(0, 1), has_aux=True
+        )(state.params, recorded.perturbations(state.params))
         devices = lax.psum(1, axis)
-        activations = tuple(
-            dataclasses.replace(t, value=v) for t, v in zip(found["activations"], values, strict=True)
-        )
+        activations = _values_joined(found)
         # Gradients of the mean loss over all devices, as for the parameters.
         gradients = tuple(
-            dataclasses.replace(t, value=t.value / devices) for t in run.gradients(perturbation_grads)
+            dataclasses.replace(t, value=t.value / devices) for t in recorded.gradients(perturbation_grads)
         )
-        run.finish(activations, gradients)
+        recorded.finish(activations, gradients)
         new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis,
                                                       with_optimizer_metrics, norm_split)
         tapped = Tapped(
@@ -140,6 +136,17 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
     train_step.__name__ = "instrumented_step" if instrumented else "train_step"
     return train_step
+
+
+def _values_apart(taps: Sequence[Tap]) -> WithLayout:
+    """The taps' values as arrays, the rest of each tap as static layout: so
+    they leave ``jax.value_and_grad`` through its aux output."""
+    return WithLayout(tuple(t.value for t in taps), tuple(dataclasses.replace(t, value=None) for t in taps))
+
+
+def _values_joined(found: WithLayout) -> tuple[Tap, ...]:
+    """The taps :func:`_values_apart` took apart."""
+    return tuple(dataclasses.replace(t, value=v) for t, v in zip(found.layout, found.values, strict=True))
 
 
 def optimizer_metrics(params: Any, grads: Any, updates: Any,

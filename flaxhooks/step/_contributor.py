@@ -1,9 +1,14 @@
 """The step-contributor protocol: what a callback declares to have values
-computed inside the train step."""
+computed inside the train step, and how a result carries the static layout
+of what was traced (:class:`WithLayout`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Hashable
 from typing import Any, Protocol, runtime_checkable
+
+import jax
 
 from flaxhooks.step._taps import Tapped, Taps
 
@@ -15,10 +20,10 @@ class StepContributor(Protocol):
     It declares what the step must expose (:attr:`taps`), a pure function of
     that (:meth:`inside_step`) and when it is due (:meth:`due`, asked on the
     host once per step). The runner compiles one variant of the step per set
-    of due contributors (each compiled once), runs the lean step when none is
-    due, and hands each due contributor its own result (:meth:`take`). Its
-    host code never enters the compiled step.
-
+    of due contributors and hands each due one its own result (:meth:`take`).
+    Tracing changes nothing on the host: what the trace found (names, sizes)
+    comes back with the result, in a :class:`WithLayout`, and an optional
+    ``take_layout(layout)`` gets it once the runner has checked the step.
     :class:`flaxhooks.InstrumentedCallback` is the callback that implements it.
     """
 
@@ -33,3 +38,31 @@ class StepContributor(Protocol):
     def take(self, loop: Any, result: Any) -> None:
         """This contributor's result of the step just dispatched (replicated
         device arrays: nothing is read), before ``step_end``."""
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class WithLayout:
+    """An in-step result with the static layout of what was traced.
+
+    ``values`` are the arrays; ``layout`` is hashable host data fixed by the
+    trace (the names and sizes of the values), carried out of ``jax.jit`` in
+    the result's tree structure, never as an array. An ``inside_step`` returns
+    one; ``take`` (and ``combine``) receive it back with both.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> out = jax.jit(lambda x: WithLayout(x * 2, ("x",)))(jnp.ones(2))
+        >>> out.layout, out.values.tolist()
+        (('x',), [2.0, 2.0])
+    """
+
+    values: Any
+    layout: Hashable = ()
+
+    def tree_flatten(self) -> tuple[tuple[Any], Hashable]:
+        return (self.values,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: Hashable, children: tuple[Any, ...]) -> WithLayout:
+        return cls(children[0], layout)

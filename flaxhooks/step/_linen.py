@@ -15,7 +15,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -25,6 +25,15 @@ from flax.core.scope import in_filter
 
 from flaxhooks.step._call import INVERTED_MODE_ARGS, InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
+from flaxhooks.step._recording import (
+    CallOrder,
+    Found,
+    ReturnedBy,
+    as_repeated,
+    returned_by,
+    sown_entries,
+    variable_sites,
+)
 from flaxhooks.step._taps import (
     INTERMEDIATES,
     PERTURBATIONS,
@@ -197,8 +206,8 @@ class LinenModel:
 
     def tap(
         self, model_state: Mapping[str, Any], batch: Batch, *, rngs: Mapping[str, jax.Array], taps: Taps,
-    ) -> _LinenTapRun:
-        return _LinenTapRun(self, model_state, batch, rngs, taps)
+    ) -> _LinenRecordedCall:
+        return _LinenRecordedCall(self, model_state, batch, rngs, taps)
 
     def tabulate(self, batch: Batch, carried: Sequence[str], **options: Any) -> str:
         """``flax.linen.tabulate`` on zeros like ``batch`` (one device's share).
@@ -217,8 +226,8 @@ class LinenModel:
         return nn.tabulate(self.eval_module, rngs, mutable=["params", *carried], **options)(*inputs, **kwargs)
 
 
-class _LinenTapRun:
-    """One instrumented call of a Linen model (see :class:`~flaxhooks.step.TapRun`)."""
+class _LinenRecordedCall:
+    """One instrumented call of a Linen model (see :class:`~flaxhooks.step.RecordedCall`)."""
 
     def __init__(
         self, model: LinenModel, model_state: Mapping[str, Any], batch: Batch,
@@ -227,10 +236,10 @@ class _LinenTapRun:
         self.model, self.model_state, self.batch, self.rngs, self.taps = model, model_state, batch, rngs, taps
         self.carried = tuple(model_state)
         self.collections = [c for c in taps.activation_collections if c not in self.carried]
-        self.recorder: CallRecorder | None = None
+        self.recorder: _LinenCallRecorder | None = None
 
     def _run(self, params: Any, perturbations: Any, mutable: Sequence[str]) -> tuple[Any, dict[str, Any]]:
-        self.recorder = CallRecorder(self.taps.perturb, self.taps.capture, self.collections)
+        self.recorder = _LinenCallRecorder(self.taps.perturb, self.taps.capture, self.collections)
         variables = {"params": params, **self.model_state}
         if perturbations:
             variables[PERTURBATIONS] = perturbations
@@ -250,13 +259,13 @@ class _LinenTapRun:
     def __call__(self, params: Any, perturbations: Any) -> tuple[Any, dict[str, Any], tuple[Tap, ...]]:
         outputs, mutated = self._run(params, perturbations, [*self.carried, *self.collections])
         assert self.recorder is not None
-        activations = collect_taps({c: mutated[c] for c in self.collections if c in mutated}, self.recorder,
-                                   self.taps.split_steps)
-        return outputs, {c: mutated[c] for c in self.carried}, tuple(activations)
+        activations = recorded_values({c: mutated[c] for c in self.collections if c in mutated},
+                                      self.recorder, self.taps.split_steps)
+        return outputs, {c: mutated[c] for c in self.carried}, activations
 
     def gradients(self, perturbation_grads: Any) -> tuple[Tap, ...]:
         assert self.recorder is not None
-        return tuple(collect_taps({PERTURBATIONS: perturbation_grads}, self.recorder, self.taps.split_steps))
+        return recorded_values({PERTURBATIONS: perturbation_grads}, self.recorder, self.taps.split_steps)
 
     def finish(self, activations: Sequence[Tap], gradients: Sequence[Tap]) -> None:
         assert self.recorder is not None
@@ -314,49 +323,12 @@ class Scan:
         return scan_axis(self.variable_axes, "params") is None
 
 
-@dataclasses.dataclass(frozen=True)
-class RepeatedTap(Tap):
-    """The model's own output when it is the very same array as the output
-    of a module the same taps take (the model returns that module's output
-    unchanged): a second copy of a curve, which the statistics callbacks
-    log only when asked for every value.
-
-    Attributes:
-        repeats: the path of the module whose output the model returns.
-    """
-
-    repeats: tuple[str, ...] = ()
-
-
-class ReturnedBy(NamedTuple):
-    """The module call a traced array came out of, as its caller received it."""
-
-    array: Any  # kept alive while recording, so that no other array takes its id
-    path: tuple[str, ...]
-    captured: bool
-    perturbed: bool
-
-
-def returned_by(returned: Mapping[int, ReturnedBy], array: Any) -> ReturnedBy | None:
-    """The call that returned this very array (object identity), or None."""
-    found = returned.get(id(array))
-    return found if found is not None and found.array is array else None
-
-
-def as_repeated(tap: Tap, repeats: tuple[str, ...] | None) -> Tap:
-    """``tap`` marked as repeating the output of the module at ``repeats`` (if not None)."""
-    if repeats is None:
-        return tap
-    fields = {f.name: getattr(tap, f.name) for f in dataclasses.fields(Tap)}
-    return RepeatedTap(**fields, repeats=repeats)
-
-
 def _is_probe(module: nn.Module) -> bool:
     """Flax's abstract check of ``setup`` runs on a clone in a throw-away scope."""
     return type(module.scope).__name__ == "TestScope"
 
 
-class CallRecorder:
+class _LinenCallRecorder:
     """A method interceptor: records which module calls ran, in the order they
     completed, finds the scans they ran in (``nn.scan`` in class or
     method form, ``nn.RNN``), and perturbs the outputs of selected modules so
@@ -373,10 +345,8 @@ class CallRecorder:
         self.perturb = perturb
         self.capture = capture
         self.sown = tuple(sown)
-        self._done = 0  # calls completed so far: the next one's rank
-        self._completed: dict[tuple[str, ...], int] = {}  # path -> rank of its first completed call
-        #: (path, method, call) -> rank of that call (the first time it ran: nn.scan traces its body twice).
-        self._ranks: dict[tuple[tuple[str, ...], str, int], int] = {}
+        #: The order calls completed in (a call keeps its first rank: nn.scan traces its body twice).
+        self.order = CallOrder()
         #: (path, collection, name, entry) -> rank of the call that sowed that entry of the
         #: sown tuple (entry None: a value that is no tuple, by the call that last wrote it).
         self._sown_ranks: dict[tuple[tuple[str, ...], str, str, int | None], int] = {}
@@ -480,12 +450,8 @@ class CallRecorder:
             output = self._perturbed(module, path, method, call, output, repeats)
         self._note_returned(output, path, captured, perturbed, repeats)
         # A parent's call completes after its children's: the order the outputs were produced in.
-        rank = self._done
-        self._done += 1
-        self._ranks.setdefault((path, method, call), rank)
+        rank = self.order.complete((path, method, call), outermost)
         self._note_sown(module, path, before, rank)
-        if outermost:
-            self._completed.setdefault(path, rank)
         return output
 
     def _count(self, module: nn.Module, path: tuple[str, ...], method: str) -> int:
@@ -561,52 +527,10 @@ class CallRecorder:
                 leaves[i] = module.perturb(variable, leaf)
         return jax.tree.unflatten(treedef, leaves)
 
-    def rank(self, path: tuple[str, ...]) -> int:
-        """The order in which ``path``'s module first completed a call (last if never)."""
-        return self._completed.get(path, self._done)
-
-    def call_rank(self, path: tuple[str, ...], method: str, call: int) -> int:
-        """The order in which call ``call`` (from 0) of ``path``'s ``method`` completed;
-        the module's first call's if unknown."""
-        return self._ranks.get((path, method, call), self.rank(path))
-
     def sown_rank(self, path: tuple[str, ...], collection: str, name: str, entry: int | None) -> int:
         """The rank of the call that sowed ``entry`` of the module's sown
         ``name`` (None: a value that is no tuple); the module's first call's if unknown."""
-        return self._sown_ranks.get((path, collection, name, entry), self.rank(path))
-
-
-def sown_values(value: Any, name: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
-    """The floating arrays in a sown value (a tuple of calls, each any pytree)."""
-    for _, item_name, array in sown_entries(value, name):
-        yield item_name, array
-
-
-def sown_entries(
-    value: Any, name: tuple[str, ...],
-) -> Iterator[tuple[int | None, tuple[str, ...], jax.Array]]:
-    """:func:`sown_values`, each with the entry of the tuple (the call, or
-    the ``sow``) it is in; None for a value that is no tuple."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            for item_name, array in sown_values(item, (*name, str(key))):
-                yield None, item_name, array
-    elif isinstance(value, (tuple, list)):
-        many = sum(item is not None for item in value) > 1
-        for i, item in enumerate(value):
-            for item_name, array in sown_values(item, (*name, str(i)) if many else name):
-                yield i, item_name, array
-    elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
-        yield None, name, value
-
-
-def _sites(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, Any]]:
-    """(module path, variable name, value) for each variable of a collection."""
-    for key, value in tree.items():
-        if isinstance(value, Mapping):  # a submodule: sown values are tuples
-            yield from _sites(value, (*path, key))
-        else:
-            yield path, key, value
+        return self._sown_ranks.get((path, collection, name, entry), self.order.rank(path))
 
 
 def _perturbation_call(name: str) -> tuple[str, int]:
@@ -659,9 +583,9 @@ def _split_scanned(
     yield from split(value, [], axes, 0)
 
 
-def collect_taps(
-    collections: Mapping[str, Mapping[str, Any]], recorder: CallRecorder, split_steps: bool = False,
-) -> list[Tap]:
+def recorded_values(
+    collections: Mapping[str, Mapping[str, Any]], recorder: _LinenCallRecorder, split_steps: bool = False,
+) -> tuple[Tap, ...]:
     """Taps for every floating value in ``collections``, in execution order:
     each in the order the call that made it completed (a shared module's
     outputs each by its own call), a parent's after its children's.
@@ -669,9 +593,9 @@ def collect_taps(
     Values stacked by a scan over layers are split into one tap per layer;
     those of a recurrence stay one value over every time step unless ``split_steps``.
     """
-    found: list[tuple[int, int, Tap]] = []
+    found = Found()
     for collection, tree in collections.items():
-        sites = list(_sites(tree))
+        sites = list(variable_sites(tree))
         origins = {PERTURBATIONS: recorder.perturbed, INTERMEDIATES: recorder.captured}.get(collection, {})
         for module, key, value in sites:
             origin = origins.get((module, key))
@@ -679,11 +603,11 @@ def collect_taps(
             if collection == PERTURBATIONS:
                 siblings = {k for m, k, _ in sites if m == module}
                 # An interceptor's site names its call; the model's own perturb sites do not.
-                rank = recorder.call_rank(module, *_perturbation_call(key)) if origin is not None \
-                    else recorder.rank(module)
+                rank = recorder.order.call_rank((module, *_perturbation_call(key))) if origin is not None \
+                    else recorder.order.rank(module)
                 entries = iter([(rank, _perturbation_name(key, siblings), value)])
             elif origin is not None:  # a captured output: one entry per call
-                entries = ((recorder.call_rank(module, key, call or 0), name, array)
+                entries = ((recorder.order.call_rank((module, key, call or 0)), name, array)
                            for call, name, array in sown_entries(value, (key,)))
             else:
                 entries = ((recorder.sown_rank(module, collection, key, entry), name, array)
@@ -695,16 +619,13 @@ def collect_taps(
                     tap = Tap("/".join(display), module, collection, layer_value, key, origin)
                     if origin is not None and not module:
                         tap = as_repeated(tap, _repeated(recorder, collection, key, layer_value))
-                    found.append((rank, len(found), tap))
-    taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
-    names = [t.name for t in taps]
-    return [
-        dataclasses.replace(t, name=f"{t.name}[{t.collection}]") if names.count(t.name) > 1 else t
-        for t in taps
-    ]
+                    found.add(rank, tap)
+    return found.in_call_order()
 
 
-def _repeated(recorder: CallRecorder, collection: str, key: str, value: jax.Array) -> tuple[str, ...] | None:
+def _repeated(
+    recorder: _LinenCallRecorder, collection: str, key: str, value: jax.Array,
+) -> tuple[str, ...] | None:
     """The path of the module whose output this tap of the model's output is, or None."""
     if collection == PERTURBATIONS:
         return recorder.repeated_sites.get(((), key))
@@ -712,7 +633,7 @@ def _repeated(recorder: CallRecorder, collection: str, key: str, value: jax.Arra
     return known.path if known is not None else None
 
 
-def warn_dropped(recorder: CallRecorder, taps: Sequence[Tap], requested: Sequence[str]) -> None:
+def warn_dropped(recorder: _LinenCallRecorder, taps: Sequence[Tap], requested: Sequence[str]) -> None:
     """Warns once about each scan (``nn.scan``, ``nn.RNN``) that drops values
     that are wanted, naming it and the exact change that hands them out.
 

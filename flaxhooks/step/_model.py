@@ -33,7 +33,7 @@ def axis_name(model: Any) -> str:
     return str(getattr(model, "axis_name", AXIS))
 
 
-class TapRun(Protocol):
+class RecordedCall(Protocol):
     """One instrumented train-mode call of the model, built inside the step.
 
     The step builder calls :meth:`perturbations` once (for zeros shaped like
@@ -94,7 +94,7 @@ class Model(Protocol):
 
     def tap(
         self, model_state: Mapping[str, Any], batch: Batch, *, rngs: Mapping[str, jax.Array], taps: Taps,
-    ) -> TapRun:
+    ) -> RecordedCall:
         """The instrumented train-mode call that exposes what ``taps`` asks for."""
 
     def tabulate(self, batch: Batch, carried: Sequence[str], **options: Any) -> str:

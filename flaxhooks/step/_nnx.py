@@ -18,7 +18,6 @@ The model's own ``sow`` and ``perturb`` sites are read with ``nnx.capture``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 import threading
@@ -33,8 +32,17 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from flaxhooks.step._call import InputKeys, ModelCall
-from flaxhooks.step._linen import ReturnedBy, as_repeated, returned_by, sown_values
 from flaxhooks.step._model import AXIS, Batch
+from flaxhooks.step._recording import (
+    CallOrder,
+    Found,
+    Path,
+    ReturnedBy,
+    as_repeated,
+    returned_by,
+    sown_values,
+    variable_sites,
+)
 from flaxhooks.step._taps import (
     INTERMEDIATES,
     PERTURBATIONS,
@@ -44,8 +52,6 @@ from flaxhooks.step._taps import (
     named_modules,
     output_name,
 )
-
-Path = tuple[str, ...]
 
 
 def collection_of(variable_type: type) -> str:
@@ -113,12 +119,8 @@ class NNXModel:
             if it names one (``deterministic``, its inverse, is recognized
             too); NNX's own switch (``deterministic`` / ``use_running_average``
             attributes, as ``train()`` / ``eval()`` set them) is always used.
-        axis_name: the device axis the step maps over.
-
-    Every ``nnx.BatchNorm`` of the train-mode copy reduces its statistics
-    over the step's device axis (``axis_name``), so they cover the
-    global batch as under a sharded ``jax.jit``; the user's module keeps its
-    own ``axis_name``. The step sees the whole batch: one dropout key draws its masks.
+        axis_name: the device axis the step maps over (every ``nnx.BatchNorm``
+            of the train-mode copy reduces over it; see README, "NNX models").
 
     Example:
         >>> from flax import nnx
@@ -222,9 +224,9 @@ class NNXModel:
 
     def tap(
         self, model_state: Mapping[str, Any], batch: Batch, *, rngs: Mapping[str, jax.Array], taps: Taps,
-    ) -> _NNXTapRun:
+    ) -> _NNXRecordedCall:
         del rngs
-        return _NNXTapRun(self, model_state, batch, taps)
+        return _NNXRecordedCall(self, model_state, batch, taps)
 
     def update(self, params: Any, model_state: Mapping[str, Any]) -> None:
         """Writes trained values into the user's module (``nnx.update``)."""
@@ -305,7 +307,7 @@ def _recording_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _recording(recorder: _Recorder, classes: set[type]) -> Iterator[None]:
+def _recording(recorder: _NNXCallRecorder, classes: set[type]) -> Iterator[None]:
     """Wraps the ``__call__`` of ``classes`` while ``recorder`` records on this thread.
 
     Other threads, and modules outside the recorder's graph, run unchanged.
@@ -335,7 +337,7 @@ def _recording(recorder: _Recorder, classes: set[type]) -> Iterator[None]:
                     owner.__call__ = original  # type: ignore[method-assign]
 
 
-class _Recorder:
+class _NNXCallRecorder:
     """Records the outputs of the modules of one graph, in the order their
     calls complete, and adds perturbations to the selected ones."""
 
@@ -343,8 +345,7 @@ class _Recorder:
                  perturbations: Mapping[str, jax.Array] | None):
         self.modules = {id(m): (tuple(str(p) for p in path), m) for path, m in nnx.iter_modules(root)}
         self.capture, self.perturb, self.perturbations = capture, perturb, perturbations
-        self.completed: dict[Path, int] = {}  # path -> rank of its first completed call
-        self.ranks: dict[tuple[Path, int], int] = {}  # (path, call) -> the order that call completed in
+        self.order = CallOrder()
         self.calls: dict[Path, int] = {}
         self.outputs: list[tuple[Path, int, int, int, jax.Array, nnx.Module]] = []  # path, call, leaf, leaves
         self.perturbed: list[tuple[Path, int, int, int, str, nnx.Module]] = []
@@ -400,9 +401,7 @@ class _Recorder:
         if path:
             for leaf in jax.tree.leaves(output):  # as the caller receives them
                 self._returned[id(leaf)] = ReturnedBy(leaf, path, captured, perturbed)
-        # A parent's call completes after its children's: the order the outputs were produced in.
-        rank = self.ranks[(path, call)] = len(self.ranks)
-        self.completed.setdefault(path, rank)
+        self.order.complete((path, "__call__", call))
         return output
 
     def _note_repeats(self, call: int, outputs: Sequence[jax.Array]) -> None:
@@ -414,14 +413,6 @@ class _Recorder:
                 self.repeated_outputs[(call, n)] = source.path
             if source is not None and source.perturbed:
                 self.repeated_sites[(call, n)] = source.path
-
-    def rank(self, path: Path) -> int:
-        """The order in which ``path``'s module first completed a call (last if never)."""
-        return self.completed.get(path, len(self.ranks))
-
-    def call_rank(self, path: Path, call: int) -> int:
-        """The order in which call ``call`` (from 0) of ``path``'s module completed."""
-        return self.ranks.get((path, call), self.rank(path))
 
     def name(self, path: Path, call: int, leaf: int, leaves: int) -> str:
         parts = [*path, *output_name(path, ())]
@@ -446,22 +437,22 @@ def _sown_types(collections: Sequence[str]) -> dict[type, str]:
     return {t: found[t] for t in ordered}
 
 
-class _NNXTapRun:
-    """One instrumented call of an NNX model (see :class:`~flaxhooks.step.TapRun`)."""
+class _NNXRecordedCall:
+    """One instrumented call of an NNX model (see :class:`~flaxhooks.step.RecordedCall`)."""
 
     def __init__(self, model: NNXModel, model_state: Mapping[str, Any], batch: Batch, taps: Taps):
         self.model, self.model_state, self.batch, self.taps = model, model_state, batch, taps
         self.sown = {t: n for t, n in _sown_types(taps.collections).items() if t is not nnx.Perturbation}
         # nnx.Perturbation first: it subclasses nnx.Intermediate.
         self.types = [*([nnx.Perturbation] if taps.model_perturbations else []), *self.sown]
-        self.recorder: _Recorder | None = None
+        self.recorder: _NNXCallRecorder | None = None
 
     def _run(
         self, params: Any, perturbations: Mapping[str, Any] | None,
     ) -> tuple[Any, nnx.Module, dict[type, Any]]:
         module = self.model.merged(params, self.model_state, train=True)
         outputs = None if perturbations is None else perturbations.get("outputs", {})
-        recorder = self.recorder = _Recorder(module, self.taps.capture, self.taps.perturb, outputs)
+        recorder = self.recorder = _NNXCallRecorder(module, self.taps.capture, self.taps.perturb, outputs)
         init = None
         if perturbations is not None and perturbations.get("model"):
             init = _as_variables(perturbations["model"], nnx.Perturbation)
@@ -493,41 +484,40 @@ class _NNXTapRun:
         outputs, module, captured = self._run(params, perturbations or {})
         recorder = self.recorder
         assert recorder is not None
-        found: list[tuple[int, int, Tap]] = []
+        found = Found()
         for path, call, leaf, leaves, value, source in recorder.outputs:
             tap = Tap(recorder.name(path, call, leaf, leaves), path, INTERMEDIATES, value, "__call__",
                       (source, "__call__"))
             if not path:
                 tap = as_repeated(tap, recorder.repeated_outputs.get((call, leaf)))
-            found.append((recorder.call_rank(path, call), len(found), tap))
+            found.add(recorder.order.call_rank((path, "__call__", call)), tap)
         for var_type, state in captured.items():
             if var_type is nnx.Perturbation:
                 continue
             collection = self.sown[var_type]
-            for module_path, key, value in _sites(nnx.to_pure_dict(state)):
+            for module_path, key, value in variable_sites(nnx.to_pure_dict(state)):
                 for name, array in sown_values(value, (key,)):
                     tap = Tap("/".join((*module_path, *name)), module_path, collection, array, key)
-                    found.append((recorder.rank(module_path), len(found), tap))
-        taps = [tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]
-        return outputs, self.model._new_state(module, self.model_state), tuple(_unique(taps))
+                    found.add(recorder.order.rank(module_path), tap)
+        return outputs, self.model._new_state(module, self.model_state), found.in_call_order()
 
     def gradients(self, perturbation_grads: Any) -> tuple[Tap, ...]:
         recorder = self.recorder
         assert recorder is not None
         if not perturbation_grads:
             return ()
-        found: list[tuple[int, int, Tap]] = []
+        found = Found()
         for path, call, leaf, leaves, key, source in recorder.perturbed:
             tap = Tap(recorder.name(path, call, leaf, leaves), path, PERTURBATIONS,
                       perturbation_grads["outputs"][key], "__call__", (source, "__call__"))
             if not path:
                 tap = as_repeated(tap, recorder.repeated_sites.get((call, leaf)))
-            found.append((recorder.call_rank(path, call), len(found), tap))
-        for module_path, key, value in _sites(perturbation_grads.get("model", {})):
+            found.add(recorder.order.call_rank((path, "__call__", call)), tap)
+        for module_path, key, value in variable_sites(perturbation_grads.get("model", {})):
             for name, array in sown_values(value, (key,)):
                 tap = Tap("/".join((*module_path, *name)), module_path, PERTURBATIONS, array, key)
-                found.append((recorder.rank(module_path), len(found), tap))
-        return tuple(_unique([tap for _, _, tap in sorted(found, key=lambda entry: entry[:2])]))
+                found.add(recorder.order.rank(module_path), tap)
+        return found.in_call_order()
 
     def finish(self, activations: Sequence[Tap], gradients: Sequence[Tap]) -> None:
         recorder = self.recorder
@@ -549,18 +539,3 @@ def _as_variables(tree: Mapping[Any, Any], variable_type: type) -> dict[Any, Any
     """Module dicts as they are, each variable's value (any pytree) wrapped whole."""
     return {key: _as_variables(value, variable_type) if isinstance(value, Mapping) else variable_type(value)
             for key, value in tree.items()}
-
-
-def _sites(tree: Mapping[Any, Any], path: Path = ()) -> Iterator[tuple[Path, str, Any]]:
-    """(module path, variable name, value) for each captured variable."""
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from _sites(value, (*path, str(key)))
-        else:
-            yield path, str(key), value
-
-
-def _unique(taps: Sequence[Tap]) -> list[Tap]:
-    names = [t.name for t in taps]
-    return [t if names.count(t.name) == 1 else dataclasses.replace(t, name=f"{t.name}[{t.collection}]")
-            for t in taps]

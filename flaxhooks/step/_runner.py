@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from flaxhooks.data import BatchSpec, InFlight, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
-from flaxhooks.step._contributor import StepContributor
+from flaxhooks.step._contributor import StepContributor, WithLayout
 from flaxhooks.step._model import Model, axis_name
 from flaxhooks.step._state import LossError, explained
 from flaxhooks.step._taps import Taps
@@ -182,6 +182,9 @@ class StepRunner:
         if self.contributors:  # the contributors' own errors, raised as they are
             _, _, results = jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
             self._results = dict(zip(self.contributors, results, strict=True))
+            for contributor, result in self._results.items():  # on the host, once the trace is done
+                if isinstance(result, WithLayout) and hasattr(contributor, "take_layout"):
+                    contributor.take_layout(result.layout)
         self._checked.add(key)
 
     def replay(self, state: Any, batch: Any, contributors: Sequence[StepContributor]) -> tuple[Any, ...]:
