@@ -20,7 +20,6 @@ from flaxhooks.callbacks._tensorboard import TensorBoard
 from flaxhooks.core import NonFiniteError
 
 __all__ = [
-    "AFFINE",
     "ActivationGradStats",
     "ActivationStats",
     "Checkpoint",

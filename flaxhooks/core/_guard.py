@@ -20,7 +20,7 @@ from flaxhooks.core._findings import Finding
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
 from flaxhooks.data import first_replica
-from flaxhooks.step import RepeatedTap, Tapped, Taps
+from flaxhooks.step import RepeatedTap, Tapped, Taps, WithLayout
 
 _log = logging.getLogger("flaxhooks")
 
@@ -35,29 +35,23 @@ class _Probe:
     taps = Taps(capture=lambda module, method: method == "__call__",
                 perturb=lambda module, method: method == "__call__")
 
-    def __init__(self) -> None:
-        self.activations: tuple[tuple[str, tuple[str, ...]], ...] = ()
-        self.gradients: tuple[tuple[str, tuple[str, ...]], ...] = ()
-        self.params: tuple[str, ...] = ()
-
     def due(self, step: int) -> bool:
         return False  # only ever replayed
 
-    def inside_step(self, tapped: Tapped) -> dict[str, jax.Array]:
-        # Names are fixed by the model while traced; the flags are the values.
+    def inside_step(self, tapped: Tapped) -> WithLayout:
+        # The names are the layout, fixed by the model while traced; the flags are the values.
         acts = [t for t in tapped.activations if not isinstance(t, RepeatedTap)]
         grads = [t for t in tapped.gradients if not isinstance(t, RepeatedTap)]
-        self.activations = tuple((t.name, t.module) for t in acts)
-        self.gradients = tuple((t.name, t.module) for t in grads)
         paths = jax.tree_util.tree_flatten_with_path(tapped.params)[0]
-        self.params = tuple("/".join(_key(k) for k in path) for path, _ in paths)
+        layout = (tuple((t.name, t.module) for t in acts), tuple((t.name, t.module) for t in grads),
+                  tuple("/".join(_key(k) for k in path) for path, _ in paths))
 
         def bad(values: list[jax.Array]) -> jax.Array:
             return jnp.stack([~jnp.all(jnp.isfinite(v)) for v in values]) if values else jnp.zeros(0, bool)
 
-        return {"activations": bad([t.value for t in acts]), "gradients": bad([t.value for t in grads]),
-                "param_grads": bad(jax.tree.leaves(tapped.grads)),
-                "loss": ~jnp.isfinite(tapped.loss)}
+        flags = {"activations": bad([t.value for t in acts]), "gradients": bad([t.value for t in grads]),
+                 "param_grads": bad(jax.tree.leaves(tapped.grads)), "loss": ~jnp.isfinite(tapped.loss)}
+        return WithLayout(flags, layout)
 
     def take(self, loop: Any, result: Any) -> None:  # replays hand results back directly
         pass
@@ -187,10 +181,10 @@ class NonFiniteGuard(Callback):
         if before != step - 1:
             return (f"the state from before it was not kept (the state is at step {before}), so the step "
                     "could not be replayed"), {}
-        probe = _Probe()
         started = time.perf_counter()
-        (flags,) = replay(batch, (probe,))
-        flags = {k: first_replica(v) for k, v in flags.items()}
+        (result,) = replay(batch, (_Probe(),))
+        flags = {k: first_replica(v) for k, v in result.values.items()}
+        activations, gradients, param_names = result.layout
         # Each process times its own replay; on several, the words (their agreed stop
         # is said once if they are the same) leave the time out.
         seconds = time.perf_counter() - started
@@ -199,14 +193,14 @@ class NonFiniteGuard(Callback):
         # The state itself, before the step (the probe's view of the parameters is the
         # updated ones less the update, non-finite when the update is).
         flags["params"] = first_replica(_nonfinite_leaves(loop.state.params))
-        params = [name for name, bad in zip(probe.params, flags["params"], strict=True) if bad]
+        params = [name for name, bad in zip(param_names, flags["params"], strict=True) if bad]
         if params:
             return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"
                     f"{', ...' if len(params) > 3 else ''}): an earlier step's gradient or update was "
                     f"non-finite while its loss was finite ({cost})"), {"layer": params[0].rsplit("/", 1)[0]}
         acts = [i for i, bad in enumerate(flags["activations"]) if bad]
         if acts:
-            name, module = probe.activations[acts[0]]
+            name, module = activations[acts[0]]
             layer = "/".join(module) or "the model itself"
             return (f"the first call, in execution order, whose output went non-finite is {name!r} "
                     f"(module {layer!r}) ({cost})"), {"layer": "/".join(module) or None, "call": name}
@@ -214,16 +208,16 @@ class NonFiniteGuard(Callback):
         if grads:
             # The backward pass runs from the loss to the input: it went non-finite in the
             # call after the deepest output whose gradient is not finite, which took that output in.
-            name, module = probe.gradients[grads[-1]]
-            if grads[-1] + 1 < len(probe.gradients):
-                consumer, at = probe.gradients[grads[-1] + 1]
+            name, module = gradients[grads[-1]]
+            if grads[-1] + 1 < len(gradients):
+                consumer, at = gradients[grads[-1] + 1]
                 where, layer = f"in the backward pass of {consumer!r}", "/".join(at) or None
             else:
                 where, layer = "in loss_fn's gradient", None
             return (f"every output is finite, but the gradient went non-finite {where}: the deepest output "
                     f"with a non-finite gradient is {name!r}, the next call's is finite ({cost})"
                     ), {"layer": layer}
-        param_grads = [name for name, bad in zip(probe.params, flags["param_grads"], strict=True) if bad]
+        param_grads = [name for name, bad in zip(param_names, flags["param_grads"], strict=True) if bad]
         if param_grads:
             return (f"every module output and its gradient is finite, but the gradient of the parameter "
                     f"{param_grads[0]!r} is not ({cost})"), {"layer": param_grads[0].rsplit("/", 1)[0]}

@@ -106,7 +106,7 @@ def _local_copy(x: Any) -> Any:
             f"an array of shape {x.shape} is split over devices ({x.sharding}); only replicated values "
             "have a whole copy on each device"
         )
-    return x.addressable_shards[0].data
+    return x.addressable_data(0)  # a tenth of the cost of x.addressable_shards[0].data
 
 
 def first_replica(tree: Any) -> Any:
@@ -115,8 +115,8 @@ def first_replica(tree: Any) -> Any:
     Only that copy is transferred. This waits for the values: call it only
     when they are needed.
     """
-    if isinstance(tree, jax.Array) and tree.is_fully_addressable:
-        return np.asarray(tree)  # 4 us where going through a shard takes 20
+    if isinstance(tree, jax.Array):  # one array: no tree walk, no device_get (each costs more than the read)
+        return np.asarray(tree if tree.is_fully_addressable else _local_copy(tree))
     return jax.device_get(device0_copy(tree))
 
 

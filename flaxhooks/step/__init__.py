@@ -1,6 +1,11 @@
 """The train step: the model adapter, the state, the one step builder and
 the runner that picks the lean or an instrumented variant per step, and what
-an instrumented step exposes (taps) and computes (statistics)."""
+an instrumented step exposes (taps) and computes (statistics).
+
+``__all__`` is what users write and extend (model adapters, step contributors
+and what they see, the train state, statistics names); the other names here
+are the layers' own interface and may change in any release.
+"""
 
 import warnings
 
@@ -47,49 +52,27 @@ __all__ = [
     "ACTIVATION_STATS",
     "AXIS",
     "GRADIENT_STATS",
-    "Batch",
-    "InsideStep",
     "InputKeys",
     "LinenModel",
     "LossError",
     "LossFn",
-    "ModelCall",
     "Model",
     "ModuleFilter",
-    "ModuleSpec",
     "NNXModel",
-    "OPTIMIZER_METRICS",
     "PARAM_STATS",
-    "ROOT_MODULE",
     "RecordedCall",
     "RepeatedTap",
-    "StatePlan",
     "StepContributor",
-    "StepRunner",
-    "Totals",
     "Tap",
     "Tapped",
     "Taps",
+    "Totals",
     "TrainState",
     "WithLayout",
-    "add_to_totals",
-    "as_model",
-    "axis_name",
-    "as_module_filter",
-    "bin_edges",
-    "build_step",
-    "check_stats",
-    "combine_windows",
-    "optimizer_metrics",
-    "param_modules",
-    "param_stats",
     "select_modules",
-    "split_loss",
-    "step_rngs",
     "tap_stats",
     "window_means",
     "window_sums",
-    "zero_totals",
 ]
 
 
