@@ -27,8 +27,17 @@ from flaxhooks.callbacks._data_positions import (
     read_positions,
     split_positions,
 )
-from flaxhooks.core import Callback, Every, Loop, PeerLost, ProcessError, as_every
-from flaxhooks.core._processes import WAIT_NOTE_SECONDS, distributed_client, peer_gone
+from flaxhooks.core import (
+    WAIT_NOTE_SECONDS,
+    Callback,
+    Every,
+    Loop,
+    PeerLost,
+    ProcessError,
+    as_every,
+    distributed_client,
+    peer_gone,
+)
 from flaxhooks.data import DataPosition, device0_copy
 from flaxhooks.writers import check_writable
 

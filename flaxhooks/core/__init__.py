@@ -10,7 +10,12 @@ from flaxhooks.core._fit import Fit
 from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
+
+# Used by the callbacks, not by users: importable, left out of __all__.
+from flaxhooks.core._processes import WAIT_NOTE_SECONDS as WAIT_NOTE_SECONDS
 from flaxhooks.core._processes import PeerLost, PeerTimeout, ProcessError
+from flaxhooks.core._processes import distributed_client as distributed_client
+from flaxhooks.core._processes import peer_gone as peer_gone
 from flaxhooks.core._restore import Restorer, SavedRun
 from flaxhooks.core._runs import latest_run, run_directory
 from flaxhooks.core._schedule import Every, Rate, as_every
