@@ -143,6 +143,9 @@ class TensorBoard(Callback):
         self._timed: Reading | None = None  # the loop's clock at the last log
         self._charted: set[str] = set()  # the tags of the training category
         self._fits = 0  # fits this callback has written
+        # Whether the optimizer state carries a learning rate (its structure
+        # is fixed for a fit): not searched for every step when it does not.
+        self._state_has_learning_rate = True
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
@@ -254,6 +257,7 @@ class TensorBoard(Callback):
             if loop.totals is not None:
                 self._declare_charts(loop, loop.totals.names, loop.step)
         self._rate.start(loop.settled_step or loop.step)
+        self._state_has_learning_rate = find_learning_rate(loop.state.opt_state) is not None
         self._window_start, self._latest_totals = None, None
         self._timed = loop.clock.read() if loop.clock is not None else None
 
@@ -310,6 +314,8 @@ class TensorBoard(Callback):
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:
             return self.learning_rate(loop.step)
+        if not self._state_has_learning_rate:
+            return None
         found = find_learning_rate(loop.state.opt_state)
         # The next step donates the optimizer state: keep a copy (no transfer).
         return None if found is None else detached(device0_copy(found))

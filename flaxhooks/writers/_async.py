@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer, detached
 
@@ -25,13 +27,49 @@ class _Synced:
         self.done = threading.Event()
 
 
+@jax.jit
+def _first_entries(arrays: list[jax.Array]) -> jax.Array:
+    """The first entry of each array, as one float32 vector: one transfer for them all."""
+    return jnp.stack([jnp.ravel(array)[0].astype(jnp.float32) for array in arrays])
+
+
+def _read_arrays(arrays: Sequence[jax.Array]) -> list[Any]:
+    """The first entry of each array, on the host (this process's first copy).
+
+    With one process, the arrays of one sharding are gathered on the devices
+    and read at once: on CPU reading 256 arrays one by one costs ~15 times
+    as much CPU. (Across processes that would be a global computation that
+    only process 0 runs, so each is read from its local copy.)
+    """
+    found: list[Any] = [None] * len(arrays)
+    if jax.process_count() == 1:
+        groups: dict[Any, list[int]] = {}
+        for index, array in enumerate(arrays):
+            groups.setdefault(array.sharding, []).append(index)
+        for indices in groups.values():
+            if len(indices) > 1:
+                group = [arrays[i] for i in indices]
+                # Padded to a power of two: one compilation per size class, not per count.
+                group += group[-1:] * ((1 << (len(group) - 1).bit_length()) - len(group))
+                for index, value in zip(indices, np.asarray(_first_entries(group)), strict=False):
+                    found[index] = value
+    alone = [i for i, value in enumerate(found) if value is None]
+    local = [arrays[i].addressable_data(0) for i in alone]
+    if local and next(iter(local[0].devices())).platform != "cpu":
+        for array in local:  # every transfer under way before the first wait
+            array.copy_to_host_async()
+    for index, array in zip(alone, local, strict=True):
+        found[index] = np.asarray(array).reshape(-1)[0]
+    return found
+
+
 def _host_rows(entries: Sequence[tuple[int, str, str, Mapping[str, Any]]]) -> list[list[Any]]:
-    """The values of buffered steps on the host: one transfer per value, of
-    this process's first copy only, all started together."""
-    return jax.device_get([
-        [v.addressable_data(0) if isinstance(v, jax.Array) else v for v in values.values()]
-        for _, _, _, values in entries
-    ])
+    """The values of buffered steps on the host: device arrays' first entries, the rest as they are."""
+    rows = [list(values.values()) for _, _, _, values in entries]
+    where = [(r, c) for r, row in enumerate(rows) for c, v in enumerate(row) if isinstance(v, jax.Array)]
+    for (r, c), value in zip(where, _read_arrays([rows[r][c] for r, c in where]), strict=True):
+        rows[r][c] = value
+    return rows
 
 
 class AsyncWriter:

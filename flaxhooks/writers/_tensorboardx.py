@@ -65,7 +65,12 @@ def scalars_summary(values: Mapping[str, Any]) -> Any:
 
 
 def first_value(value: Any) -> Any:
-    """The first entry of a host value (a scalar, or a replicated copy's array)."""
+    """The first entry of a value: a float as it is, an array's first entry
+    (a device array's first copy in this process, read here)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, jax.Array):
+        value = value.addressable_data(0)
     return np.asarray(value).reshape(-1)[0]
 
 
@@ -121,8 +126,6 @@ class TensorBoardWriter:
         self.summary(scalars_summary({prefix + name: first_value(v) for name, v in host.items()}), step, run)
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
-        if any(isinstance(v, jax.Array) for v in values.values()):
-            values = jax.device_get(dict(values))
         host = {prefix + name: first_value(v) for name, v in values.items()}
         self.summary(scalars_summary(host), step, run)
 
