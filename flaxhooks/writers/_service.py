@@ -1,6 +1,7 @@
-"""Writers as a service on the loop: whatever a callback writes (scalars,
-text, histograms, images) goes to every writer of the fit, and a checkpoint can ask
-for everything written so far to be on disk before it commits."""
+"""The ``Writer`` protocol and the fan-out over a fit's writers: whatever a
+callback writes (scalars, text, histograms, images) goes to every writer of
+the fit, and a checkpoint can ask for everything written so far to be on
+disk before it commits."""
 
 from __future__ import annotations
 
@@ -128,9 +129,9 @@ class _AllSet:
 
 
 class Writers:
-    """The writers of a fit, as one (``loop.writers``): what a callback
-    writes goes to each of them. With none (no writer callback, or another
-    process than 0) every write is a no-op.
+    """The fan-out over the writers of a fit (``loop.writers``): what a
+    callback writes goes to each of them. With none (no writer callback, or
+    another process than 0) every write is a no-op.
 
     Example:
         >>> from flaxhooks.writers import Writers

@@ -32,7 +32,8 @@ class EventFile(FileWriter):
         logdir: the directory of the file (created if missing).
     """
 
-    def __init__(self, logdir: str):  # noqa: D107 -- no super().__init__: it starts the queue and thread
+    def __init__(self, logdir: str):
+        # FileWriter.__init__ is not called: it starts the queue and its thread.
         os.makedirs(logdir, exist_ok=True)
         self.logdir = logdir
         # Named by the second (tensorboardX's "wb" would reopen a file of the
