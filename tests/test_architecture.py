@@ -143,3 +143,30 @@ def test_the_readme_lists_every_public_name_and_no_other():
     for module in modules:
         names = set(importlib.import_module(module).__all__)
         assert listed[module] == names, (module, sorted(listed[module] ^ names))
+
+
+def test_no_subpackage_imports_another_ones_private_modules():
+    for module, imported in graph().items():
+        parts = module.split(".")
+        if len(parts) < 2:
+            continue
+        for target in imported:
+            target_parts = target.split(".")
+            private = any(part.startswith("_") and not part.startswith("__") for part in target_parts[2:])
+            assert not (private and target_parts[1] != parts[1]), (
+                f"{module} imports {target}: import it from flaxhooks.{target_parts[1]}, its package"
+            )
+
+
+#: tensorboardX's private names: its private modules, and the private members
+#: of its writers that were tempting to reach into.
+TENSORBOARDX_PRIVATE = re.compile(
+    r"tensorboardX(?:\.\w+)*\._(?!_)\w+"
+    r"|\.(?:_get_file_writer|_ev_writer|_event_queue|_py_recordio_writer|_default_metadata|_all_writers)\b"
+)
+
+
+def test_flaxhooks_uses_only_public_tensorboardx_names():
+    for path in PACKAGE.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not TENSORBOARDX_PRIVATE.search(line), f"{path.relative_to(ROOT)}:{number}: {line.strip()}"

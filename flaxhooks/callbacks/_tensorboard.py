@@ -14,8 +14,14 @@ from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, Readi
 from flaxhooks.data import device0_copy
 from flaxhooks.eval import EvalResult
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
-from flaxhooks.writers import SummaryWriterThread, check_writable, read_layout, truncate_events
-from flaxhooks.writers._files import _detach
+from flaxhooks.writers import (
+    AsyncWriter,
+    TensorBoardWriter,
+    check_writable,
+    detached,
+    read_layout,
+    truncate_events,
+)
 
 _log = logging.getLogger("flaxhooks")
 
@@ -70,12 +76,12 @@ class TensorBoard(Callback):
     run carry the partial window over, so its curves equal an uninterrupted
     run's.
 
-    The Trainer opens its writer (a :class:`~flaxhooks.writers.SummaryWriterThread`)
-    before ``fit_start`` and closes it, with its thread and event files, after
-    ``fit_end`` (also after an error or a KeyboardInterrupt), so many fits in
-    one process (a sweep, a notebook) leave nothing behind. While a fit runs,
-    every callback writes through it with ``loop.writers`` (on process 0; the
-    callback is not registered on others).
+    The Trainer opens its writer (an :class:`~flaxhooks.writers.AsyncWriter`
+    around a :class:`~flaxhooks.writers.TensorBoardWriter`) before
+    ``fit_start`` and closes it, with its thread and event files, after
+    ``fit_end`` (also after an error or a KeyboardInterrupt). While a fit
+    runs, every callback, this one included, writes through ``loop.writers``
+    (on process 0; the callback is not registered on others).
 
     A fresh run started where another run's events are gets one warning:
     its curves would be drawn over theirs (use :func:`flaxhooks.run_directory`).
@@ -122,7 +128,7 @@ class TensorBoard(Callback):
         self.hparams = dict(hparams or {})
         self.learning_rate = learning_rate
         #: The writer of the fit under way, else None.
-        self.writer: SummaryWriterThread | None = None
+        self.writer: AsyncWriter | None = None
         self._rate = Rate()
         self._last_eval: dict[str, dict[str, float]] = {}  # {evaluation: {metric: value}}
         self._hparams_written = False  # the Text tab's table
@@ -136,6 +142,9 @@ class TensorBoard(Callback):
         self._timed: Reading | None = None  # the loop's clock at the last log
         self._charted: set[str] = set()  # the tags of the training category
         self._fits = 0  # fits this callback has written
+        # Whether the optimizer state carries a learning rate (its structure
+        # is fixed for a fit): not searched for every step when it does not.
+        self._state_has_learning_rate = True
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
@@ -165,7 +174,7 @@ class TensorBoard(Callback):
 
     # -- the fit's writer ------------------------------------------------------
 
-    def open_writer(self, loop: Loop) -> SummaryWriterThread:
+    def open_writer(self, loop: Loop) -> AsyncWriter:
         """Opens the writer of a fit (called by the Trainer before ``fit_start``)."""
         check_writable(self.logdir)
         if loop.resumed_from is None and loop.step == 0 and not self._fits and _holds_events(self.logdir):
@@ -182,14 +191,8 @@ class TensorBoard(Callback):
             # declaring them again would write the layout again.
             layout = read_layout(self.logdir)
             self._charted.update(layout.get(self.CATEGORY, {}))  # a chart's title is its tag
-        self.writer = SummaryWriterThread(self.logdir, layout=layout)
+        self.writer = AsyncWriter(TensorBoardWriter(self.logdir, layout=layout))
         self._parameters = parameter_count(loop.state.params)
-        if self.hparams and not self._hparams_written:
-            self._hparams_written = True
-            rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())
-            self.writer.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
-        if loop.totals is not None:  # the training category comes first in the layout
-            self._declare_charts(loop.totals.names, loop.step)
         return self.writer
 
     def close_writer(self, loop: Loop) -> None:
@@ -209,8 +212,7 @@ class TensorBoard(Callback):
                 # when the evaluations it links to are known.
                 self._session_written = True
                 record = hparams_record(self._hparams(), self._last_eval)
-                writer.call(lambda w: [w._get_file_writer().add_summary(summary, loop.step)
-                                       for summary in record])
+                writer.call(lambda files: [files.summary(summary, loop.step) for summary in record])
         if loop.exception is None:
             writer.close()
         else:
@@ -246,7 +248,15 @@ class TensorBoard(Callback):
     # -- what it writes itself -------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
+        if self.writer is not None:
+            if self.hparams and not self._hparams_written:
+                self._hparams_written = True
+                rows = "\n".join(f"| {k} | {v} |" for k, v in self._hparams().items())
+                loop.writers.text("hparams", f"| hyperparameter | value |\n| --- | --- |\n{rows}", loop.step)
+            if loop.totals is not None:
+                self._declare_charts(loop, loop.totals.names, loop.step)
         self._rate.start(loop.settled_step or loop.step)
+        self._state_has_learning_rate = find_learning_rate(loop.state.opt_state) is not None
         self._window_start, self._latest_totals = None, None
         self._timed = loop.clock.read() if loop.clock is not None else None
 
@@ -267,17 +277,17 @@ class TensorBoard(Callback):
             extra["optimizer/learning_rate"] = learning_rate
         extra.update(self._time_tags(loop))
         if end is None:  # no totals (a hand-made loop): this step's own metrics
-            self.writer.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
+            loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
             return
         if carried is None and self.every.steps == 1:
             # A window of this one step: its metrics, buffered (cheapest every step).
-            self.writer.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
+            loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
             return
 
         def window() -> dict[str, Any]:
             return {**_tags(window_means(_window(carried, start, end))), **extra}
 
-        self.writer.scalars(window, loop.step, run=self.TRAIN_RUN)
+        loop.writers.scalars(window, loop.step, run=self.TRAIN_RUN)
 
     def on_fit_end(self, loop: Loop) -> None:
         if loop.exception is None:  # a later fit goes on with this window
@@ -303,30 +313,31 @@ class TensorBoard(Callback):
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:
             return self.learning_rate(loop.step)
+        if not self._state_has_learning_rate:
+            return None
         found = find_learning_rate(loop.state.opt_state)
         # The next step donates the optimizer state: keep a copy (no transfer).
-        return None if found is None else _detach(device0_copy(found))
+        return None if found is None else detached(device0_copy(found))
 
-    def _declare_charts(self, names: Iterable[str], step: int) -> None:
+    def _declare_charts(self, loop: Loop, names: Iterable[str], step: int) -> None:
         """One chart per metric (train and eval runs on it alike), the loss first."""
         self._charted.update(_tags(dict.fromkeys(names)))
-        if self.writer is not None:
-            self.writer.charts(self.CATEGORY, {tag: [tag] for tag in sorted(self._charted, key=_chart_order)},
-                               step)
+        charts = {tag: [tag] for tag in sorted(self._charted, key=_chart_order)}
+        loop.writers.charts(self.CATEGORY, charts, step)
 
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
         self._last_eval[result.name] = {k: float(v) for k, v in result.metrics.items()}
         if self.writer is not None:
-            self._declare_charts(result.metrics, result.step)
-            self.writer.scalars(result.metrics, result.step, run=result.name)
+            self._declare_charts(loop, result.metrics, result.step)
+            loop.writers.scalars(result.metrics, result.step, run=result.name)
             return
-        # An evaluation outside fit (Trainer.evaluate): a writer just for it.
-        writer = SummaryWriterThread(self.logdir)
+        # An evaluation outside fit (Trainer.evaluate): files just for it, written at once.
+        files = TensorBoardWriter(self.logdir)
         try:
-            writer.scalars(result.metrics, result.step, run=result.name)
+            files.scalars(result.metrics, result.step, run=result.name)
         finally:
-            writer.close()
+            files.close()
 
 
 def _holds_events(logdir: str) -> bool:

@@ -26,8 +26,7 @@ from flaxhooks.data import (
     Placement,
     fingerprint,
 )
-from flaxhooks.step import StepRunner, TrainState
-from flaxhooks.step._state import abstract
+from flaxhooks.step import StepRunner, TrainState, abstract
 from flaxhooks.writers import WriterCallback, Writers
 
 _log = logging.getLogger("flaxhooks")

@@ -9,8 +9,7 @@ from typing import Any
 
 from flaxhooks.data import BatchSpec
 from flaxhooks.eval import Evaluations
-from flaxhooks.step import Model, TrainState
-from flaxhooks.step._state import abstract
+from flaxhooks.step import Model, TrainState, abstract
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ from flaxhooks.data import (
 )
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
 from flaxhooks.step import AXIS, InputKeys, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
-from flaxhooks.step._state import abstract, placed
+from flaxhooks.step import abstract as abstract
+from flaxhooks.step import placed as placed
 
 _log = logging.getLogger("flaxhooks")
 

@@ -26,8 +26,7 @@ from flaxhooks.data import (
     check_layout,
     first_replica,
 )
-from flaxhooks.step import Batch, LossFn, Model, axis_name, split_loss
-from flaxhooks.step._runner import in_global_view
+from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, split_loss
 
 if TYPE_CHECKING:
     from flaxhooks.step import TrainState

@@ -26,7 +26,12 @@ from flaxhooks.step._model import AXIS, Batch, Model, RecordedCall, axis_name
 from flaxhooks.step._nnx import NNXModel
 from flaxhooks.step._recording import RepeatedTap
 from flaxhooks.step._runner import StepRunner
+from flaxhooks.step._runner import in_global_view as in_global_view
 from flaxhooks.step._state import LossError, StatePlan, TrainState
+
+# Used by the layers above, not by users: importable, left out of __all__.
+from flaxhooks.step._state import abstract as abstract
+from flaxhooks.step._state import placed as placed
 from flaxhooks.step._stats import (
     ACTIVATION_STATS,
     GRADIENT_STATS,

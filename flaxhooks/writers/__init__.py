@@ -1,22 +1,34 @@
-"""Writers: a service on the loop that callbacks write through (scalars,
-text, histograms, images, a sync point before a checkpoint commits), and the
-TensorBoard event files behind it."""
+"""Writers, layered as CLU's metric writers: the ``Writer`` protocol, a
+backend (``TensorBoardWriter``: event files, synchronous), ``AsyncWriter``
+(any writer off the training thread), and ``Writers``, the fan-out a fit's
+callbacks write through (``loop.writers``)."""
 
-from flaxhooks.writers._files import (
-    LogdirError,
-    SummaryWriterThread,
-    check_writable,
-    read_layout,
-    truncate_events,
-)
+import warnings
+from typing import Any
+
+from flaxhooks.writers._async import AsyncWriter
+from flaxhooks.writers._files import LogdirError, check_writable, read_layout, truncate_events
 from flaxhooks.writers._png import encode_png, png_size
-from flaxhooks.writers._service import Histogram, Images, Values, Writer, WriterCallback, Writers
+from flaxhooks.writers._service import (
+    Histogram,
+    Images,
+    Values,
+    Writer,
+    WriterCallback,
+    Writers,
+)
+from flaxhooks.writers._service import (
+    detached as detached,
+)
+from flaxhooks.writers._tensorboardx import EventFile as EventFile
+from flaxhooks.writers._tensorboardx import TensorBoardWriter
 
 __all__ = [
+    "AsyncWriter",
     "Histogram",
     "Images",
     "LogdirError",
-    "SummaryWriterThread",
+    "TensorBoardWriter",
     "Values",
     "Writer",
     "WriterCallback",
@@ -27,3 +39,16 @@ __all__ = [
     "read_layout",
     "truncate_events",
 ]
+
+
+def _summary_writer_thread(logdir: str, flush_secs: float = 30.0, layout: Any = None) -> AsyncWriter:
+    """0.7's ``SummaryWriterThread(logdir)``: event files written off the training thread."""
+    return AsyncWriter(TensorBoardWriter(logdir, layout=layout), flush_secs=flush_secs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SummaryWriterThread":
+        warnings.warn("flaxhooks.writers.SummaryWriterThread is deprecated: use "
+                      "AsyncWriter(TensorBoardWriter(logdir))", DeprecationWarning, stacklevel=2)
+        return _summary_writer_thread
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

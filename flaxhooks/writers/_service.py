@@ -1,6 +1,7 @@
-"""Writers as a service on the loop: whatever a callback writes (scalars,
-text, histograms, images) goes to every writer of the fit, and a checkpoint can ask
-for everything written so far to be on disk before it commits."""
+"""The ``Writer`` protocol and the fan-out over a fit's writers: whatever a
+callback writes (scalars, text, histograms, images) goes to every writer of
+the fit, and a checkpoint can ask for everything written so far to be on
+disk before it commits."""
 
 from __future__ import annotations
 
@@ -47,21 +48,22 @@ class Histogram:
 
 @runtime_checkable
 class Writer(Protocol):
-    """What a writer offers the other callbacks of a fit (through ``loop.writers``).
+    """What a writer offers the callbacks of a fit (through ``loop.writers``).
 
-    Writes return at once: the writer does the work, device values included,
-    off the training thread.
+    ``run_scalars``, ``step_scalars``, ``images``, ``flush`` and ``close``
+    are optional: :class:`Writers` falls back or leaves them out.
     """
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes ``prefix + name`` for each value (floats or device arrays),
         in the main run or in the sub-run ``run`` (``train``, an evaluation's name)."""
 
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
+        """Writes (or buffers) one step's scalars: floats or device arrays the
+        step returned, never donated, so not copied. Cheap enough for every step."""
+
     def run_scalars(self, values: RunValues, step: int) -> None:
-        """Writes scalars into several runs at once, ``{run: {tag: value}}``:
-        one run per layer, say, so that a chart of a tag draws each layer as a
-        line of its own colour, named in the legend. (Optional: a writer
-        without it gets each run's scalars as ``<run>/<tag>``.)"""
+        """Writes scalars into several runs at once, ``{run: {tag: value}}``."""
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
@@ -75,11 +77,16 @@ class Writer(Protocol):
         """Writes histograms that are already binned."""
 
     def images(self, values: Images, step: int) -> None:
-        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``.
-        (Optional: a writer without it writes no images.)"""
+        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``."""
 
     def sync_point(self) -> threading.Event:
         """An event set once everything written so far is on disk."""
+
+    def flush(self) -> Any:
+        """Puts everything written so far on disk."""
+
+    def close(self) -> Any:
+        """Flushes and releases the writer's files (and thread, if any)."""
 
 
 @runtime_checkable
@@ -122,9 +129,9 @@ class _AllSet:
 
 
 class Writers:
-    """The writers of a fit, as one (``loop.writers``): what a callback
-    writes goes to each of them. With none (no writer callback, or another
-    process than 0) every write is a no-op.
+    """The fan-out over the writers of a fit (``loop.writers``): what a
+    callback writes goes to each of them. With none (no writer callback, or
+    another process than 0) every write is a no-op.
 
     Example:
         >>> from flaxhooks.writers import Writers
@@ -136,6 +143,7 @@ class Writers:
 
     def __init__(self, writers: Sequence[Writer] = ()):
         self.writers = tuple(writers)
+        self._step_scalars = [_step_scalars_of(writer) for writer in self.writers]
 
     def __bool__(self) -> bool:
         return bool(self.writers)
@@ -173,6 +181,14 @@ class Writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
                 writer.scalars(values, step, prefix, run)
+
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
+        """Writes one step's scalars: floats or device arrays the step
+        returned (never donated: neither copied nor read on the training
+        thread). An async writer buffers them, so it is cheap every step; a
+        writer without ``step_scalars`` gets them through ``scalars``."""
+        for write in self._step_scalars:
+            write(values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
         """Writes scalars into several runs at once, ``{run: {tag: value}}``
@@ -222,7 +238,7 @@ class Writers:
     def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
         """Writes the histogram of ``values``' finite entries (read off the training thread)."""
         if self.writers:
-            values = _detached(values)
+            values = detached(values)
             self.histograms(lambda: {tag: h} if (h := Histogram.of(values, bins)) else {}, step)
 
     def sync_point(self) -> _AllSet:
@@ -230,15 +246,28 @@ class Writers:
         for it before it commits, so the logs up to its step survive a kill."""
         return _AllSet([writer.sync_point() for writer in self.writers])
 
+    def flush(self) -> None:
+        """Puts everything written so far on disk, waiting for it (writers without ``flush`` are left out)."""
+        for writer in self.writers:
+            if hasattr(writer, "flush"):
+                writer.flush()
+
+
+def _step_scalars_of(writer: Writer) -> Callable[[Mapping[str, Any], int, str, str], None]:
+    """The writer's ``step_scalars``, or its ``scalars`` for a writer without it (looked up when called)."""
+    found = getattr(writer, "step_scalars", None)
+    return found if found is not None else lambda *args: writer.scalars(*args)
+
 
 def _flattened(values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """``{run: {tag: value}}`` as ``{run/tag: value}``."""
     return {f"{run}/{tag}" if run else tag: v for run, tags in values.items() for tag, v in tags.items()}
 
 
-def _detached(value: Any) -> Any:
-    """A device copy of a device array (no transfer): the next step's
-    donation cannot delete it before it is read."""
+def detached(value: Any) -> Any:
+    """A device copy of a device array (an async op, no transfer), so a
+    writer can read it off the training thread after the next step donates
+    the original; anything else as it is."""
     import jax
     import jax.numpy as jnp
 

@@ -533,9 +533,9 @@ def test_a_disk_that_fills_up_stops_training_and_keeps_earlier_checkpoints(tmp_p
 
 
 def test_truncating_event_files_drops_later_steps_and_a_half_written_record(tmp_path):
-    from flaxhooks.writers import SummaryWriterThread, truncate_events
+    from flaxhooks.writers import AsyncWriter, TensorBoardWriter, truncate_events
 
-    writer = SummaryWriterThread(str(tmp_path))
+    writer = AsyncWriter(TensorBoardWriter(str(tmp_path)))
     for step in range(1, 7):
         writer.scalars({"x": float(step)}, step)
     writer.close()
@@ -547,9 +547,9 @@ def test_truncating_event_files_drops_later_steps_and_a_half_written_record(tmp_
 
 
 def test_truncating_drops_the_values_a_fit_end_wrote_at_the_checkpoints_step_and_keeps_the_rest(tmp_path):
-    from flaxhooks.writers import SummaryWriterThread, truncate_events
+    from flaxhooks.writers import AsyncWriter, TensorBoardWriter, truncate_events
 
-    writer = SummaryWriterThread(str(tmp_path))
+    writer = AsyncWriter(TensorBoardWriter(str(tmp_path)))
     writer.scalars({"x": 3.0, "final/x": 3.0}, 3)  # one event: cut to the value it keeps
     writer.scalars({"final/x": 2.0}, 2)  # before the checkpoint's step: kept
     writer.scalars({"x": 4.0}, 4)

@@ -3,7 +3,7 @@
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from flaxhooks.writers import SummaryWriterThread, Writers, encode_png, png_size, truncate_events
+from flaxhooks.writers import AsyncWriter, TensorBoardWriter, Writers, encode_png, png_size, truncate_events
 
 
 class Recording:
@@ -40,7 +40,7 @@ def test_images_are_image_summaries_that_a_resumed_run_drops_after_its_step(tmp_
     pixels = np.zeros((3, 5, 3), np.uint8)
     pixels[1, 2] = (255, 0, 0)
     png = encode_png(pixels)
-    writer = SummaryWriterThread(str(tmp_path))
+    writer = AsyncWriter(TensorBoardWriter(str(tmp_path)))
     for step in (1, 2, 3):
         writer.images({"picture/png": png}, step)
         writer.images(lambda step=step: {"picture/pixels": np.full((2, 4, 3), step, np.uint8)}, step)
