@@ -124,7 +124,7 @@ class TapStats:
 
     Example:
         >>> import numpy as np
-        >>> from flaxhooks import TapStats
+        >>> from flaxhooks.callbacks import TapStats
         >>> stats = TapStats(3, ("relu",), ((),), ("mean", "zero_fraction"), np.array([[0.5, 0.25]]))
         >>> stats.to_dict()
         {'relu': {'mean': 0.5, 'zero_fraction': 0.25}}

@@ -18,7 +18,7 @@ class InstrumentedCallback(Callback):
 
     Example:
         >>> import jax, flaxhooks
-        >>> class LossSpread(flaxhooks.InstrumentedCallback):
+        >>> class LossSpread(flaxhooks.callbacks.InstrumentedCallback):
         ...     every = flaxhooks.Every(steps=10)
         ...     def inside_step(self, tapped):  # pure: traced into the step
         ...         high = jax.lax.pmax(tapped.loss, tapped.axis_name)

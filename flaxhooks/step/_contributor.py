@@ -24,7 +24,7 @@ class StepContributor(Protocol):
     Tracing changes nothing on the host: what the trace found (names, sizes)
     comes back with the result, in a :class:`WithLayout`, and an optional
     ``take_layout(layout)`` gets it once the runner has checked the step.
-    :class:`flaxhooks.InstrumentedCallback` is the callback that implements it.
+    :class:`flaxhooks.callbacks.InstrumentedCallback` is the callback that implements it.
     """
 
     taps: Taps

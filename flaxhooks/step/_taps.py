@@ -46,7 +46,7 @@ def select_modules(
 
     Example:
         >>> import flax.linen as nn
-        >>> from flaxhooks import select_modules
+        >>> from flaxhooks.step import select_modules
         >>> dense = select_modules(types=nn.Dense, names="head*")
         >>> dense(nn.Dense(3, name="head_1", parent=None), "__call__")
         True

@@ -1,7 +1,12 @@
 """Writers, layered as CLU's metric writers: the ``Writer`` protocol, a
 backend (``TensorBoardWriter``: event files, synchronous), ``AsyncWriter``
 (any writer off the training thread), and ``Writers``, the fan-out a fit's
-callbacks write through (``loop.writers``)."""
+callbacks write through (``loop.writers``).
+
+``__all__`` is what users write and extend (the writer protocol, its layers,
+the values they take); the other names here are the layers' own interface
+and may change in any release.
+"""
 
 import warnings
 from typing import Any
@@ -33,11 +38,6 @@ __all__ = [
     "Writer",
     "WriterCallback",
     "Writers",
-    "check_writable",
-    "encode_png",
-    "png_size",
-    "read_layout",
-    "truncate_events",
 ]
 
 
