@@ -387,17 +387,20 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
     """Wraps the per-step sites of ``trainer``'s next fits."""
     import flaxhooks.core
 
-    bus, runner, pipeline = trainer.bus, trainer.runner, trainer.pipeline
-    emit, run, variant, carries = bus.emit, runner.run, runner.variant, runner._carries
+    runner, pipeline = trainer.runner, trainer.pipeline
+    run, variant, carries = runner.run, runner.variant, runner._carries
     device_batches = pipeline.device_batches
     fit_run, clock_batches = flaxhooks.core.Fit.run, flaxhooks.core.FitClock.batches
     step_events = {flaxhooks.Event.STEP_START: "HookBus.emit(step_start)",
                    flaxhooks.Event.STEP_END: "HookBus.emit(step_end)"}
 
-    def timed_emit(event: Any, loop: Any, *rest: Any, **kwargs: Any) -> Any:
-        name = step_events.get(event)
-        timed = emit if name is None else sites.timed(name, emit)
-        return timed(event, loop, *rest, **kwargs)
+    def timed_emits(emit: Any) -> Any:
+        def timed_emit(event: Any, loop: Any, *rest: Any, **kwargs: Any) -> Any:
+            name = step_events.get(event)
+            timed = emit if name is None else sites.timed(name, emit)
+            return timed(event, loop, *rest, **kwargs)
+
+        return timed_emit
 
     def timed_variant(*args: Any, **kwargs: Any) -> Any:
         step_fn = sites.timed("StepRunner.variant", variant)(*args, **kwargs)
@@ -408,6 +411,7 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
         return sites.timed("StepRunner.run (own)", run)(loop, batch, timed_wait)
 
     def timed_fit_run(fit: Any, *args: Any, **kwargs: Any) -> Any:
+        fit.bus.emit = timed_emits(fit.bus.emit)  # the fit's bus, which its loop emits through too
         stops = fit.stops
         for name in ("at_boundary", "may_dispatch"):
             setattr(stops, name, sites.timed(f"{type(stops).__name__}.{name}", getattr(stops, name)))
@@ -415,7 +419,6 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
         stops.batches = lambda *a: sites.timed_iter(f"{type(stops).__name__}.batches (next)", own_batches(*a))
         return fit_run(fit, *args, **kwargs)
 
-    bus.emit = timed_emit
     runner.run, runner.variant = timed_run, timed_variant
     runner._carries = sites.timed("StepRunner._carries", carries)
     pipeline.device_batches = lambda *a: sites.timed_iter("DevicePrefetch.device_batches (queue get)",
@@ -426,7 +429,7 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
     try:
         yield
     finally:
-        del bus.emit, runner.run, runner.variant, runner._carries, pipeline.device_batches
+        del runner.run, runner.variant, runner._carries, pipeline.device_batches
         flaxhooks.core.Fit.run, flaxhooks.core.FitClock.batches = fit_run, clock_batches
 
 

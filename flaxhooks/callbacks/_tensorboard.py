@@ -169,7 +169,13 @@ class TensorBoard(Callback):
         return _window(self._carried, self._window_start, self._latest_totals)
 
     def check_fit(self, plan: FitPlan) -> None:
-        """Refuses a log directory that cannot be written, before anything is."""
+        """Refuses a log directory that cannot be written, and a second
+        ``TensorBoard``, before anything is written."""
+        others = [cb for cb in plan.callbacks if isinstance(cb, TensorBoard) and cb is not self]
+        if others:
+            raise ValueError(
+                f"{self!r} and {others[0]!r} are in one Trainer: each writes its curves through the fit's "
+                "writers (loop.writers), so both directories would get every curve twice; keep one")
         check_writable(self.logdir)
 
     # -- the fit's writer ------------------------------------------------------

@@ -374,3 +374,13 @@ def test_many_fits_leave_no_threads_or_open_files_behind(tmp_path):
     assert {t.name for t in threading.enumerate()} <= threads
     assert len(os.listdir("/proc/self/fd")) <= files
     assert scalars(tmp_path / "tensorboard-5", "loss", "eval")[0][0] == 3
+
+
+def test_a_second_tensorboard_is_refused_before_anything_is_written(tmp_path):
+    """Both would write every curve through the fit's writers into both directories."""
+    first, second = TensorBoard(str(tmp_path / "a")), TensorBoard(str(tmp_path / "b"))
+    trainer = sgd_trainer(callbacks=[first, second])
+    with pytest.raises(ValueError, match="are in one Trainer.*every curve twice; keep one"):
+        trainer.fit(make_batches(2), epochs=1)
+    assert trainer.state is None
+    assert not any(path.is_file() for path in tmp_path.rglob("*"))
