@@ -42,56 +42,38 @@ _log = logging.getLogger("flaxhooks")
 
 
 class Trainer:
-    """Trains a Flax model over a device mesh, emitting events.
+    """Trains a Flax model over a device mesh, emitting events to its callbacks.
 
-    The train step is one pure function, ``jax.jit``-ed over the mesh and
-    compiled once, the batch split over the data axis and the state placed
-    by ``shard`` and the model's own annotations; a callback
-    needing values from inside it contributes a variant (:class:`flaxhooks.step.StepContributor`).
+    One pure step, ``jax.jit``-ed over the mesh (README, "Architecture").
 
     Args:
-        model: a ``flax.linen`` Module, an ``nnx.Module`` (it takes the trained
-            values when ``fit`` ends), or a model adapter (:class:`flaxhooks.step.Model`).
+        model: a Linen Module, an ``nnx.Module`` (updated when ``fit`` ends) or a
+            :class:`flaxhooks.step.Model` adapter.
         optimizer: any optax ``GradientTransformation``.
-        loss_fn: ``loss_fn(outputs, batch)`` returning a scalar loss or
-            ``(loss, {name: scalar})``; the extra scalars become step metrics.
-        callbacks: callbacks to register (more can be added with :meth:`add`).
-        input_keys: batch keys passed positionally to the model, or
-            ``{argument: batch key}`` passed by keyword.
-        train_arg: the call argument telling the model it trains (``True``
-            in the step, ``False`` at init and evaluation; ``deterministic``,
-            its inverse, is recognized), or a constructor field of that name
-            (set on a copy per mode); ignored if the model has neither. NNX
-            modules also get NNX's own switch (``train()`` / ``eval()``).
-        eval_model: a Linen model's eval-mode twin (same parameters), for a
-            mode set in a config (see the README, "Your model").
-        rng_names: RNG streams a Linen model uses, each given a key per step (for the whole
-            batch) and per batch in evaluation (an NNX module has its own ``nnx.Rngs``).
+        loss_fn: ``loss_fn(outputs, batch)`` to a scalar loss or ``(loss, {name: scalar})``.
+        callbacks: callbacks to register (more with :meth:`add`).
+        input_keys: batch keys passed positionally, or ``{argument: batch key}``.
+        train_arg: the call argument or constructor field saying the model trains
+            (``deterministic`` is recognized); README, "Your model".
+        eval_model: a Linen model's eval-mode twin (same parameters).
+        rng_names: the RNG streams of a Linen model, each given a key per step.
         seed: seeds initialization and the per-step keys.
-        devices: local devices to train on, on one mesh axis ``data_axis`` (default: every
-            device of every process); or give ``mesh``.
+        devices: local devices on one mesh axis ``data_axis`` (default: all); or give ``mesh``.
         mesh: the device mesh (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``).
-        shard: where state leaves without an annotation of their own go:
-            ``Replicated()`` (data parallel, the default) or ``FSDP(axis)``.
-        axis_rules: ``(logical axis, mesh axis or None)`` pairs for a model annotated with
-            logical names (``nn.with_logical_partitioning``, ``nnx.with_partitioning``).
+        shard: where unannotated state leaves go: ``Replicated()`` (default) or ``FSDP(axis)``.
+        axis_rules: ``(logical axis, mesh axis or None)`` pairs for logically annotated models.
         data_axis: the mesh axis the batch is split over.
-        state_collections: the collections carried from step to step besides ``params``
-            (default: every one a train-mode call gives back with the same shapes).
-        example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example
-            (default: ``loss_fn`` on each example as a batch of one).
+        state_collections: collections carried between steps besides ``params`` (default: found).
+        example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example.
         label_key: the batch key of class labels, given to metrics as ``labels``.
-        max_steps_in_flight: dispatched steps queued ahead of the devices before
-            the loop waits (reading nothing) for the oldest.
-        peer_timeout: on several processes, the longest (seconds) one process
-            waits for another, saying meanwhile which one it waits for.
+        max_steps_in_flight: dispatched steps queued before the loop waits for the oldest.
+        peer_timeout: on several processes, the longest wait (seconds) for another process.
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
-        axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``):
-            the step sees the whole batch, so they reduce over all of it.
-        optimizer_metrics: the steps that also compute the gradient norm and the update ratio
-            (three passes over parameter-sized arrays): all (True), every n-th (n), or none (False).
-        if_nonfinite: the mode of the non-finite guard every Trainer has (:class:`flaxhooks.NonFiniteGuard`,
-            or give one in ``callbacks``): ``"stop"`` (``fit`` raises ``NonFiniteError``), ``"warn"``, "off".
+        axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``).
+        optimizer_metrics: the steps that compute the gradient norm and update ratio:
+            all (True), every n-th (n), or none (False).
+        if_nonfinite: the non-finite guard's mode: ``"stop"`` (``fit`` raises
+            ``NonFiniteError``), ``"warn"`` or ``"off"``.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
