@@ -372,60 +372,14 @@ class _Background:
 
 
 class Checkpoint(Callback):
-    """Saves the train state and every callback's state with orbax, and
-    restores the latest good checkpoint for ``Trainer.fit(..., resume=True)``
-    (it is the fit's :class:`~flaxhooks.core.Restorer`).
+    """Saves the train state and every callback's state with orbax, and restores
+    the latest good checkpoint for ``Trainer.fit(..., resume=True)`` (it is the
+    fit's :class:`~flaxhooks.core.Restorer`).
 
-    What is saved: the train state's arrays (parameters, carried model state
-    such as BatchNorm statistics, optimizer state, step and base RNG key; the
-    per-step ``perturbations`` and sown intermediates never live in it),
-    where in the data training goes on, and each callback's
-    :meth:`~flaxhooks.Callback.state_dict`.
-
-    How it is kept safe:
-
-    * Saves are atomic: orbax writes into a temporary directory and renames it
-      into place when complete, so a save killed halfway never touches the
-      last good checkpoint (the leftover is cleaned up on the next run).
-    * Only the last ``keep`` checkpoints are kept, older ones deleted after a
-      newer one is complete.
-    * A state holding NaN or inf is not saved (a warning says so), so it
-      never replaces a good checkpoint.
-    * Every array's CRC32 (or each part's, for a state split across
-      processes) is stored with it and checked on restore; a
-      checkpoint that fails to read or verify is skipped with a
-      :class:`CheckpointWarning` and the one before it is used.
-
-    When: every ``every`` steps, at each epoch's end (``at_epoch_end``), and
-    at the end of ``fit``, including when training is interrupted by
-    Ctrl-C, SIGINT or SIGTERM (which stop at a step boundary). A save due at a
-    step is taken once every handler of that step's events has run (its
-    epoch-end evaluation included, through ``loop.after``), so the saved
-    callbacks' state matches the saved parameters. A ``KeyboardInterrupt``
-    raised elsewhere is saved only if it
-    left such a boundary; otherwise the latest checkpoint stands. Saving copies the state on
-    the devices and returns; the transfer and the writing happen on a background
-    thread, one save at a time; the fit's writers are asked to get their logs
-    up to the step onto disk first (``loop.writers.sync_point()``). A failed
-    save stops training with a :class:`CheckpointError` at the next step.
-
-    On several processes the directory must be one that every process sees
-    (a shared file system, as orbax assumes), and every process reads it on
-    resume, each leaf whole, onto any mesh, device count or number of
-    processes. A state that process 0 holds whole (replicated, or split only
-    over devices within each process) is written by process 0 alone. A state
-    split across processes (e.g. ``FSDP("data")`` over every process's
-    devices) is written by every process, its own parts, with no gather: each
-    copies its own shards at the same step, checks and checksums the parts it
-    writes, and the processes agree through JAX's key-value store whether to
-    save (a NaN in any process's part skips the save on all) and wait for
-    each other at orbax's key-value barriers (with timeouts, never a
-    collective, on the background thread); process 0 commits the checkpoint
-    once every part is written, so one missing a part never looks complete.
-    Where training waits for such a save (one save at a time, and at the end
-    of ``fit``), a process lost meanwhile ends the wait with
-    :class:`~flaxhooks.PeerLost` naming it, and a wait of more than a few
-    seconds is logged, naming the process waited for.
+    Saves are atomic, checksummed, never of a non-finite state, and written on a
+    background thread; on several processes the directory must be shared. The
+    README ("Checkpoints, resuming, and interruption", "Several hosts") has the
+    details.
 
     Args:
         directory: where checkpoints go (one subdirectory per step); checked

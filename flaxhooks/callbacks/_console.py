@@ -64,16 +64,10 @@ class TerminalRedirect:
     """Prints what logging and ``warnings`` would write to the terminal
     through a rich console instead, above its live display.
 
-    As tqdm's ``logging_redirect_tqdm`` does: :meth:`start` swaps every handler
-    that writes to a terminal (a ``logging.StreamHandler`` on a TTY, such as
-    ``logging.basicConfig``'s, or absl's handler) on the root logger and on
-    every other logger, in place, for one that prints the record as that
-    handler formats it, with its level and filters, through the console. So
-    are ``logging.lastResort`` (used when no handler is configured) and
-    ``warnings.showwarning`` when warnings go to a terminal (when logging
-    captures warnings, its handlers are already swapped). Handlers writing to
-    files or pipes are left alone. :meth:`stop` puts back everything still in
-    place, also after an error; it can be called more than once.
+    As tqdm's ``logging_redirect_tqdm``: :meth:`start` swaps, in place, every
+    handler writing to a terminal (and ``logging.lastResort``, and
+    ``warnings.showwarning``) for one printing through the console; files and
+    pipes are left alone. :meth:`stop` puts them back; it may be called twice.
 
     Args:
         console: the console to print through.

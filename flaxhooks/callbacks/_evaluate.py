@@ -13,9 +13,8 @@ from flaxhooks.eval import EvalResult, Metrics
 class Evaluate(Callback):
     """Evaluates every example of a dataset during training.
 
-    Each evaluation emits ``eval_start`` and ``eval_end``, whose payload is the
-    :class:`EvalResult` (``name``, ``metrics``, ``step``, ``examples``) that
-    logging and early stopping consume. The latest is also :attr:`result`.
+    Each evaluation emits ``eval_start`` and ``eval_end`` with its
+    :class:`EvalResult`; the latest is also :attr:`result`.
 
     Args:
         data: arrays in memory (a dict of equal-length arrays) or a re-iterable

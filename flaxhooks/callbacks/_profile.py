@@ -18,66 +18,31 @@ _log = logging.getLogger("flaxhooks")
 
 
 class Profile(Callback):
-    """Traces a few chosen steps with ``jax.profiler`` into a TensorBoard run
-    directory, as Keras's ``TensorBoard(profile_batch=(start, stop))`` does.
+    """Traces a few chosen steps with ``jax.profiler`` for TensorBoard's Profile
+    tab, as Keras's ``TensorBoard(profile_batch=(start, stop))`` does.
 
-    The trace starts at ``step_start`` of the first chosen step, before the
-    other handlers (``order = -100``), and stops once the last chosen step
-    has finished on the devices: after its ``step_end`` handlers, the
-    callback waits for that step's metrics (``jax.block_until_ready``), so
-    its device work is in the trace. That is the only wait it adds; no
-    other step is synchronized.
-    Steps still running on the devices when the trace starts show up in it
-    too (the loop dispatches ahead). Each chosen step is marked on the host
-    timeline with a ``jax.profiler.StepTraceAnnotation`` (``train <step>``),
-    which the profiler's overview uses as step markers.
-
-    A trace this callback started is always stopped at ``fit_end``, also
-    when training ends before the last chosen step, fails or is interrupted
-    (a trace left open would keep every later trace from starting).
-
-    JAX writes ``<logdir>/plugins/profile/<timestamp>/<host>.xplane.pb`` (and
-    a ``<host>.trace.json.gz`` that https://ui.perfetto.dev opens), where
-    TensorBoard's Profile tab finds it: pass the ``TensorBoard`` callback's
-    directory, or leave ``logdir`` out to use it. Viewing needs
-    ``pip install tensorboard-plugin-profile``; one INFO line on the
-    ``flaxhooks`` logger says where the trace went and how to view it.
-
-    Only one ``jax.profiler`` trace can run at a time in a process: if
-    another is running when the chosen steps come, a warning names the cause
-    and training goes on untraced. On several processes only process 0
-    traces (its own devices): every process runs the same steps. The
-    callback runs no collective, and it never changes which compiled step
-    runs.
+    It waits for the devices once, after the last traced step, and always stops
+    its trace at ``fit_end``; the README ("What you see") says how to view it.
 
     Args:
-        logdir: the run directory to write to (created and checked for
-            writing at once); None: the logdir of the ``TensorBoard``
-            callback registered with the same Trainer, found at ``fit_start``.
-        steps: the steps to trace: ``(start, stop)``, both included,
-            numbered as ``loop.step`` counts them (step 1 is a run's first
-            step, the one that compiles; a resumed run goes on counting); or
-            a number of steps, traced in each fit after its first ``warmup``
-            steps. The default, 3, traces steps 10 to 12 of a fresh run.
-        warmup: with a number of ``steps``, how many steps each fit runs
-            before the trace starts (compilation, caches); default 9.
-        options: a ``jax.profiler.ProfileOptions`` for the trace (tracer
-            levels); default JAX's.
+        logdir: the run directory (checked for writing at once); None: the
+            ``TensorBoard`` callback's, found at ``fit_start``.
+        steps: ``(start, stop)``, both included, numbered as ``loop.step``; or a
+            number of steps traced in each fit after ``warmup``. Default 3.
+        warmup: with a number of ``steps``, the steps each fit runs first (default 9).
+        options: a ``jax.profiler.ProfileOptions`` for the trace; default JAX's.
 
     Attributes:
         trace_dirs: the directories of the traces written so far, oldest first.
 
     Raises:
-        ValueError: for steps that are not positive or a ``stop`` before its
-            ``start``; at ``fit_start`` (raised by ``fit`` as a
-            ``CallbackError``), for ``logdir=None`` without a ``TensorBoard``
-            callback.
+        ValueError: steps that are not positive, a ``stop`` before its ``start``,
+            or (at ``fit_start``) ``logdir=None`` without a ``TensorBoard`` callback.
         LogdirError: ``logdir`` cannot be written.
 
     Example:
         >>> import os, tempfile, numpy as np, optax, flax.linen as nn, flaxhooks
-        >>> logdir = tempfile.mkdtemp()
-        >>> profile = flaxhooks.Profile(logdir, steps=(3, 4))
+        >>> profile = flaxhooks.Profile(tempfile.mkdtemp(), steps=(3, 4))
         >>> trainer = flaxhooks.Trainer(
         ...     nn.Dense(3), optax.sgd(0.1), lambda logits, batch: (logits ** 2).mean(),
         ...     callbacks=[profile])

@@ -37,82 +37,18 @@ if TYPE_CHECKING:
 class Progress(Callback):
     """A live progress bar: step, epoch, steps/s, ETA, where the time goes, and the latest metrics.
 
-    The bar shows the epoch, the steps taken out of the fit's total, the step
-    rate, the time since ``fit_start`` and the time left, where the time of
-    the latest window went (below), the newest *settled* training metrics,
-    and the results of the latest evaluation (each evaluation is also
-    printed as a line above the bar). It always stays on one line: at each
-    redraw it keeps what fits the console's width, dropping first the
-    FLOP/s, then the evaluation, the metrics after the loss, MFU, the
-    elapsed time, examples/s, the ETA, the data wait and the rate, and then
-    narrowing the bar.
-
-    Where the time goes, over each window of ``every`` (default 10 s; shown
-    once the first one ends), from the loop's host clock (``loop.clock``,
-    evaluations and the first step's compilation left out):
-    ``1,234 ex/s  data 3%  41.2 TFLOP/s  MFU 38%``: global examples per second;
-    the share of the time the loop waited for its next batch, with
-    ``(input-bound)`` when that held training back (see
-    :attr:`flaxhooks.core.Window.input_bound`); the mesh's FLOP/s (the lean
-    step's FLOPs, from XLA's cost analysis of the compiled step) where the
-    backend counts them; and the model FLOP utilization where the devices'
-    peak is known (:data:`flaxhooks.PEAK_FLOPS`). The summary gives the same
-    over the whole fit.
-
-    From ``fit_start`` until the first step ends (the first dispatch blocks
-    while XLA compiles the train step) a spinner shows
-    ``compiling the train step… 3.2s``, redrawn by rich's thread. Then a line
-    ``train step compiled: first step done after 3.2s`` stays, and the bar
-    takes over, redrawn by the training thread only.
-
-    While the spinner or the bar is on the terminal, log records and warnings
-    that would be written to it (``logging.basicConfig``'s handler, a
-    library's own stream handler, ``warnings``) are printed through the
-    console instead, above the bar, so nothing breaks it (as tqdm's
-    ``logging_redirect_tqdm`` does); ``fit_end`` puts every handler back, also
-    after an error or Ctrl-C.
-
-    It costs no host sync per step. On ``step_end`` it only compares the
-    clock with the next refresh time. When a refresh is due it shows the
-    metrics of ``loop.settled_step``, a step the loop has already waited for
-    to bound the steps in flight, so the transfer never waits for the
-    devices. It reads ``loop.metrics`` only at ``fit_end``. The metrics shown therefore lag
-    the step count by up to ``max_steps_in_flight`` steps (they appear once
-    that many steps have run), and after the first step the bar is redrawn
-    only on refreshes, not by a background thread.
-
-    When the console is not a terminal (CI, output redirected to a file) it
-    prints no control characters, and never wraps a line: ``compiling the
-    train step…`` at ``fit_start``, the first step's time when it ends, then
-    plain lines such as
-    ``step 300/1000  epoch 2/5  loss 0.3127 (step 298)  41.2 steps/s  ETA 0:00:17  2,637 ex/s  data 2%``
-    whenever ``every`` is due (the time figures of the window since the last
-    line), and each evaluation's results. Log records go where their
-    handlers send them.
-
-    At ``fit_end``, which runs also after an error or a KeyboardInterrupt, the
-    bar is stopped first (the terminal gets its cursor back), then a summary
-    is printed: where training ended (and why it stopped early), how fast,
-    and the last step's metrics (the last settled step's after an error). On
-    a terminal it is broken between fields to the terminal's width, never
-    inside one; elsewhere it is one line. With ``quiet=True`` the summary is
-    the only output. The bar, the plain lines and the summary give one rate:
-    steps per second since the first step ended (the compilation left out).
-
-    The bar's total is ``max_steps``, else ``max_epochs * steps_per_epoch``
-    when the data has a length (the smaller one when both are known), else the
-    bar is indeterminate. A resumed fit starts at the state's step. Process 0
-    only.
+    On a terminal, one line that keeps what fits its width, with log records
+    printed above it; elsewhere, plain lines every ``every``. It never waits
+    for the devices (it shows ``loop.settled_metrics``), and it prints a summary
+    at ``fit_end``. Process 0 only. The README ("What you see") has the details.
 
     Args:
         refresh_per_second: how often the bar is refreshed, at most.
-        every: when to print a line when the console is not a terminal, and
-            when a window of the time figures ends (default: every 10
-            seconds, on ``clock``).
+        every: when to print a plain line and end a window of the time
+            figures (default every 10 seconds, on ``clock``).
         quiet: print only the summary line at the end of each fit.
-        console: the rich console to draw on (default: a new one on stdout).
-            Whether it is a terminal (``Console.is_terminal``) picks the bar
-            or plain lines.
+        console: the rich console to draw on (default: a new one on stdout);
+            whether it is a terminal picks the bar or plain lines.
         clock: the time source for refreshes and rates, for tests.
 
     Example:

@@ -25,22 +25,9 @@ _UNSQUEEZED_WIDTH = 1000
 class Summary(Callback):
     """Prints ``flax.linen.tabulate`` of the model once, when the first fit starts.
 
-    The table is built from the layout of the training batch (one device's
-    share of it) with ``jax.eval_shape``: it allocates no arrays and compiles
-    nothing, unless ``compute_flops`` or ``compute_vjp_flops`` ask for FLOP
-    counts. Parameter totals count parameters only: the model is traced with
-    ``mutable=["params", *carried collections]``, so per-step collections
-    (``perturbations``, ``intermediates``, sown values) are left out, where a
-    plain ``nn.tabulate`` counts them as parameters. Carried collections such
-    as ``batch_stats`` keep their own column, as in ``nn.tabulate``.
-
-    The table is printed through rich, on process 0 only, and once per
-    ``Summary`` (a second ``fit`` prints nothing). On a terminal it is drawn
-    to the console's width; elsewhere (a file, a pipe, CI) at its own natural
-    width, never squeezed to the 80 columns rich assumes without a terminal,
-    and never wrapped. The same table, as plain
-    text in a markdown code block, goes to the fit's writers
-    (``loop.writers``: TensorBoard's Text tab) under the tag ``model_summary``.
+    Built with ``jax.eval_shape`` from one device's share of the batch (no FLOPs
+    unless asked), counting parameters only; printed through rich on process 0,
+    and written to ``loop.writers`` as ``model_summary`` (TensorBoard's Text tab).
 
     Args:
         depth: how many submodules deep the table goes (None: no limit).
@@ -48,19 +35,14 @@ class Summary(Callback):
         compute_flops: add a ``flops`` column (lowers each call: costs time).
         compute_vjp_flops: add a ``vjp_flops`` column (backward-pass FLOPs).
         console_kwargs: keyword arguments of the ``rich.console.Console`` the
-            table is rendered with (and, without ``console``, printed to); a
-            ``width`` here is the table's width wherever it is printed.
+            table is rendered with; a ``width`` here is the table's width.
         table_kwargs: keyword arguments of ``rich.table.Table``.
         column_kwargs: keyword arguments of ``rich.table.Table.add_column``.
-        console: the rich console to print to (default: a new one made from
-            ``console_kwargs``, writing to stdout).
+        console: the rich console to print to (default: one made from ``console_kwargs``).
 
     Attributes:
-        table: the rendered table as plain text, once printed (else None),
-            with a line saying the shapes are one device's share when the
-            batch is split over several.
-        parameters: the number of scalars in the model's ``params``, counted
-            from the train state (else None).
+        table: the rendered table as plain text, once printed (else None).
+        parameters: the number of scalars in the model's ``params`` (else None).
 
     Example:
         >>> from flaxhooks import Summary

@@ -41,62 +41,21 @@ def find_learning_rate(opt_state: Any) -> Any | None:
 
 class TensorBoard(Callback):
     """Writes training and evaluation scalars to TensorBoard, off the training
-    thread, and is the fit's writer for every other callback.
+    thread, in TensorBoard's usual layout (one sub-run per split, as Keras).
 
-    What a person sees, in TensorBoard's usual layout (as Keras writes it):
-
-    - one sub-run per split: ``train`` (every ``every`` steps) and one per
-      evaluation, named by it (``eval``), logging the same tag names, so
-      train and eval ``loss`` (and every metric) share a chart;
-    - training scalars are the **mean over the steps since the last log**
-      (summed on the devices by the step itself: no host sync per step),
-      plus ``optimizer/grad_norm`` and ``optimizer/update_ratio`` (every
-      step's global gradient norm and ``|update| / |params|``, averaged
-      likewise), ``optimizer/learning_rate`` (at the logged step) and
-      ``throughput/steps_per_s``;
-    - where the time of the steps since the last log went (the loop's host
-      clock, ``loop.clock``; evaluations left out): ``train/data_wait``, the
-      share (0 to 1) of it the loop waited for its next batch;
-      ``train/device_wait``, the share it waited for the devices;
-      ``train/examples_per_sec`` (global); ``train/flops_per_sec``, the
-      mesh's FLOP/s (the lean step's FLOPs from XLA's cost analysis); and
-      ``train/mfu`` (0 to 1) where the devices' peak is known
-      (:data:`flaxhooks.PEAK_FLOPS`);
-    - a Custom Scalars layout whose first category holds these charts, train
-      and eval together; the statistics callbacks add theirs after it (one
-      chart per statistic, a line per layer: each layer is a run of its own,
-      ``layers/<layer>``);
-    - the hyperparameters in the Text tab, and in the HParams tab as the main
-      run's session, with the model's parameter count, linked to the final
-      evaluation metrics (read from the evaluation sub-runs).
-
-    Logging is cheap enough for every step: the training thread only keeps
-    references to device arrays the step returned; a writer thread reads
-    them (device 0's copy only) and writes. The running totals of a resumed
-    run carry the partial window over, so its curves equal an uninterrupted
-    run's.
-
-    The Trainer opens its writer (an :class:`~flaxhooks.writers.AsyncWriter`
-    around a :class:`~flaxhooks.writers.TensorBoardWriter`) before
-    ``fit_start`` and closes it, with its thread and event files, after
-    ``fit_end`` (also after an error or a KeyboardInterrupt). While a fit
-    runs, every callback, this one included, writes through ``loop.writers``
-    (on process 0; the callback is not registered on others).
-
-    A fresh run started where another run's events are gets one warning:
-    its curves would be drawn over theirs (use :func:`flaxhooks.run_directory`).
+    Training scalars are window means summed on the devices (no host sync per
+    step), with the optimizer's curves and where the time went. Every callback,
+    this one included, writes through ``loop.writers``. The README ("What you
+    see") lists every tag, run and tab.
 
     Args:
         logdir: the run directory; checked for writing at once, and again
             before a fit writes anything.
         every: when to write training scalars (default every 50 steps).
-        hparams: the run's hyperparameters (numbers, strings, booleans),
-            compared across runs in the HParams tab: name the ones that
-            distinguish runs (learning rate, batch size, epochs); the model's
-            parameter count is added as ``parameters``.
+        hparams: the run's hyperparameters (numbers, strings, booleans) for the
+            HParams tab; the model's parameter count is added as ``parameters``.
         learning_rate: a schedule ``step -> learning rate`` to log; without
-            it, an ``optax.inject_hyperparams`` learning rate is found in the
-            optimizer state.
+            it, an ``optax.inject_hyperparams`` learning rate is found.
 
     Example:
         >>> import tempfile, flaxhooks

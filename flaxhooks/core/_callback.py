@@ -59,27 +59,15 @@ class CallbackError(RuntimeError):
 class Callback:
     """Base class of everything that plugs into a :class:`~flaxhooks.Trainer`.
 
-    A callback subscribes to an event by defining ``on_<event>(self, loop)``
-    for any name in :data:`flaxhooks.EVENTS`; every handler takes the same
-    single argument, the :class:`~flaxhooks.Loop`. Handlers run in ascending
-    ``order`` (ties keep registration order).
-
-    A callback that can refuse a fit (a directory holding another run, data
-    that cannot be evaluated) does it in :meth:`check_fit`, which runs before
-    anything is written or compiled.
-
-    A callback that holds state a resumed run needs (counters, best values,
-    logging positions) returns it from :meth:`state_dict` and takes it back
-    in :meth:`load_state_dict`; :class:`~flaxhooks.Checkpoint` saves it with
-    the train state.
+    Define ``on_<event>(self, loop)`` for any name in :data:`flaxhooks.EVENTS`;
+    refuse a fit in :meth:`check_fit`; keep what a resumed run needs with
+    :meth:`state_dict` and :meth:`load_state_dict`. The README ("Writing a
+    callback") has the contract.
 
     Attributes:
         order: where this callback runs relative to others (lower first;
-            default 0, ties keep registration order). Callbacks work together
-            through mechanisms that need no particular order: events carry
-            their data, writers are a service on the loop.
-        process_zero_only: when True the callback is only registered on JAX
-            process 0 (console and file writers on multi-host runs).
+            default 0, ties keep registration order).
+        process_zero_only: when True the callback is only registered on JAX process 0.
 
     Example:
         >>> import flaxhooks

@@ -129,22 +129,18 @@ def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_
 
 
 class FitClock:
-    """The host clock of one fit (``loop.clock``): how long the loop waited
-    for its batches and for the devices, and spent evaluating, read with
-    ``time.perf_counter`` around those waits only, never from the devices (no
-    host sync). A callback takes a :meth:`read` when it is due and turns two
-    into a :class:`Window` with :meth:`window`.
-
-    The loop keeps it; callbacks only read it.
+    """The host clock of one fit (``loop.clock``): the loop's waits for batches
+    and devices, and its evaluations, timed with ``time.perf_counter`` (no host
+    sync). A callback takes a :meth:`read` when due and turns two into a
+    :class:`Window` with :meth:`window`; the loop keeps it, callbacks only read it.
 
     Args:
         steps: the steps completed now (``lambda: loop.step``).
         examples_per_step: the global batch size (every process's examples).
         devices: the devices of the mesh, every process's.
         device_kind: their ``jax.Device.device_kind``.
-        flops: the FLOPs of one lean step on each device (XLA's cost analysis
-            of the compiled step; None when not known), called once, when a
-            window first needs it.
+        flops: the FLOPs of one lean step on each device (None when not known),
+            called once, when a window first needs it.
         clock: the time source (seconds), for tests.
 
     Example:

@@ -65,20 +65,14 @@ class NonFiniteGuard(Callback):
     """Watches every step's loss; at the first NaN or infinity it names the
     call whose output (or gradient) first went non-finite and stops training.
 
-    Every Trainer has one (``Trainer(if_nonfinite=...)`` sets its mode). Each
-    loss is read once the loop has waited for its step anyway: no host sync
-    of its own. With ``"stop"`` the step keeps the state from before the
-    first non-finite loss (one select per leaf, fused into the update), so
-    the guard replays that step, on the same batch with the same keys, with
-    every module call's output and gradient tapped, and says which call went
-    first, and what the replay cost (on one process: on several, every
-    process says the same words, which leave the time out). ``fit`` then raises
-    :class:`~flaxhooks.NonFiniteError`; the state it leaves is the one from
-    before that step. A ``finding`` event (kind ``nonfinite``) carries the same.
+    Every Trainer has one (``Trainer(if_nonfinite=...)`` sets its mode). With
+    ``"stop"`` it replays the step from the state kept before it, and ``fit``
+    raises :class:`~flaxhooks.NonFiniteError`. The README ("When training goes
+    wrong") has the details.
 
     Args:
-        mode: ``"stop"``, ``"warn"`` (log the first non-finite loss, train on;
-            nothing is replayed) or ``"off"``.
+        mode: ``"stop"``, ``"warn"`` (log the first non-finite loss, train on)
+            or ``"off"``.
         replay: replay the failing step to name the call (``"stop"`` only).
 
     Example:

@@ -20,31 +20,21 @@ class Thresholds:
     """When a layer's figures become a finding; the README gives each one's source.
 
     Attributes:
-        dead_fraction: the share of a layer's units that got no gradient over a
-            window, from which it is reported. keras-contrib's ``DeadReluDetector``
-            warns at 10%; the recipe's healthy CNN keeps 17-21% of its 256-unit
-            ``Dense_0`` dead from its first steps on, at 99% accuracy, so the
-            default is 30% (``Thresholds(dead_fraction=0.1)`` is keras-contrib's).
-        dormant_score: a unit is dormant when its mean output ``max(z, 0)`` is at most
-            this share of its layer's mean (ReDo's tau = 0.025, Sokar et al. 2023).
-        dormant_fraction: the share of dormant units from which a layer is reported
-            (ReDo counts any; the healthy CNN's ``Dense_0`` has 32-34%, so 50%).
-        flat_slope: a ``|z|`` bin is in the activation's flat region when the mean
-            gradient there is below this share of the mean at ``|z| < 0.5``.
-        saturated_fraction: the share of pre-activations in the flat region from which
-            a layer is reported (tanh is flat beyond ``|z|`` 2.5, sigmoid beyond 5).
-        vanishing_ratio: a layer's gradient RMS below this share of the largest of the
-            layers after it (nearer the loss) is vanishing.
-        exploding_ratio: a layer's gradient RMS above this multiple of the smallest of
-            the layers after it is exploding.
-        exploding_growth: the model's largest gradient RMS grown this many times since
-            the first window is exploding.
-        update_ratio_high: a module's mean ``|update| / |params|`` over a window above
-            this is learning too fast (CS231n: about 1e-3 is healthy).
-        update_ratio_step: a module's ``|update| / |params|`` at one step above this
-            is too (a step that moves the parameters by half their norm); the
-            healthy references peak at 0.13 in their first steps.
-        update_ratio_low: below this (but not 0) it is barely learning.
+        dead_fraction: the share of a layer's units with no gradient over a window
+            from which it is reported (0.3; keras-contrib's is 0.1).
+        dormant_score: a unit is dormant when its mean ``max(z, 0)`` is at most this
+            share of its layer's mean (ReDo's tau).
+        dormant_fraction: the share of dormant units from which a layer is reported.
+        flat_slope: a ``|z|`` bin is flat when its mean gradient is below this share
+            of the mean at ``|z| < 0.5``.
+        saturated_fraction: the share of pre-activations in the flat region from
+            which a layer is reported.
+        vanishing_ratio: a gradient RMS below this share of the largest after it.
+        exploding_ratio: a gradient RMS above this multiple of the smallest after it.
+        exploding_growth: the largest gradient RMS grown this many times since the first window.
+        update_ratio_high: a window's mean ``|update| / |params|`` above this is too fast.
+        update_ratio_step: one step's ``|update| / |params|`` above this is too fast.
+        update_ratio_low: a mean below this (but not 0) is barely learning.
     """
 
     dead_fraction: float = 0.30

@@ -15,21 +15,18 @@ class LossThresholds:
     """When the loss is a problem; the defaults of the spike rules are their sources' own.
 
     Attributes:
-        spike_window: LLM-Foundry's rule: the finite losses whose mean a spike is measured against (100).
+        spike_window: LLM-Foundry's rule: the finite losses a spike's mean is taken over (100).
         spike_factor: a loss at or above this times that mean is high (2).
         spike_patience: high losses in a row that are tolerated; one more is a spike (4).
-        outlier_window: MaxText's rule: the losses whose mean and standard deviation one loss is
-            measured against (128).
+        outlier_window: MaxText's rule: the losses one loss's mean and deviation are taken over (128).
         outlier_sigmas: a loss this many standard deviations above that mean is a spike (6).
-        outlier_min_rise: and only if it is also this fraction of the mean above it, so that a loss
-            that hardly varies (a converged run) is not called spiky for a wobble (0.1; ours).
+        outlier_min_rise: ... if also this fraction of the mean above it (0.1; ours).
         plateau_window: W, the losses each plateau mean is taken over (200).
-        plateau_min_fall: the loss fell from one window to a later one if their means differ by at
-            least this fraction (0.01) ...
-        plateau_sigmas: ... and by this many standard errors of that difference, so noise is no fall (2).
-        plateau_clear: a plateau said is over once the mean falls this fraction below where it was (0.1).
-        initial_high_nats: a first loss more than ``max(this, initial_high_ratio * log(C))`` above
-            ``log(C)`` is too high (1.0).
+        plateau_min_fall: a fall between two window means is at least this fraction (0.01) ...
+        plateau_sigmas: ... and this many standard errors of the difference (2).
+        plateau_clear: a plateau is over once the mean falls this fraction below it (0.1).
+        initial_high_nats: a first loss more than ``max(this, initial_high_ratio * log(C))``
+            above ``log(C)`` is too high (1.0).
         initial_high_ratio: see ``initial_high_nats`` (0.5).
         initial_low_ratio: a first loss below this times ``log(C)`` is too low, for C >= 3 (0.25).
 
@@ -243,44 +240,11 @@ def _initial_finding(step: int, loss: float, num_classes: int, thresholds: LossT
 class LossWatch:
     """Finds problems in the loss, one step at a time, and says each once.
 
-    ``loss_spike`` follows two published rules; either one is enough:
-
-    * LLM-Foundry's ``KillLossSpike`` callback: the loss stays at or above
-      ``spike_factor`` (2) times the mean of the ``spike_window`` (100) finite
-      losses before the spike began, for more than ``spike_patience`` (4) steps
-      in a row.
-    * MaxText's ``skip_step_on_spikes`` (``skip_step_interval: 128``,
-      ``skip_step_scaling_factor: 6.0``, after OLMo-core's skip-step optimizer):
-      one loss more than ``outlier_sigmas`` (6) standard deviations above the
-      mean of the previous ``outlier_window`` (128) losses, once that many are
-      known; we add that it must also be ``outlier_min_rise`` (10%) of that
-      mean above it.
-
-    A spike is said again only after ``spike_patience + 1`` ordinary losses in
-    a row, so one ragged spike is one finding.
-
-    ``loss_plateau``, training that makes no progress: more than
-    ``3 * plateau_window`` (W) losses are known, and the mean of the last W has
-    fallen neither from the mean of the first W nor from the W before it. A fall
-    counts when it is ``plateau_min_fall`` (1%) of the earlier mean and
-    ``plateau_sigmas`` (2) standard errors of the difference: noise is no fall.
-    A converged run fell far from where it began, and a slow one keeps falling
-    from there, so neither is reported: we cannot know the lowest loss, only
-    whether the loss moved. A run whose loss moves less than its noise over 3W
-    steps looks stuck; raise W for slow, noisy fine-tuning. A plateau is said
-    again only after the mean fell ``plateau_clear`` (10%) below where it was
-    said, and then stuck again. A resumed run (``fresh=False``) is not judged:
-    where it resumed is not where training began, and a converged run would
-    look stuck.
-
-    ``initial_loss`` (:meth:`initial`; Karpathy, "A Recipe for Training Neural
-    Networks", 2019: verify the loss at init): an untrained classifier of C
-    classes should start near ``log(C)``. Far above it, the first logits are too
-    large; far below it, something gives the labels away.
-
-    Non-finite losses are skipped: another guard owns them, and they stay out
-    of the windows. Each step costs O(1) (amortized), and the watch holds at
-    most ``spike_window + outlier_window + 2 * plateau_window`` losses.
+    ``loss_spike`` (LLM-Foundry's ``KillLossSpike`` or MaxText's
+    ``skip_step_on_spikes`` rule), ``loss_plateau`` (no fall over ``3 *
+    plateau_window`` losses; a resumed run is not judged) and ``initial_loss``
+    (:meth:`initial`: far from ``log(C)``). Non-finite losses are skipped.
+    The README ("When training goes wrong") gives each rule.
 
     Args:
         thresholds: when the loss is a problem.
