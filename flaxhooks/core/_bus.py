@@ -62,9 +62,7 @@ class HookBus:
         failure: Callable[[Loop, BaseException], BaseException],
     ) -> HookBus:
         """The same callbacks, with another error policy (one ``fit``'s)."""
-        bus = HookBus(defer=defer, failure=failure)
-        bus._callbacks, bus._handlers = list(self._callbacks), self._handlers
-        return bus
+        return HookBus(self._callbacks, defer=defer, failure=failure)
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
