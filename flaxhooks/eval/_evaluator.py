@@ -44,7 +44,7 @@ EVAL_SEED = 0
 #: ``(losses, {name: per-example values})``.
 ExampleLossFn = Callable[[Any, Batch], Any]
 #: Running metrics, and the real examples seen.
-Totals = tuple[clu_metrics.Collection, jax.Array]
+MetricsSoFar = tuple[clu_metrics.Collection, jax.Array]
 Metrics = type[clu_metrics.Collection] | type[clu_metrics.Metric] | Mapping[str, type[clu_metrics.Metric]]
 
 
@@ -180,7 +180,9 @@ class Evaluator:
         self.placement = placement
         axis = self.axis = axis_name(model)
 
-        def eval_step(variables: tuple[Any, Any], batch: Batch, totals: Totals) -> tuple[Totals, jax.Array]:
+        def eval_step(
+            variables: tuple[Any, Any], batch: Batch, totals: MetricsSoFar,
+        ) -> tuple[MetricsSoFar, jax.Array]:
             batch = dict(batch)
             valid, failed = batch.pop(VALID), batch.pop(FAILED)
             params, model_state = variables
@@ -208,7 +210,7 @@ class Evaluator:
 
         whole = in_global_view(counted, axis)
 
-        def traced(variables: Any, totals: Totals, batch: Batch) -> Any:
+        def traced(variables: Any, totals: MetricsSoFar, batch: Batch) -> Any:
             with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
                 return whole(variables, batch, totals)
 
