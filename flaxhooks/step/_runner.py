@@ -248,8 +248,8 @@ class StepRunner:
         carries = self._carries(due)
         if not due and self._lean is None:  # once per fit, before the state is donated
             self._lean = (step_fn, _types((record.state, batch, record.totals, carries)))
-        state, record.metrics, record.totals, results = step_fn(record.state, batch, record.totals, carries)
-        record.state = state
+        outputs = step_fn(record.state, batch, record.totals, carries)
+        record.state, record.metrics, record.totals, results = outputs
         # One statement: a KeyboardInterrupt cannot land between the two.
         record.step, record.epoch_step = step, record.epoch_step + 1
         self._in_flight.push((step, record.metrics), functools.partial(_settle, record, wait))
