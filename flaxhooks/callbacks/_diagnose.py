@@ -88,7 +88,9 @@ class Diagnose(InstrumentedCallback):
     on the devices over a ``window`` of sampled steps, and from every step's
     loss: dead units, saturation, vanishing or exploding gradients, update
     ratios, loss spikes and plateaus, set-up traps. Each problem is said once,
-    as a ``finding`` event and in TensorBoard (see README, "When training goes wrong").
+    as a ``finding`` event and in TensorBoard's Text tab (``health/findings``;
+    a fit that found nothing says what was checked), with a ``health/<kind>``
+    counter for each kind found (see README, "When training goes wrong").
 
     Args:
         every: the steps sampled (an int or :class:`~flaxhooks.Every`).
@@ -100,7 +102,7 @@ class Diagnose(InstrumentedCallback):
         table: print the findings in a table when ``fit`` ends.
         heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
             of layers over steps, in TensorBoard's Images tab at each window
-            (``health/heatmaps/<name>``).
+            (``stats/heatmaps/<name>``: after the metrics in Time Series).
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
         console: the rich console the table is printed on (default: a new one on stderr).
 
