@@ -215,14 +215,17 @@ class Diagnose(InstrumentedCallback):
                 state, batch = plan.state, plan.spec.global_batch()
                 self._setup = (key, setup_findings(plan.model, state.params, state.model_state, batch))
             self._checked.setup = True
-            for finding in self._setup[1]:
-                self._say(loop, dataclasses.replace(finding, step=loop.step))
+            said = [dataclasses.replace(finding, step=loop.step) for finding in self._setup[1]]
+            for finding in said:
+                self._say(loop, finding, write=False)
+            if said:
+                self._write_text(loop, findings=said)
 
     def on_finding(self, loop: Loop) -> None:
         finding = loop.payload
         if isinstance(finding, Finding) and not any(finding is f for f in self.findings):
             self.findings.append(finding)  # another's (the guard's): in the table and the Text tab too
-            self._write_text(loop, finding=finding)
+            self._write_text(loop, findings=[finding])
 
     def on_step_end(self, loop: Loop) -> None:
         if loop.should_stop and loop.diverged is not None:
@@ -358,10 +361,12 @@ class Diagnose(InstrumentedCallback):
             if self._absent[key] >= 2:  # cleared: said again if it comes back
                 del self._active[key]
                 self._absent.pop(key, None)
-        for key, finding in current.items():
-            if key not in self._active:
-                self._active[key] = finding
-                self._say(loop, finding)
+        new = [finding for key, finding in current.items() if key not in self._active]
+        for finding in new:
+            self._active[_once_key(finding)] = finding
+            self._say(loop, finding, write=False)
+        if new:  # one Text tab entry for the window's findings
+            self._write_text(loop, findings=new)
         counts = collections.Counter(kind for kind, _ in self._active)
         # A counter only for the kinds found in this run (from their first finding on, 0 once
         # cleared): a flat zero per kind that never fired would push the loss down the page.
@@ -371,25 +376,27 @@ class Diagnose(InstrumentedCallback):
             counters = {kind: float(counts.get(kind, 0)) for kind in fired}
             loop.writers.scalars(counters, step, prefix=HEALTH_PREFIX)
 
-    def _say(self, loop: Loop, finding: Finding) -> None:
+    def _say(self, loop: Loop, finding: Finding, write: bool = True) -> None:
+        """Logs, records and emits ``finding``; ``write``: in the Text tab too (else the caller does)."""
         self.findings.append(finding)
         if jax.process_index() == 0:
             _log.warning("%s", finding.message())
-        self._write_text(loop, finding=finding)
+        if write:
+            self._write_text(loop, findings=[finding])
         loop.emit(Event.FINDING, finding)
 
-    def _write_text(self, loop: Loop, *, finding: Finding | None = None, note: str | None = None,
-                    step: int | None = None) -> None:
-        """Writes the Text tab's entry again with ``finding`` (or ``note``) added.
+    def _write_text(self, loop: Loop, *, findings: Sequence[Finding] = (), note: str | None = None,
+                    step: int = 0) -> None:
+        """Writes the Text tab's entry again with ``findings`` (or a ``note`` at ``step``) added.
 
         TensorBoard shows one entry per step of a tag (the last), and its
         default reader drops the entries of later steps when an earlier step
         comes after them: so each entry is written at the latest step written
         so far (or later), holding every finding of that step.
         """
-        at = max(finding.step if finding is not None else step or 0, self._entry.step)
+        at = max(*(f.step for f in findings), step, self._entry.step)
         entry = self._entry if at == self._entry.step else _Entry(at)
-        self._entry = entry = entry.with_(finding, note)
+        self._entry = entry = entry.with_(findings, note)
         loop.writers.text(FINDINGS_TAG, entry.markdown(), at)
 
 
@@ -422,8 +429,8 @@ class _Entry:
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
 
-    def with_(self, finding: Finding | None, note: str | None) -> _Entry:
-        return dataclasses.replace(self, findings=self.findings + ((finding,) if finding else ()),
+    def with_(self, findings: Sequence[Finding], note: str | None) -> _Entry:
+        return dataclasses.replace(self, findings=self.findings + tuple(findings),
                                    notes=self.notes + ((note,) if note else ()))
 
     def markdown(self) -> str:

@@ -66,6 +66,7 @@ def test_every_finding_stays_visible_the_worst_first_even_when_said_out_of_step_
     diagnose.update(loop, [vanishing, dead], 200)  # two at one step
     diagnose.update(loop, [later], 400)
     assert {tag for tag, _, _ in loop.writers.texts} == {"health/findings"}
+    assert len(loop.writers.texts) == 3  # one write per window judged, whatever it found
     screen = shown(loop.writers.texts)
     for f in (spike, dead, vanishing, later):
         assert sum(f.evidence in text for text in screen.values()) == 1, (f.kind, screen)
@@ -107,3 +108,15 @@ def test_a_healthy_fit_says_so_in_the_text_tab_and_charts_no_counter(tmp_path):
     assert entry.step == 20 and text.startswith("**No finding** over steps 1\u201320. Checked: ")
     assert "2 windows of layer statistics (2 layers" in text  # Dense_0, Dense_1: judged at steps 10 and 20
     assert "the loss of 20 steps" in text and "the set-up" in text
+
+
+def test_the_guards_finding_goes_to_the_text_tab_too():
+    diagnose, loop = flaxhooks.Diagnose(table=False), a_loop()
+    diagnose.update(loop, [finding("dead_units", 200, "Dense_0")], 200)
+    nonfinite = finding("nonfinite", 150)  # the guard's, on the bus, after a later finding was written
+    loop.payload = nonfinite
+    diagnose.on_finding(loop)
+    screen = shown(loop.writers.texts)
+    assert list(screen) == [200] and screen[200].startswith("**nonfinite** at step 150")
+    assert "dead_units seen in Dense_0" in screen[200]
+    assert diagnose.findings[-1] is nonfinite
