@@ -328,6 +328,7 @@ class Diagnose(InstrumentedCallback):
         ordered = sorted(zip(layout.modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
         self._maps["update_ratio"].add(step, dict(ordered))
         if loop.writers:
+            # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
             drawings = self._drawings()
             loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
@@ -467,6 +468,7 @@ class _Checked:
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
 
 
+#: The heatmaps, and whether each is coloured on a log scale.
 _MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
 _TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
