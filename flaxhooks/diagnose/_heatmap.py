@@ -82,8 +82,9 @@ def _scale(values: np.ndarray, missing: np.ndarray, log: bool, vmin: float | Non
         raise ValueError(f"a log scale starts above 0, not at {low}")
     if high < low:
         raise ValueError(f"the scale ends ({high}) below its start ({low})")
-    constant = high == low
-    if constant:  # one value: the middle of the map
+    # Every finite value the same (on a log scale, none <= 0 besides): said under the bar.
+    constant = bool(found.size and found.min() == found.max() == low == high and (usable == finite).all())
+    if high == low:  # a range of one value: that value in the middle of the map
         value = low
         pad = max(abs(low), 1.0) / 2
         low, high = (low / 10**0.5, high * 10**0.5) if log else (low - pad, high + pad)
@@ -153,7 +154,8 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
     if not decorate:
         return grid
     names = [] if rows is None or cell_h < _GLYPH_ROWS else [_short(str(name)) for name in rows]
-    return _decorate(grid, names, cell_h, steps, title, bar_labels(scale, log), scale.constant)
+    labels = bar_labels(scale, log, nonfinite=bool(bad.any()))
+    return _decorate(grid, names, cell_h, steps, title, labels, scale.constant)
 
 
 def _short(name: str, length: int = 20) -> str:
@@ -196,9 +198,10 @@ def range_labels(low: float, high: float, digits: int = 3) -> tuple[str, str]:
     return labels
 
 
-def bar_labels(scale: _Range, log: bool) -> tuple[str, str, str]:
+def bar_labels(scale: _Range, log: bool, nonfinite: bool = False) -> tuple[str, str, str]:
     """What is written under the colour bar: its low end, its middle and its
-    high end. A constant range says so instead of a spread no value has.
+    high end. A constant range says so instead of a spread no value has
+    (``nonfinite``: of the finite values, some cells being NaN or infinite).
 
     Example:
         >>> bar_labels(_Range(0.001, 0.1), log=True)
@@ -207,7 +210,7 @@ def bar_labels(scale: _Range, log: bool) -> tuple[str, str, str]:
         ('every value is 0.5', '', '')
     """
     if scale.constant:
-        return f"every value is {range_labels(scale.low, scale.high)[0]}", "", ""
+        return f"every {'finite ' * nonfinite}value is {range_labels(scale.low, scale.high)[0]}", "", ""
     low, high = range_labels(scale.low, scale.high)
     return low, "log scale" if log else "", high
 

@@ -198,3 +198,15 @@ def test_a_constant_range_says_so_and_its_bar_is_the_cells_colour():
     # A log scale says so; a linear one does not.
     assert shows(heatmap(np.array([[1e-3, 1e-1]]), steps=[1, 2]), "log scale")
     assert not shows(heatmap(np.array([[0.0, 1.0]]), log=False, steps=[1, 2]), "log scale")
+
+
+def test_only_a_range_every_value_shares_is_called_constant():
+    # Zeros beside one positive value on a log scale: two colours, so a range with two ends.
+    zeros = heatmap(np.array([[0.0, 0.5, 0.5]]), steps=[1, 3])
+    assert not shows(zeros, "every value is 0.5") and shows(zeros, "log scale")
+    # A range given as one value is not the values' own.
+    given = heatmap(np.array([[0.2, 0.8]]), log=False, vmin=0.5, vmax=0.5, steps=[1, 2])
+    assert not shows(given, "every value is 0.5")
+    # Non-finite cells beside one finite value: said of the finite values.
+    with_nan = heatmap(np.array([[0.5, np.nan, 0.5]]), log=False, steps=[1, 3])
+    assert shows(with_nan, "every finite value is 0.5")
