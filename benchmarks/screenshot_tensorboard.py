@@ -123,14 +123,21 @@ def run_recipe(workdir: Path, epochs: int) -> Path:
 
 
 @contextlib.contextmanager
-def tensorboard(logdir: Path, log: Path) -> Iterator[str]:
-    """Serves ``logdir`` with the real TensorBoard; yields its URL, and always stops it."""
+def tensorboard(logdir: Path, log: Path, fast: bool = False) -> Iterator[str]:
+    """Serves ``logdir`` with the real TensorBoard; yields its URL, and always stops it.
+
+    ``fast``: read the logdir as ``tensorboard --logdir`` does by default, with
+    its Rust data server (it keeps one event per step of a tag, and drops
+    later steps when an earlier one comes after them), in the background:
+    poll until what is asked for shows.
+    """
     executable = Path(sys.executable).with_name("tensorboard")
     command = [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorboard.main"]
     # Port 0: the server picks a free port and prints it. A blocking load of
     # the whole logdir first: the pages then show every point of the run.
-    command += ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0", "--load_fast", "false",
-                "--reload_interval", "0", "--reload_task", "blocking"]
+    command += ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0"]
+    command += (["--load_fast", "true", "--reload_interval", "1"] if fast else
+                ["--load_fast", "false", "--reload_interval", "0", "--reload_task", "blocking"])
     with open(log, "w") as output:
         # A file, not a pipe nobody reads, which could fill and stall the server.
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)

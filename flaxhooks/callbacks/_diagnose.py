@@ -88,7 +88,9 @@ class Diagnose(InstrumentedCallback):
     on the devices over a ``window`` of sampled steps, and from every step's
     loss: dead units, saturation, vanishing or exploding gradients, update
     ratios, loss spikes and plateaus, set-up traps. Each problem is said once,
-    as a ``finding`` event and in TensorBoard (see README, "When training goes wrong").
+    as a ``finding`` event and in TensorBoard's Text tab (``health/findings``;
+    a fit that found nothing says what was checked), with a ``health/<kind>``
+    counter for each kind found (see README, "When training goes wrong").
 
     Args:
         every: the steps sampled (an int or :class:`~flaxhooks.Every`).
@@ -100,7 +102,7 @@ class Diagnose(InstrumentedCallback):
         table: print the findings in a table when ``fit`` ends.
         heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
             of layers over steps, in TensorBoard's Images tab at each window
-            (``health/heatmaps/<name>``).
+            (``stats/heatmaps/<name>``: after the metrics in Time Series).
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
         console: the rich console the table is printed on (default: a new one on stderr).
 
@@ -134,6 +136,9 @@ class Diagnose(InstrumentedCallback):
         self.num_classes: int | None = None
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
+        # The run's Text tab entry written last: its step and what it holds.
+        self._entry = _Entry(-1)
+        self._fired: set[str] = set()  # the kinds with a health/<kind> counter in this run
         self._reset(0)
 
     def __repr__(self) -> str:
@@ -151,6 +156,8 @@ class Diagnose(InstrumentedCallback):
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
         self._losses_seen = step
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
+        self._fit_start = step + 1
+        self._checked = _Checked()
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)
@@ -198,6 +205,8 @@ class Diagnose(InstrumentedCallback):
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
         self._reset(loop.step)
+        if loop.step < self._entry.step or (loop.step == 0 and loop.resumed_from is None):
+            self._entry, self._fired = _Entry(-1), set()  # a new run
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
             # Traced once per model and layout (tracing takes a good part of a second), said each fit.
@@ -205,13 +214,18 @@ class Diagnose(InstrumentedCallback):
             if self._setup[0] != key:
                 state, batch = plan.state, plan.spec.global_batch()
                 self._setup = (key, setup_findings(plan.model, state.params, state.model_state, batch))
-            for finding in self._setup[1]:
-                self._say(loop, dataclasses.replace(finding, step=loop.step))
+            self._checked.setup = True
+            said = [dataclasses.replace(finding, step=loop.step) for finding in self._setup[1]]
+            for finding in said:
+                self._say(loop, finding, write=False)
+            if said:
+                self._write_text(loop, findings=said)
 
     def on_finding(self, loop: Loop) -> None:
         finding = loop.payload
         if isinstance(finding, Finding) and not any(finding is f for f in self.findings):
-            self.findings.append(finding)  # another's (the guard's): in the table too
+            self.findings.append(finding)  # another's (the guard's): in the table and the Text tab too
+            self._write_text(loop, findings=[finding])
 
     def on_step_end(self, loop: Loop) -> None:
         if loop.should_stop and loop.diverged is not None:
@@ -233,8 +247,10 @@ class Diagnose(InstrumentedCallback):
             if step <= self._losses_seen:
                 break
             new.append((step, value))
+        self._checked.losses += len(new)
         for step, value in reversed(new):
             if step == 1:  # the loss before any update, on a fresh run
+                self._checked.initial = self.num_classes is not None
                 for finding in self._watch.initial(step, value, self.num_classes):
                     self._say(loop, finding)
             for finding in self._watch.add(step, value):
@@ -249,6 +265,9 @@ class Diagnose(InstrumentedCallback):
                 self._close(loop.step)
             while self._pending:
                 self._judge(loop, self._pending.popleft())
+            if not self.findings and loop.step >= self._fit_start:
+                note = self._checked.no_finding(self._fit_start, loop.step)
+                self._write_text(loop, note=note, step=loop.step)
         self._pending.clear()
         if jax.process_index() == 0:
             if self.table and self.findings:
@@ -265,6 +284,9 @@ class Diagnose(InstrumentedCallback):
     def _judge(self, loop: Loop, pending: _Pending) -> None:
         sums, layout = self.sums_of(pending.sums), pending.sums.layout
         steps = (pending.start, pending.end)
+        self._checked.windows += 1
+        self._checked.layers = max(self._checked.layers, len(layout.layers))
+        self._checked.modules = max(self._checked.modules, len(layout.modules))
         read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
         figures = layer_figures(layout.layers, layout.units, read, self.thresholds)
         for f in figures:
@@ -306,11 +328,9 @@ class Diagnose(InstrumentedCallback):
         ordered = sorted(zip(layout.modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
         self._maps["update_ratio"].add(step, dict(ordered))
         if loop.writers:
-            # Not health/<name>: TensorBoard keeps one kind of data per tag, and health/dead_units
-            # is the count of dead_units findings, a scalar (its image would never show).
+            # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
             drawings = self._drawings()
-            loop.writers.images(
-                lambda: {f"health/heatmaps/{name}": draw() for name, draw in drawings.items()}, step)
+            loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
     def _drawings(self) -> dict[str, Any]:
         return {name: maps.drawing(title=_TITLES[name], **_RANGE.get(name, {}))
@@ -342,19 +362,110 @@ class Diagnose(InstrumentedCallback):
             if self._absent[key] >= 2:  # cleared: said again if it comes back
                 del self._active[key]
                 self._absent.pop(key, None)
-        for key, finding in current.items():
-            if key not in self._active:
-                self._active[key] = finding
-                self._say(loop, finding)
+        new = [finding for key, finding in current.items() if key not in self._active]
+        for finding in new:
+            self._active[_once_key(finding)] = finding
+            self._say(loop, finding, write=False)
+        if new:  # one Text tab entry for the window's findings
+            self._write_text(loop, findings=new)
         counts = collections.Counter(kind for kind, _ in self._active)
-        loop.writers.scalars({kind: float(counts.get(kind, 0)) for kind in KINDS}, step, prefix="health/")
+        # A counter only for the kinds found in this run (from their first finding on, 0 once
+        # cleared): a flat zero per kind that never fired would push the loss down the page.
+        self._fired.update(counts)
+        if self._fired:
+            fired = sorted(self._fired, key=_severity)
+            counters = {kind: float(counts.get(kind, 0)) for kind in fired}
+            loop.writers.scalars(counters, step, prefix=HEALTH_PREFIX)
 
-    def _say(self, loop: Loop, finding: Finding) -> None:
+    def _say(self, loop: Loop, finding: Finding, write: bool = True) -> None:
+        """Logs, records and emits ``finding``; ``write``: in the Text tab too (else the caller does)."""
         self.findings.append(finding)
         if jax.process_index() == 0:
             _log.warning("%s", finding.message())
-        loop.writers.text("health/findings", _markdown(finding), finding.step)
+        if write:
+            self._write_text(loop, findings=[finding])
         loop.emit(Event.FINDING, finding)
+
+    def _write_text(self, loop: Loop, *, findings: Sequence[Finding] = (), note: str | None = None,
+                    step: int = 0) -> None:
+        """Writes the Text tab's entry again with ``findings`` (or a ``note`` at ``step``) added.
+
+        TensorBoard shows one entry per step of a tag (the last), and its
+        default reader drops the entries of later steps when an earlier step
+        comes after them: so each entry is written at the latest step written
+        so far (or later), holding every finding of that step.
+        """
+        at = max(*(f.step for f in findings), step, self._entry.step)
+        entry = self._entry if at == self._entry.step else _Entry(at)
+        self._entry = entry = entry.with_(findings, note)
+        loop.writers.text(FINDINGS_TAG, entry.markdown(), at)
+
+
+#: The group of Diagnose's scalars in TensorBoard: ``health/<kind>`` counts the
+#: active findings of each kind found in the run.
+HEALTH_PREFIX = "health/"
+#: The Text tab's tag of the findings (tensorboardX adds ``/text_summary``).
+FINDINGS_TAG = "health/findings"
+#: The heatmaps' group in TensorBoard: with the per-layer statistics (``stats/``),
+#: after the metrics, so the loss is in the first groups Time Series opens.
+HEATMAPS_PREFIX = "stats/heatmaps/"
+
+
+def heatmap_tag(name: str) -> str:
+    """The Images tag of a heatmap (``"gradient_rms"``: ``"stats/heatmaps/gradient_rms"``)."""
+    return HEATMAPS_PREFIX + name
+
+
+def _severity(finding: Finding | str) -> int:
+    """A kind's rank, the worst first: its place in :data:`~flaxhooks.core.KINDS` (a report's order)."""
+    kind = finding if isinstance(finding, str) else finding.kind
+    return KINDS.index(kind) if kind in KINDS else len(KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One step's entry of the Text tab: its findings and notes."""
+
+    step: int
+    findings: tuple[Finding, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def with_(self, findings: Sequence[Finding], note: str | None) -> _Entry:
+        return dataclasses.replace(self, findings=self.findings + tuple(findings),
+                                   notes=self.notes + ((note,) if note else ()))
+
+    def markdown(self) -> str:
+        """The findings, the worst first (then by step), then the notes, a rule between each."""
+        found = sorted(self.findings, key=lambda f: (_severity(f), f.step))
+        return "\n\n---\n\n".join([_markdown(f) for f in found] + list(self.notes))
+
+
+@dataclasses.dataclass
+class _Checked:
+    """What a fit's diagnosis looked at: said when it found nothing."""
+
+    setup: bool = False  # the set-up traps, before the first step
+    losses: int = 0  # steps' losses watched
+    initial: bool = False  # the first loss, against log(classes)
+    windows: int = 0  # windows of layer statistics judged
+    layers: int = 0
+    modules: int = 0
+
+    def no_finding(self, first: int, last: int) -> str:
+        """The Text tab's entry of a fit that found nothing (steps ``first`` to ``last``)."""
+        looked = []
+        if self.windows:
+            looked.append(
+                f"{self.windows} window{'s' * (self.windows != 1)} of layer statistics ({self.layers} "
+                f"layers, {self.modules} modules: dead, dormant and saturated units, vanishing and exploding "
+                "gradients, update ratios, frozen parameters)")
+        if self.losses:
+            looked.append(f"the loss of {self.losses} step{'s' * (self.losses != 1)} (spikes, plateaus"
+                          f"{', the initial loss against log(classes)' if self.initial else ''})")
+        if self.setup:
+            looked.append("the set-up (dropout in evaluation, RNG streams)")
+        checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
+        return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
 
 
 #: The heatmaps, and whether each is coloured on a log scale.

@@ -12,7 +12,9 @@ from flaxhooks.diagnose._heatmap import (
     NON_FINITE,
     Heatmaps,
     colormap,
+    glyph,
     heatmap,
+    range_labels,
 )
 from flaxhooks.diagnose._instep import (
     COLUMNS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,18 +23,28 @@ NON_FINITE = (226, 36, 36)
 MISSING = (200, 200, 200)
 _BACKGROUND, _INK = (255, 255, 255), (40, 40, 40)
 
-#: A 3x5 pixel font: each glyph is its character and 5 rows of 3 bits, top row first.
-_GLYPHS = {entry[0]: np.array([bit == "1" for bit in entry[1:]]).reshape(5, 3) for entry in """
-0111101101101111 1010110010010111 2111001111100111 3111001011001111 4101101111001001
-5111100111001111 6111100111101111 7111001010010010 8111101111101111 9111101111001111
-A010101111101101 B110101110101110 C011100100100011 D110101101101110 E111100110100111
-F111100110100100 G011100101101011 H101101111101101 I111010010010111 J001001001101010
-K101101110101101 L100100100100111 M101111111101101 N110101101101101 O010101101101010
-P110101110100100 Q010101101110011 R110101110101101 S011100010001110 T111010010010010
-U101101101101111 V101101101101010 W101101111111101 X101101010101101 Y101101010010010
-Z111001010100111 .000000000000010 -000000111000000 +000010111010000 _000000000000111
-/001001010100100 :000010000010000 (010100100100010 )010001001001010 ?111001010000010
+#: A 3-pixel-wide font, each glyph 6 rows: capitals and digits on the top 5,
+#: lower case 4 rows high under an ascender row, descenders (g, j, p, q, y) on
+#: the sixth. An entry is its character then its rows of 3 bits, top row first.
+_GLYPHS = {entry[0]: np.array([bit == "1" for bit in entry[1:]]).reshape(6, 3) for entry in """
+0111101101101111000 1010110010010111000 2111001111100111000 3111001011001111000 4101101111001001000
+5111100111001111000 6111100111101111000 7111001010010010000 8111101111101111000 9111101111001111000
+A010101111101101000 B110101110101110000 C011100100100011000 D110101101101110000 E111100110100111000
+F111100110100100000 G011100101101011000 H101101111101101000 I111010010010111000 J001001001101010000
+K101101110101101000 L100100100100111000 M101111111101101000 N110101101101101000 O010101101101010000
+P110101110100100000 Q010101101110011000 R110101110101101000 S011100010001110000 T111010010010010000
+U101101101101111000 V101101101101010000 W101101111111101000 X101101010101101000 Y101101010010010000
+Z111001010100111000 .000000000000010000 -000000111000000000 +000010111010000000 _000000000000111000
+/001001010100100000 :000010000010000000 (010100100100010000 )010001001001010000 ?111001010000010000
+a000110011101111000 b100110101101110000 c000011100100011000 d001011101101011000 e000010101110011000
+f001010111010010000 g000011101011001110 h100110101101101000 i010000010010010000 j001000001001101010
+k100101110110101000 l110010010010111000 m000111111101101000 n000110101101101000 o000010101101010000
+p000110101101110100 q000011101101011001 r000011100100100000 s000011110011110000 t010111010010011000
+u000101101101011000 v000101101101010000 w000101101111111000 x000101010010101000 y000101101011001110
+z000111011110111000 =000111000111000000 ,000000000000010100 '010010000000000000 %101001010100101000
 """.split()}
+#: Rows of a glyph, and the pixels from one character's left edge to the next's.
+_GLYPH_ROWS, _PITCH = 6, 4
 
 
 def colormap(t: np.ndarray) -> np.ndarray:
@@ -50,8 +60,17 @@ def colormap(t: np.ndarray) -> np.ndarray:
     return np.stack(channels, axis=-1).round().astype(np.uint8)
 
 
+class _Range(NamedTuple):
+    """The values of a colour bar's ends; ``constant``: every value drawn is
+    ``low`` (the bar is spread around it, and the cells take its middle)."""
+
+    low: float
+    high: float
+    constant: bool = False
+
+
 def _scale(values: np.ndarray, missing: np.ndarray, log: bool, vmin: float | None,
-           vmax: float | None) -> tuple[np.ndarray, np.ndarray, float, float]:
+           vmax: float | None) -> tuple[np.ndarray, np.ndarray, _Range]:
     """Each cell's position on the map, which cells are non-finite, and the range."""
     finite = ~missing & np.isfinite(values)
     usable = finite & (values > 0) if log else finite
@@ -63,14 +82,18 @@ def _scale(values: np.ndarray, missing: np.ndarray, log: bool, vmin: float | Non
         raise ValueError(f"a log scale starts above 0, not at {low}")
     if high < low:
         raise ValueError(f"the scale ends ({high}) below its start ({low})")
-    if high == low:  # one value: the middle of the map
+    # Every finite value the same (on a log scale, none <= 0 besides): said under the bar.
+    constant = bool(found.size and found.min() == found.max() == low == high and (usable == finite).all())
+    if high == low:  # a range of one value: that value in the middle of the map
+        value = low
         pad = max(abs(low), 1.0) / 2
         low, high = (low / 10**0.5, high * 10**0.5) if log else (low - pad, high + pad)
     if log:
         x, lo, hi = np.log10(np.where(usable, values, low)), math.log10(low), math.log10(high)
     else:
         x, lo, hi = np.where(finite, values, low), low, high
-    return np.clip((x - lo) / (hi - lo), 0.0, 1.0), ~missing & ~np.isfinite(values), low, high
+    scale = _Range(value, value, True) if constant else _Range(low, high)
+    return np.clip((x - lo) / (hi - lo), 0.0, 1.0), ~missing & ~np.isfinite(values), scale
 
 
 def _merge_columns(t: np.ndarray, bad: np.ndarray, missing: np.ndarray,
@@ -99,7 +122,7 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
         vmin, vmax: the values of the lowest and highest colours (default: the
             smallest and largest finite values; positive ones on a log scale).
         missing: ``[layers, steps]``, True where a layer has no value (drawn grey, :data:`MISSING`).
-        rows: the layers' names, written left of their rows (when a row is at least 5 pixels tall).
+        rows: the layers' names, written left of their rows (when a row is at least 6 pixels tall).
         steps: the columns' steps: the first and last are written under the picture.
         title: written above the picture.
         cell: ``(height, width)`` of a cell in pixels. Where the steps would
@@ -107,7 +130,8 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
             (to 1 pixel), then neighbouring steps share a column (their mean;
             non-finite if any is).
         decorate: with the margins, names and colour bar (its range written
-            under it); False draws the cells alone, ``[layers * cell[0],
+            under it, and whether it is a log scale: :func:`bar_labels`);
+            False draws the cells alone, ``[layers * cell[0],
             columns * cell[1], 3]``.
 
     Example:
@@ -119,7 +143,7 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
     if values.ndim != 2 or not values.size:
         raise ValueError(f"a heatmap needs values [layers, steps], not an array of shape {values.shape}")
     missing = np.broadcast_to(np.asarray(False if missing is None else missing, bool), values.shape)
-    t, bad, low, high = _scale(values, missing, log, vmin, vmax)
+    t, bad, scale = _scale(values, missing, log, vmin, vmax)
     cell_h, cell_w = max(1, cell[0]), max(1, min(cell[1], width // values.shape[1]))
     columns = min(values.shape[1], max(1, width // cell_w))
     if columns < values.shape[1]:
@@ -129,8 +153,9 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
     grid = np.repeat(np.repeat(colours, cell_h, axis=0), cell_w, axis=1)
     if not decorate:
         return grid
-    names = [] if rows is None or cell_h < 5 else [_short(str(name)) for name in rows]
-    return _decorate(grid, names, cell_h, steps, title, low, high)
+    names = [] if rows is None or cell_h < _GLYPH_ROWS else [_short(str(name)) for name in rows]
+    labels = bar_labels(scale, log, nonfinite=bool(bad.any()))
+    return _decorate(grid, names, cell_h, steps, title, labels, scale.constant)
 
 
 def _short(name: str, length: int = 20) -> str:
@@ -138,36 +163,73 @@ def _short(name: str, length: int = 20) -> str:
 
 
 def _text_width(text: str, scale: int) -> int:
-    return max(0, 4 * len(text) - 1) * scale
+    return max(0, _PITCH * len(text) - 1) * scale
+
+
+def glyph(char: str) -> np.ndarray:
+    """The pixels (bool ``[6, 3]``) a character is written with, as it is
+    (``"o"`` is not ``"O"``); one the font lacks is written as ``?``."""
+    return _GLYPHS.get(char, _GLYPHS["?"])
 
 
 def _text(canvas: np.ndarray, y: int, x: int, text: str, scale: int) -> None:
     """Writes ``text`` with its top left corner at ``(y, x)``."""
-    for i, char in enumerate(text.upper()):
+    for i, char in enumerate(text):
         if char != " ":
-            glyph = np.kron(_GLYPHS.get(char, _GLYPHS["?"]), np.ones((scale, scale), bool))
-            left = x + 4 * scale * i
-            canvas[y:y + 5 * scale, left:left + 3 * scale][glyph] = _INK
+            pixels = np.kron(glyph(char), np.ones((scale, scale), bool))
+            left = x + _PITCH * scale * i
+            canvas[y:y + _GLYPH_ROWS * scale, left:left + 3 * scale][pixels] = _INK
 
 
-def _number(value: float) -> str:
-    return f"{value:.3g}"
+def range_labels(low: float, high: float, digits: int = 3) -> tuple[str, str]:
+    """The labels of a colour bar's ends: ``digits`` significant digits, or
+    as many more as it takes for different values to read differently.
+
+    Example:
+        >>> range_labels(0.002341, 0.002344)
+        ('0.002341', '0.002344')
+        >>> range_labels(1e-5, 0.25)
+        ('1e-05', '0.25')
+    """
+    for shown in range(digits, 18):
+        labels = (f"{low:.{shown}g}", f"{high:.{shown}g}")
+        if labels[0] != labels[1] or low == high:
+            return labels
+    return labels
+
+
+def bar_labels(scale: _Range, log: bool, nonfinite: bool = False) -> tuple[str, str, str]:
+    """What is written under the colour bar: its low end, its middle and its
+    high end. A constant range says so instead of a spread no value has
+    (``nonfinite``: of the finite values, some cells being NaN or infinite).
+
+    Example:
+        >>> bar_labels(_Range(0.001, 0.1), log=True)
+        ('0.001', 'log scale', '0.1')
+        >>> bar_labels(_Range(0.5, 0.5, constant=True), log=False)
+        ('every value is 0.5', '', '')
+    """
+    if scale.constant:
+        return f"every {'finite ' * nonfinite}value is {range_labels(scale.low, scale.high)[0]}", "", ""
+    low, high = range_labels(scale.low, scale.high)
+    return low, "log scale" if log else "", high
 
 
 def _decorate(grid: np.ndarray, names: Sequence[str], cell_h: int, steps: Sequence[int] | None,
-              title: str | None, low: float, high: float) -> np.ndarray:
-    """The cells with a margin, the rows' names, the steps, the title and a colour bar."""
-    scale = 2 if cell_h >= 12 else 1
-    margin, line = 4 * scale, 5 * scale
+              title: str | None, labels: tuple[str, str, str], constant: bool) -> np.ndarray:
+    """The cells with a margin, the rows' names, the steps, the title and a
+    colour bar with its labels (low end, middle, high end); ``constant``:
+    every cell has the bar's middle colour."""
+    scale = 2 if cell_h >= 2 * _GLYPH_ROWS else 1
+    margin, line = _PITCH * scale, _GLYPH_ROWS * scale
     grid_h, grid_w = grid.shape[:2]
     names_w = max([_text_width(n, scale) + margin for n in names], default=0)
     ends = ("", "")
     if steps is not None and len(steps):
         ends = (f"step {int(steps[0])}", str(int(steps[-1])) if int(steps[-1]) != int(steps[0]) else "")
-    labels = (_number(low), _number(high))
-    bar_w, bar_h = max(min(grid_w, 256), 64), 2 * line
+    bar_w, bar_h = max(min(grid_w, 256), 64), 2 * line  # the bar's least width
     steps_w = max(grid_w, _text_width(" ".join(ends), scale) + margin)
-    labels_w = max(bar_w, _text_width(" ".join(labels), scale) + margin)
+    labels_w = max(bar_w, _text_width("  ".join(label for label in labels if label), scale) + margin)
     # From the top: the title, the cells, the steps, the colour bar and its range.
     grid_y = margin + (line + margin if title else 0)
     steps_y = grid_y + grid_h + margin
@@ -185,9 +247,19 @@ def _decorate(grid: np.ndarray, names: Sequence[str], cell_h: int, steps: Sequen
     if steps is not None:
         _text(canvas, steps_y, left, ends[0], scale)
         _text(canvas, steps_y, left + steps_w - _text_width(ends[1], scale), ends[1], scale)
-    canvas[bar_y:bar_y + bar_h, left:left + bar_w] = colormap(np.linspace(0.0, 1.0, bar_w))[None]
-    _text(canvas, bar_y + bar_h + scale, left, labels[0], scale)
-    _text(canvas, bar_y + bar_h + scale, left + labels_w - _text_width(labels[1], scale), labels[1], scale)
+    # The bar spans its labels; a constant range is all the one colour its cells have.
+    bar = np.full(labels_w, 0.5) if constant else np.linspace(0.0, 1.0, labels_w)
+    canvas[bar_y:bar_y + bar_h, left:left + labels_w] = colormap(bar)[None]
+    labels_y = bar_y + bar_h + scale
+    _text(canvas, labels_y, left, labels[0], scale)
+    last = left + labels_w - _text_width(labels[2], scale)
+    # The middle label centred, but never on an end's (they are two spaces apart at the least).
+    gap = 2 * _PITCH * scale
+    middle_w = _text_width(labels[1], scale)
+    centred = left + (labels_w - middle_w) // 2
+    middle = min(max(centred, left + _text_width(labels[0], scale) + gap), last - gap - middle_w)
+    _text(canvas, labels_y, middle, labels[1], scale)
+    _text(canvas, labels_y, last, labels[2], scale)
     return canvas
 
 

@@ -6,7 +6,16 @@ import zlib
 import numpy as np
 import pytest
 
-from flaxhooks.diagnose import MISSING, NON_FINITE, Heatmaps, colormap, encode_png, heatmap
+from flaxhooks.diagnose import (
+    MISSING,
+    NON_FINITE,
+    Heatmaps,
+    colormap,
+    encode_png,
+    glyph,
+    heatmap,
+    range_labels,
+)
 
 
 def decode_png(png: bytes) -> np.ndarray:
@@ -123,3 +132,81 @@ def test_heatmaps_on_a_linear_scale_take_the_mean():
     for step, value in enumerate([0.0, 0.5, 1.0, 1.0], start=1):
         maps.add(step, {"dense": value})
     assert maps.steps == [1, 3] and maps.arrays()[0].tolist() == [[0.25, 1.0]]
+
+
+# -- what is written on the picture -----------------------------------------
+
+INK = (40, 40, 40)  # the colour text is written in: no cell, bar or margin has it
+
+
+def written(text: str, scale: int) -> np.ndarray:
+    """The ink of ``text`` (bool pixels) as the font draws it: glyphs 6 rows high, 4 pixels apart."""
+    pixels = np.zeros((6 * scale, max(4 * len(text) - 1, 1) * scale), bool)
+    for i, char in enumerate(text):
+        if char != " ":
+            left = 4 * scale * i
+            pixels[:, left:left + 3 * scale] = np.kron(glyph(char), np.ones((scale, scale), bool))
+    return pixels
+
+
+def shows(picture: np.ndarray, text: str, scale: int = 2) -> bool:
+    """Whether ``text`` is written somewhere on ``picture``, pixel for pixel (blank where it is blank)."""
+    ink = (picture == INK).all(axis=-1)
+    template = written(text, scale)
+    first = np.argwhere(template)[0]  # its first inked pixel, row-major
+    h, w = template.shape
+    for y, x in np.argwhere(ink) - first:
+        inside = 0 <= y <= ink.shape[0] - h and 0 <= x <= ink.shape[1] - w
+        if inside and (ink[y:y + h, x:x + w] == template).all():
+            return True
+    return False
+
+
+def test_the_font_has_lower_case_and_names_keep_their_case():
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    characters = letters + [c.upper() for c in letters] + list("0123456789_./-")
+    drawn = {char: glyph(char).tobytes() for char in characters}
+    assert len(set(drawn.values())) == len(drawn)  # every character its own glyph
+    assert glyph("\u00e9").tobytes() == glyph("?").tobytes()  # one the font lacks reads as "?"
+    picture = heatmap(np.ones((2, 4)), rows=["Conv_0", "Dense_1"], steps=[1, 4], title="gradient rms")
+    for text in ("Conv_0", "Dense_1", "gradient rms", "step 1"):
+        assert shows(picture, text), text
+    assert not shows(picture, "CONV_0") and not shows(picture, "GRADIENT RMS")
+
+
+@pytest.mark.parametrize(("low", "high"),
+                         [(0.0023401, 0.0023449), (1.0, 1.0 + 2e-12), (-5e-7, 5e-7), (3e-3, 7.5)])
+def test_different_ends_of_the_colour_bar_read_differently(low, high):
+    picture = heatmap(np.array([[low, high]]), log=low > 0, steps=[1, 2])
+    first, last = range_labels(low, high)
+    assert float(first) < float(last)
+    # Each label is its end's value, to within half the range: neither could be read as the other.
+    assert abs(float(first) - low) < (high - low) / 2 and abs(float(last) - high) < (high - low) / 2
+    for label in (first, last):
+        assert shows(picture, label, scale=2), label
+    assert shows(picture, "log scale", scale=2) == (low > 0)
+
+
+def test_a_constant_range_says_so_and_its_bar_is_the_cells_colour():
+    picture = heatmap(np.full((2, 3), 0.0023401), steps=[1, 3])
+    assert shows(picture, "every value is 0.00234", scale=2)
+    cells_colour = tuple(colormap(0.5))
+    assert tuple(heatmap(np.full((2, 3), 0.0023401), decorate=False)[0, 0]) == cells_colour
+    # The bar (the wide band of one colour under the cells) has that colour, not the map's spread.
+    rows = [row for row in picture if (row == cells_colour).all(axis=-1).sum() >= 64]
+    assert rows and not any((row == tuple(colormap(0.0))).all(axis=-1).any() for row in picture)
+    # A log scale says so; a linear one does not.
+    assert shows(heatmap(np.array([[1e-3, 1e-1]]), steps=[1, 2]), "log scale")
+    assert not shows(heatmap(np.array([[0.0, 1.0]]), log=False, steps=[1, 2]), "log scale")
+
+
+def test_only_a_range_every_value_shares_is_called_constant():
+    # Zeros beside one positive value on a log scale: two colours, so a range with two ends.
+    zeros = heatmap(np.array([[0.0, 0.5, 0.5]]), steps=[1, 3])
+    assert not shows(zeros, "every value is 0.5") and shows(zeros, "log scale")
+    # A range given as one value is not the values' own.
+    given = heatmap(np.array([[0.2, 0.8]]), log=False, vmin=0.5, vmax=0.5, steps=[1, 2])
+    assert not shows(given, "every value is 0.5")
+    # Non-finite cells beside one finite value: said of the finite values.
+    with_nan = heatmap(np.array([[0.5, np.nan, 0.5]]), log=False, steps=[1, 3])
+    assert shows(with_nan, "every finite value is 0.5")
