@@ -306,3 +306,47 @@ def _lookup(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+@pytest.mark.parametrize("names, rules", [
+    (("embed", "mlp"), LM1B_RULES),
+    (("vocab", "embed"), (("vocab", "model"), ("embed", "model"))),  # "model" once per array: embed whole
+    (("embed", "mlp"), (("mlp", "data"), ("embed", "data"), ("mlp", "model"))),  # rules in order
+    (("embed", "mlp"), (("mlp", ("data", "model")),)),
+    (("batch", None, "mlp"), (("batch", "data"), ("mlp", None))),
+    (("heads", "kv"), ()),  # no rules: whole
+])
+def test_logical_names_are_read_as_flax_reads_them(names, rules):
+    mesh = _mesh((4, 2))
+    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), rules)
+    shape = (8,) * len(names)
+    got = placement.mesh_spec(names, "x", shape)
+    assert NamedSharding(mesh, got).is_equivalent_to(
+        NamedSharding(mesh, nn.logical_to_mesh_axes(names, rules)), len(shape))
+
+
+def test_mesh_axis_names_are_renamed_by_rules_else_must_be_the_meshs():
+    from flaxhooks.data import Annotation
+
+    mesh = _mesh((4, 2))
+    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), (("mlp", "model"),))
+    assert placement.mesh_spec(Annotation(("mlp", "data"), logical=False), "x", (8, 8)) == P("model", "data")
+    own = Annotation(("hidden", None), logical=False, rules=(("hidden", "data"),))  # nnx sharding_rules
+    assert placement.mesh_spec(own, "x", (8, 8)) == P("data", None)
+    with pytest.raises(flaxhooks.ShardingError, match=r"x of shape \(8, 8\) names axis 'embed'"):
+        placement.mesh_spec(Annotation(("embed", None), logical=False), "x", (8, 8))
+    # The same name, logical: no rule maps it, so it stays whole.
+    assert placement.mesh_spec(Annotation(("embed", None)), "x", (8, 8)) == P(None, None)
+
+
+def test_only_a_shorter_annotation_splitting_a_later_dimension_is_ambiguous():
+    mesh = _mesh((4, 2))
+    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), LM1B_RULES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert placement.mesh_spec(("heads", "embed"), "first", (2, 8, 16)) == P("model", None, None)
+        assert placement.mesh_spec(("embed", "kv"), "unsplit", (16, 2, 8)) == P(None, None, None)
+        assert placement.mesh_spec(("embed", "heads", "kv"), "full", (16, 2, 8)) == P(None, "model", None)
+        assert placement.mesh_spec(("embed", "heads"), "later", (16, 2, 8)) == P(None, "model", None)
+        placement.mesh_spec(("embed", "heads"), "later", (16, 2, 8))  # once
+    assert [str(w.message).split(" of shape")[0] for w in caught] == ["later"]
