@@ -57,13 +57,13 @@ def _mode_field(module: nn.Module, train_arg: str) -> str | None:
     return next((name for name in candidates if name in fields), None)
 
 
-
 def _annotation(box: nn.Partitioned) -> Annotation:
     """A Linen box's names: logical (through the rules; its own rules first)
     for ``nn.LogicallyPartitioned``, else mesh axes."""
     if isinstance(box, nn.LogicallyPartitioned):
         return Annotation(tuple(box.names), logical=True, rules=tuple(box.rules or ()))
     return Annotation(tuple(box.names), logical=False)
+
 
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
