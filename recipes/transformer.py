@@ -63,9 +63,10 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"the width {width} does not divide into {self.heads} heads")
         head_width = width // self.heads
 
-        # Plain Dense layers over every head at once: flax's DenseGeneral
-        # applies a multi-axis annotation to its flattened kernel, which a
-        # mesh refuses. The heads are the leading part of the joint axis.
+        # Plain Dense layers over every head at once, each kernel with one
+        # name per dimension: flax's DenseGeneral would annotate its flattened
+        # 2-D kernel, and the two names then cover only the leading dimensions
+        # of the 3-D one. The heads are the leading part of the joint axis.
         def projection(name: str) -> jax.Array:
             joint = nn.Dense(
                 width, name=name,

@@ -27,6 +27,7 @@ from flaxhooks.data._devices import (
 from flaxhooks.data._mesh import (
     DATA_AXIS,
     FSDP,
+    Annotation,
     AxisRules,
     Placement,
     Replicated,

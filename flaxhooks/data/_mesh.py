@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -122,6 +123,73 @@ def _spec_text(spec: PartitionSpec) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Annotation:
+    """A variable's sharding annotation, as the model wrote it.
+
+    Attributes:
+        names: one axis name (or None) per leading dimension.
+        logical: logical names (``nn.with_logical_partitioning``): one no rule
+            maps stays whole. Otherwise mesh-axis names (``nn.with_partitioning``,
+            ``nnx.with_partitioning``): one no rule maps must be a mesh axis.
+        rules: the variable's own logical axis rules, tried before the Trainer's.
+
+    Example:
+        >>> Annotation(("embed", "mlp")).logical
+        True
+    """
+
+    names: tuple[Any, ...]
+    logical: bool = True
+    rules: tuple[tuple[str, Any], ...] = ()
+
+
+def _assign(names: Sequence[Any], rules: AxisRules) -> list[tuple[str, ...] | None]:
+    """Each dimension's mesh axes by ``rules``, as ``nn.logical_to_mesh_axes``
+    assigns them: rules in order, each mesh axis to one dimension at most; None
+    where no rule assigned a name (an unnamed dimension is ``()``, whole)."""
+    axes: list[tuple[str, ...] | None] = [
+        None if isinstance(name, str) else tuple(name) if isinstance(name, tuple | list) else ()
+        for name in names]
+    for logical, target in rules:
+        if logical not in names:
+            continue
+        dim = list(names).index(logical)
+        parts = (target,) if isinstance(target, str) else tuple(target or ())
+        taken = {p for assigned in axes if assigned for p in assigned}
+        if axes[dim] is None and not taken & set(parts):
+            axes[dim] = parts
+    return axes
+
+
+def ambiguous_split(spec: PartitionSpec, named: int, mesh: Mesh) -> int | None:
+    """The first dimension after the first that an annotation of ``named``
+    names, shorter than ``spec``'s rank, splits: None when it splits none.
+
+    A shorter annotation names the leading dimensions (JAX's reading). Flax's
+    DenseGeneral calls an annotated initializer on its flattened 2-D kernel
+    and reshapes the value, keeping the two names: the first name stays on a
+    leading part of the dimension it meant (the same blocks), but whether a
+    later name meant the next dimension or a later one cannot be told from
+    the shapes. A name that splits nothing is not ambiguous.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import Mesh
+        >>> mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        >>> ambiguous_split(PartitionSpec(None, "model", None), 2, mesh) is None  # model has 1 device
+        True
+    """
+    if named >= len(spec):
+        return None
+    for dim in range(1, named):
+        part = spec[dim]
+        parts = (part,) if isinstance(part, str) else tuple(part or ())
+        if math.prod(mesh.shape[p] for p in parts) > 1:
+            return dim
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
     """The mesh a fit runs on and where each array lives.
 
@@ -136,6 +204,8 @@ class Placement:
     data_axis: str = DATA_AXIS
     rule: ShardRule = Replicated()
     axis_rules: tuple[tuple[str, Any], ...] = ()
+    # The ambiguous annotations warned of, each once.
+    _warned: set[Any] = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, mesh: Mesh | None, devices: Sequence[jax.Device] | None, data_axis: str, rule: ShardRule,
@@ -219,40 +289,95 @@ class Placement:
         """e.g. ``mesh data=4, model=2``."""
         return "mesh " + ", ".join(f"{name}={size}" for name, size in self.mesh.shape.items())
 
-    def mesh_spec(self, names: Sequence[Any] | None, where: str, shape: tuple[int, ...]) -> PartitionSpec:
-        """An annotation's axis names (logical, or the mesh's own) as mesh axes, checked.
+    def mesh_spec(self, names: Annotation | Sequence[Any] | None, where: str,
+                  shape: tuple[int, ...]) -> PartitionSpec:
+        """An annotation as mesh axes, read as Flax and JAX read it, and checked.
+
+        Logical names (``nn.with_logical_partitioning``; a plain tuple) go
+        through the rules as ``nn.logical_to_mesh_axes`` takes them (in order,
+        a mesh axis at most once per array); one no rule maps is a mesh axis
+        if the mesh has one of that name, else it stays whole. Mesh-axis names
+        (``nn.with_partitioning``, ``nnx.with_partitioning``) are renamed by a
+        rule that maps them, else must be the mesh's. An annotation shorter
+        than the array names its leading dimensions, the rest stay whole (as a
+        shorter ``PartitionSpec`` does in JAX); where that splits a dimension
+        after the first, which one the names meant is ambiguous (see
+        :func:`ambiguous_split`) and it warns once for the leaf.
 
         Raises:
-            ShardingError: a name neither the rules nor the mesh know, a
-                dimension the mesh axes do not divide, or a rank mismatch.
+            ShardingError: more names than dimensions, a name twice, a mesh
+                axis the mesh lacks (or one used twice), or a dimension the
+                mesh axes do not divide.
+
+        Example:
+            >>> import jax, numpy as np
+            >>> from jax.sharding import Mesh
+            >>> mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+            >>> placement = Placement(mesh, axis_rules=(("mlp", "model"),))
+            >>> placement.mesh_spec(("embed", "mlp"), "kernel", (16, 64))
+            P(None, 'model')
         """
-        names = tuple(names or ())
-        if len(names) != len(shape):
-            raise ShardingError(f"{where} of shape {shape} is annotated with {len(names)} axes {names}")
-        rules = dict(self.axis_rules)
-        axes: list[Any] = []
-        for dim, name in zip(shape, names, strict=True):
-            if name is None or isinstance(name, tuple | list) and not name:
-                axes.append(None)
+        annotation = names if isinstance(names, Annotation) else Annotation(tuple(names or ()))
+        names = annotation.names
+        if len(names) > len(shape):
+            raise ShardingError(
+                f"{where} of shape {shape} is annotated with {len(names)} axes {names}, more than its "
+                f"{len(shape)} dimensions"
+            )
+        twice = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+        if twice:
+            raise ShardingError(f"{where} of shape {shape} names axis {twice[0]!r} more than once: {names}")
+        rules = (*annotation.rules, *self.axis_rules)
+        axes = _assign(names, rules)
+        for dim, name in enumerate(names):
+            if axes[dim] is not None:
                 continue
-            target = rules[name] if isinstance(name, str) and name in rules else name
-            parts = (target,) if isinstance(target, str) else tuple(target or ())
+            if any(logical == name for logical, _ in rules):
+                axes[dim] = ()  # its rules' mesh axes went to other dimensions: whole, as in Flax
+            elif name in self.mesh.shape:
+                axes[dim] = (name,)  # a mesh axis no rule renames (as flaxhooks 0.7 read logical names too)
+            elif annotation.logical:
+                axes[dim] = ()  # Flax: a logical name no rule maps stays whole
+            else:
+                known = (f"axis_rules names {sorted({r for r, _ in rules})}" if rules
+                         else "no axis_rules were given")
+                raise ShardingError(
+                    f"{where} of shape {shape} names axis {name!r}, which is neither a mesh axis "
+                    f"({list(self.mesh.shape)}) nor a logical axis of the rules ({known}): pass "
+                    "Trainer(axis_rules=[(name, mesh axis or None), ...])"
+                )
+        used: list[str] = []
+        for dim, (size, name, parts) in enumerate(zip(shape, names, axes, strict=False)):
             for part in parts:
                 if part not in self.mesh.shape:
-                    known = f"axis_rules names {sorted(rules)}" if rules else "no axis_rules were given"
                     raise ShardingError(
-                        f"{where} of shape {shape} names axis {name!r}, which is neither a mesh axis "
-                        f"({list(self.mesh.shape)}) nor a logical axis of the rules ({known}): pass "
-                        "Trainer(axis_rules=[(name, mesh axis or None), ...])"
+                        f"{where} of shape {shape}: axis {name!r} maps to mesh axis {part!r}, which the mesh "
+                        f"lacks (its axes: {dict(self.mesh.shape)})"
                     )
+                if part in used:
+                    raise ShardingError(
+                        f"{where} of shape {shape} splits two dimensions over mesh axis {part!r}")
+                used.append(part)
             ways = math.prod(self.mesh.shape[p] for p in parts)
-            if dim % ways:
+            if size % ways:
                 raise ShardingError(
-                    f"{where} of shape {shape}: dimension {dim} ({name!r} -> {target!r}) does not divide "
-                    f"over {ways} devices"
+                    f"{where} of shape {shape}: dimension {dim} of size {size} ({name!r} -> mesh "
+                    f"{parts if len(parts) != 1 else parts[0]!r}) does not divide over {ways} devices"
                 )
-            axes.append(None if not parts else parts[0] if len(parts) == 1 else parts)
-        return PartitionSpec(*axes)
+        spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in axes),
+                             *[None] * (len(shape) - len(names)))
+        split = ambiguous_split(spec, len(names), self.mesh)
+        if split is not None and (where, shape, spec) not in self._warned:
+            self._warned.add((where, shape, spec))
+            warnings.warn(
+                f"{where} of shape {shape} is annotated with {len(names)} axes {names} for its "
+                f"{len(shape)} dimensions: as JAX reads a shorter PartitionSpec they name the leading "
+                f"dimensions and the rest stay whole, which splits dimension {split} (size {shape[split]}) "
+                f"as {_spec_text(spec)}. Names written for a flattened kernel (flax's DenseGeneral, "
+                "MultiHeadDotProductAttention) may have meant another dimension: name all "
+                f"{len(shape)} to say which", UserWarning, stacklevel=2,
+            )
+        return spec
 
     def state_shardings(self, state: Any, annotated: Mapping[str, Any] | None = None) -> Any:
         """The sharding of every leaf of the train state ``state`` (abstract).
@@ -324,11 +449,13 @@ class Placement:
         return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in arrays.items()}
 
 
-def _names_by_path(names: Any) -> dict[str, Any]:
-    """``{keystr path: axis names tuple or None}`` of a tree of annotations."""
+def _names_by_path(names: Any) -> dict[str, Annotation | None]:
+    """``{keystr path: annotation or None}`` of a tree of annotations (a plain
+    tuple of names reads as logical names)."""
     flat = jax.tree_util.tree_flatten_with_path(
-        names, is_leaf=lambda x: x is None or isinstance(x, tuple | PartitionSpec))[0]
-    return {jax.tree_util.keystr(path): (None if leaf is None else tuple(leaf)) for path, leaf in flat}
+        names, is_leaf=lambda x: x is None or isinstance(x, tuple | PartitionSpec | Annotation))[0]
+    return {jax.tree_util.keystr(path): (leaf if leaf is None or isinstance(leaf, Annotation)
+                                         else Annotation(tuple(leaf))) for path, leaf in flat}
 
 
 def spec_text(sharding: Any) -> str:

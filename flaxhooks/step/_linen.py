@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import in_filter
 
+from flaxhooks.data import Annotation
 from flaxhooks.step._call import INVERTED_MODE_ARGS, InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
 from flaxhooks.step._recording import (
@@ -54,6 +55,14 @@ def _mode_field(module: nn.Module, train_arg: str) -> str | None:
     fields = {f.name for f in dataclasses.fields(module)}
     candidates = (train_arg, "train", *sorted(INVERTED_MODE_ARGS))
     return next((name for name in candidates if name in fields), None)
+
+
+def _annotation(box: nn.Partitioned) -> Annotation:
+    """A Linen box's names: logical (through the rules; its own rules first)
+    for ``nn.LogicallyPartitioned``, else mesh axes."""
+    if isinstance(box, nn.LogicallyPartitioned):
+        return Annotation(tuple(box.names), logical=True, rules=tuple(box.rules or ()))
+    return Annotation(tuple(box.names), logical=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +150,14 @@ class LinenModel:
         return self.eval_module.init(rngs, *args, **kwargs)
 
     def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
-        """Each variable's axis names from ``nn.with_partitioning`` or
-        ``nn.with_logical_partitioning`` (None where it has none), by collection;
-        on abstract values."""
+        """Each variable's :class:`~flaxhooks.data.Annotation` from
+        ``nn.with_logical_partitioning`` (logical names) or
+        ``nn.with_partitioning`` (mesh axes), None where it has none, by
+        collection; on abstract values."""
         boxed = jax.eval_shape(self._boxed_init, key, batch)
         is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
-        names = jax.tree.map(lambda x: tuple(x.names) if is_box(x) else None, dict(boxed), is_leaf=is_box)
-        return dict(names)
+        found = jax.tree.map(lambda x: _annotation(x) if is_box(x) else None, dict(boxed), is_leaf=is_box)
+        return dict(found)
 
     def own_variables(self) -> None:
         """None: a Linen module holds no values; :meth:`init` makes them."""

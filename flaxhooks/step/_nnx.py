@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
+from flaxhooks.data import Annotation
 from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
 from flaxhooks.step._recording import (
@@ -92,15 +93,24 @@ class _Leaf:
         # Typed PRNG keys are kept as their raw data: checkpoints and host
         # copies (np.asarray) cannot take typed keys.
         self.impl = jax.random.key_impl(value) if _is_typed_key(value) else None
-        # nnx.with_partitioning's axis names (mesh or logical ones), if any.
-        names = variable.get_metadata().get("out_sharding")
-        self.names = None if names is None else tuple(getattr(names, "spec", names))
+        self.names = _annotation(variable.get_metadata())
 
     def stored(self, value: Any) -> Any:
         return jax.random.key_data(value) if self.impl is not None else value
 
     def live(self, value: Any) -> Any:
         return jax.random.wrap_key_data(value, impl=self.impl) if self.impl is not None else value
+
+
+def _annotation(metadata: Mapping[str, Any]) -> Annotation | None:
+    """``nnx.with_partitioning``'s names (``out_sharding``: a tuple, a
+    PartitionSpec or a NamedSharding), if any: mesh axes, renamed by rules
+    as NNX renames them (its own ``sharding_rules`` first, then the Trainer's)."""
+    names = metadata.get("out_sharding")
+    if not names:  # None, or () as NNX writes "no sharding"
+        return None
+    rules = tuple((str(name), axes) for name, axes in metadata.get("sharding_rules") or ())
+    return Annotation(tuple(getattr(names, "spec", names)), logical=False, rules=rules)
 
 
 def _is_typed_key(value: Any) -> bool:
