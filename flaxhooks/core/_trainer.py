@@ -247,9 +247,13 @@ class Trainer:
         if start.fresh:
             self._state = plan.build(self.seed, start.first)
         elif start.state is not None and start.state is not self._state:  # the caller's stay whole
-            given = set(map(id, jax.tree.leaves(start.state)))
-            self._state = jax.tree.map(lambda x: x.copy() if id(x) in given else x,
-                                       placed(start.state, plan.shardings))
+            # Every leaf that was a device array is copied: device_put onto a sharding that
+            # includes its device may alias the caller's buffer, which the step donates.
+            given = [isinstance(x, jax.Array) for x in jax.tree.leaves(start.state)]
+            moved = placed(start.state, plan.shardings)
+            leaves, treedef = jax.tree.flatten(moved)
+            self._state = jax.tree.unflatten(
+                treedef, [x.copy() if was_array else x for x, was_array in zip(leaves, given, strict=True)])
         fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs)
         loop = fit.loop
         if start.restored is not None and start.restored.stop_reason:

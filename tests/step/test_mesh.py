@@ -513,3 +513,21 @@ def test_the_guard_replays_a_step_under_fsdp_and_names_the_layer():
     assert int(trainer.state.step) == 2
     for got, want in zip(jax.tree.leaves(trainer.state), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_state_given_from_one_device_stays_the_callers_when_a_mesh_trains_from_it():
+    """device_put onto a replicated sharding over the caller's device may alias its buffer; the
+    step donates its state, so the Trainer copies what it was given."""
+    from tests.helpers import MLP, cross_entropy, make_batches
+
+    batches = make_batches(2)
+    one = flaxhooks.Trainer(MLP(), optax.sgd(0.1), cross_entropy, devices=_needs(1))
+    initial = one.init(batches[0])
+    # (Not read from `initial` itself: a host read caches its value, which hides the donation.)
+    before = jax.tree.leaves(jax.device_get(one.init(batches[0])))
+    flaxhooks.Trainer(MLP(), optax.sgd(0.1), cross_entropy, devices=_needs(8)).fit(
+        batches, epochs=1, state=initial)
+    after = jax.tree.leaves(initial)
+    assert not any(x.is_deleted() for x in after)
+    for was, now in zip(before, after, strict=True):
+        np.testing.assert_array_equal(was, np.asarray(now))
