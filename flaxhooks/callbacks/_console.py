@@ -238,10 +238,12 @@ class ConsoleLog(Callback):
         )
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.exception is None and loop.metrics is not None:
+        if loop.exception is None and loop.metrics is not None and loop.epoch_done:  # not an epoch stopped
             metrics = format_metrics(loop.host_metrics())
             self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")
 
     def on_fit_end(self, loop: Loop) -> None:
         if loop.stop_reason:  # the loop says why it stopped only at debug level: callbacks tell people
-            self._print(f"training stopped at step {loop.step}: {loop.stop_reason}")
+            # A NaN's step, not the one the loop reached with the steps in flight after it.
+            step = loop.diverged if loop.diverged is not None else loop.step
+            self._print(f"training stopped at step {step}: {loop.stop_reason}")

@@ -320,7 +320,9 @@ class Progress(Callback):
         metrics: one line off a terminal; on one, broken between fields to
         the terminal's width, never inside one."""
         start_step, start = self._start
-        steps = loop.step - start_step
+        # A NaN's step, not the one the loop reached with the steps in flight after it.
+        ended = loop.diverged if loop.diverged is not None else loop.step
+        steps = ended - start_step
         if loop.exception is not None:
             how = f"stopped by {type(loop.exception).__name__} at"
         elif loop.stop_reason:
@@ -329,7 +331,7 @@ class Progress(Callback):
             how = "done:"
         speed = self._speed(loop.step)
         rate = f", {speed:.1f} steps/s" if speed is not None else ""
-        fields = [f"{how} {self._position(loop)}",
+        fields = [f"{how} {position_text(ended, self._total, _shown_epoch(loop), loop.max_epochs)}",
                   f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
         if loop.clock is not None and self._timed_start is not None:
             window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
