@@ -21,6 +21,7 @@ from flaxhooks.callbacks._console import (
     TerminalRedirect,
     counted,
     epoch_text,
+    eval_caveats,
     format_metrics,
     metric_texts,
     position_text,
@@ -89,6 +90,7 @@ class Progress(Callback):
         self._metrics: dict[str, float] = {}
         self._metrics_step: int | None = None
         self._eval = ""
+        self._findings: set[str] = set()  # the kinds said this fit (a caveat on eval lines)
         self._timed: Reading | None = None  # the loop's clock where the current window started
         self._timed_start: Reading | None = None  # and at fit_start
         self._window: Window | None = None  # the last complete window
@@ -142,9 +144,12 @@ class Progress(Callback):
         if self._bar is not None and self._clock() >= self._next_refresh:
             self._refresh_bar(loop)
 
+    def on_finding(self, loop: Loop) -> None:
+        self._findings.add(loop.payload.kind)
+
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
-        metrics = format_metrics(dict(result.metrics))
+        metrics = format_metrics(dict(result.metrics)) + eval_caveats(self._findings)
         self._eval = f"{result.name} {metrics}"
         if self.quiet:
             return
@@ -166,6 +171,7 @@ class Progress(Callback):
                 self._stop_terminal()
             finally:
                 self._print(self._summary(loop))
+                self._findings = set()  # a finding is said again each fit
 
     # -- the terminal --------------------------------------------------------
 

@@ -260,45 +260,56 @@ class NonFiniteGuard(Callback):
                           f"{', ...' if len(params) > 3 else ''}): an earlier step's gradient or update was "
                           f"non-finite while its loss was finite ({cost})", f"the parameters ({params[0]})",
                           params[0].rsplit("/", 1)[0], {}, "params")
-        acts = [i for i, bad in enumerate(flags["activations"]) if bad]
-        if acts:
-            call: _Call = activations[acts[0]]
-            values = {"call": call.name}
-            if call.affine and inputs_sane:
-                # Finite inputs and parameters make a finite output: its input was not finite,
-                # made by its caller's own code (a jnp.log between two submodules), as the batch is finite.
-                after = f", after {activations[acts[0] - 1].words()} returned" if acts[0] else ""
-                return _Cause(
-                    f"the first call, in execution order, whose output went non-finite is {call.words()}, "
-                    f"which makes no NaN or infinity from finite inputs and parameters: its input already "
-                    f"was, made by the code of {call.parent} (not a submodule){after} ({cost})",
-                    f"the code of {call.parent}, before {call.words()}", "/".join(call.module[:-1]) or None,
-                    values, "op")
-            return _Cause(f"the first call, in execution order, whose output went non-finite is "
-                          f"{call.words()} ({cost})", f"the output of {call.words()}",
-                          "/".join(call.module) or None, values, "op")
-        grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
-        if grads:
-            # The backward pass runs from the loss to the input: it went non-finite in the
-            # call after the deepest output whose gradient is not finite, which took that output in.
-            deepest: _Call = gradients[grads[-1]]
-            if grads[-1] + 1 < len(gradients):
-                consumer: _Call = gradients[grads[-1] + 1]
-                where, layer = f"the backward pass of {consumer.words()}", "/".join(consumer.module) or None
-            else:
-                where, layer = "loss_fn's gradient", None
-            return _Cause(f"every output is finite, but the gradient went non-finite in {where}: the deepest "
-                          f"output with a non-finite gradient is {deepest.name!r}, the next call's is finite "
-                          f"({cost})", f"the gradient, in {where}", layer, {}, "op")
-        param_grads = [name for name, bad in zip(param_names, flags["param_grads"], strict=True) if bad]
-        if param_grads:
-            return _Cause(f"every module output and its gradient is finite, but the gradient of the "
-                          f"parameter {param_grads[0]!r} is not ({cost})",
-                          f"the gradient of {param_grads[0]}", param_grads[0].rsplit("/", 1)[0], {}, "op")
-        if not bool(flags["loss"]) and not np.isfinite(value):
-            return _Cause(f"a replay of the step gives a finite loss: the failure does not repeat ({cost})")
-        return _Cause(f"every module call's output is finite: it went non-finite in loss_fn ({cost})",
-                      "loss_fn", None, {}, "op")
+        largest = float(first_replica(_largest(loop.state.params)))
+        if largest > _LARGE:  # values grew until one overflowed: not an operation's domain
+            result = _first_call(flags, activations, gradients, param_names, value, cost, inputs_sane=False)
+            grown = f"the parameters grew to {largest:.3g} in magnitude before it"
+            return dataclasses.replace(result, made_by="growth", values={**result.values, "grown": grown})
+        return _first_call(flags, activations, gradients, param_names, value, cost, inputs_sane)
+
+
+def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: Sequence[_Call],
+                param_names: Sequence[str], value: float, cost: str, inputs_sane: bool) -> _Cause:
+    """The call (or gradient, or parameter) the replay's flags show went non-finite first."""
+    acts = [i for i, bad in enumerate(flags["activations"]) if bad]
+    if acts:
+        call: _Call = activations[acts[0]]
+        values = {"call": call.name}
+        if call.affine and inputs_sane:
+            # Finite inputs and parameters make a finite output: its input was not finite,
+            # made by its caller's own code (a jnp.log between two submodules), as the batch is finite.
+            after = f", after {activations[acts[0] - 1].words()} returned" if acts[0] else ""
+            return _Cause(
+                f"the first call, in execution order, whose output went non-finite is {call.words()}, "
+                f"which makes no NaN or infinity from finite inputs and parameters: its input already "
+                f"was, made by the code of {call.parent} (not a submodule){after} ({cost})",
+                f"the code of {call.parent}, before {call.words()}", "/".join(call.module[:-1]) or None,
+                values, "op")
+        return _Cause(f"the first call, in execution order, whose output went non-finite is "
+                      f"{call.words()} ({cost})", f"the output of {call.words()}",
+                      "/".join(call.module) or None, values, "op")
+    grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
+    if grads:
+        # The backward pass runs from the loss to the input: it went non-finite in the
+        # call after the deepest output whose gradient is not finite, which took that output in.
+        deepest: _Call = gradients[grads[-1]]
+        if grads[-1] + 1 < len(gradients):
+            consumer: _Call = gradients[grads[-1] + 1]
+            where, layer = f"the backward pass of {consumer.words()}", "/".join(consumer.module) or None
+        else:
+            where, layer = "loss_fn's gradient", None
+        return _Cause(f"every output is finite, but the gradient went non-finite in {where}: the deepest "
+                      f"output with a non-finite gradient is {deepest.name!r}, the next call's is finite "
+                      f"({cost})", f"the gradient, in {where}", layer, {}, "op")
+    param_grads = [name for name, bad in zip(param_names, flags["param_grads"], strict=True) if bad]
+    if param_grads:
+        return _Cause(f"every module output and its gradient is finite, but the gradient of the "
+                      f"parameter {param_grads[0]!r} is not ({cost})",
+                      f"the gradient of {param_grads[0]}", param_grads[0].rsplit("/", 1)[0], {}, "op")
+    if not bool(flags["loss"]) and not np.isfinite(value):
+        return _Cause(f"a replay of the step gives a finite loss: the failure does not repeat ({cost})")
+    return _Cause(f"every module call's output is finite: it went non-finite in loss_fn ({cost})",
+                  "loss_fn", None, {}, "op")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,23 +340,29 @@ def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
     """How the loss or the gradient norm grew over the steps before a NaN, in
     words, or None when neither did: the last 3 steps' largest value at least
     10 times (the gradient norm) or 3 times (a positive loss) the median of the
-    steps before them (at least 5).
+    steps before them (at least 5); with fewer than 8 steps, the last 10 times
+    more than that against the first.
 
     Example:
         >>> _growth([(s, 1.0, 1.0) for s in range(1, 9)] + [(9, 1.0, 40.0)])
         'the gradient norm grew from 1 to 40 over the steps before it (1 to 9)'
         >>> _growth([(s, 1.0, 1.0) for s in range(1, 10)]) is None
         True
+        >>> _growth([(1, 2.3, 1.0), (2, 2.2, 5.0)]) is None  # few steps: a hundredfold, not fivefold
+        True
     """
-    if len(history) < 8:
+    if len(history) < 2:
         return None
     steps = (history[0][0], history[-1][0])
     for index, name, factor in ((2, "gradient norm", 10.0), (1, "loss", 3.0)):
         values = [h[index] for h in history if h[index] is not None]
-        if len(values) < 8 or (index == 1 and min(values) <= 0):
+        if len(values) < 2 or (index == 1 and min(values) <= 0):
             continue
-        before, recent = float(np.median(values[:-3])), max(values[-3:])
-        if before > 0 and recent >= factor * before:
+        # Few steps: the last against the first, ten times the bar.
+        many = len(values) >= 8
+        before, recent = (float(np.median(values[:-3])), max(values[-3:])) if many else \
+            (values[0], values[-1])
+        if before > 0 and recent >= factor * before * (1 if many else 10):
             return (f"the {name} grew from {before:.3g} to {recent:.3g} over the steps before it "
                     f"({steps[0]} to {steps[1]})")
     return None
@@ -357,8 +374,8 @@ def _advice(cause: _Cause, step: int, growth: str | None) -> str:
     if cause.made_by == "data":
         return ("check the data: find and drop or repair the examples holding NaN or infinity (np.isfinite "
                 "where the data is read); the learning rate is not the cause")
-    if growth is not None or cause.made_by == "params":
-        why = growth or "an update made the parameters non-finite"
+    if growth is not None or cause.made_by in ("params", "growth"):
+        why = growth or cause.values.get("grown") or "an update made the parameters non-finite"
         return (f"{why}: lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), "
                 "or train in float32")
     if cause.made_by == "op":
@@ -370,6 +387,17 @@ def _advice(cause: _Cause, step: int, growth: str | None) -> str:
     return ("check the batch for NaN or infinity, then look for log, sqrt or division of values that reach "
             "0 or below; if the loss or gradient norm grew before it, lower the learning rate or add warmup, "
             "or clip gradients (optax.clip_by_global_norm)")
+
+
+#: Parameters this large in magnitude are grown, not trained: a product with them may overflow.
+_LARGE = 1e6
+
+
+@jax.jit
+def _largest(params: Any) -> jax.Array:
+    """The largest finite magnitude among the parameters (compiled over the mesh)."""
+    leaves = [jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0)) for x in jax.tree.leaves(params) if x.size]
+    return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
 
 
 @jax.jit
