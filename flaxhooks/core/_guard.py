@@ -5,6 +5,7 @@ failing step instrumented from the state before it."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import logging
 import time
@@ -97,6 +98,25 @@ class _Call(NamedTuple):
         return f"{'/'.join(self.module[:-1])!r}" if len(self.module) > 1 else "the model"
 
 
+class _Unread(collections.abc.Sequence):
+    """The losses of a fit with ``if_nonfinite="off"``: none. The first reader
+    is told why in a log warning (the loss checks it makes are off)."""
+
+    def __init__(self) -> None:
+        self._said = False
+
+    def __len__(self) -> int:
+        if not self._said:
+            self._said = True
+            _log.warning("Trainer(if_nonfinite='off') reads no step's loss, so the checks that read "
+                         "loop.published['losses'] (Diagnose's initial_loss, loss_spike and loss_plateau) "
+                         "see none and are off; the default, 'stop', reads them")
+        return 0
+
+    def __getitem__(self, index: Any) -> Any:
+        raise IndexError("no loss was read (if_nonfinite='off')")
+
+
 def _key(entry: Any) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
 
@@ -160,7 +180,8 @@ class NonFiniteGuard(Callback):
         self._unchecked.clear()
         self.losses.clear()
         self._history.clear()
-        loop.publish("losses", self.losses)
+        # Off, no loss is read: a reader of the losses is told so, once, the first time it looks.
+        loop.publish("losses", self.losses if self.mode != "off" else _Unread())
         self._warned, self.finding = False, None
 
     def on_step_end(self, loop: Loop) -> None:

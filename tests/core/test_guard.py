@@ -110,15 +110,25 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught_at_its_step():
     assert int(trainer.state.step) == 0
 
 
-def test_warn_trains_on_and_off_watches_nothing(caplog):
+class ReadsLosses(flaxhooks.Callback):
+    """Reads the losses the guard publishes, as Diagnose's loss checks do."""
+
+    def on_step_end(self, loop):
+        self.read = list(loop.published["losses"])
+
+
+def test_warn_trains_on_and_off_watches_nothing_and_says_so_to_readers_of_the_losses(caplog):
     for mode in ("warn", "off"):
         caplog.clear()
-        trainer = sgd_trainer(Diverging(), if_nonfinite=mode)
+        reader = ReadsLosses()
+        trainer = sgd_trainer(Diverging(), if_nonfinite=mode, callbacks=[reader])
         with caplog.at_level(logging.WARNING, logger="flaxhooks"):
             trainer.fit(make_batches(6, batch_size=8), epochs=1)
         assert int(trainer.state.step) == 6
         said = [r.getMessage() for r in caplog.records if "training goes on" in r.getMessage()]
         assert len(said) == (1 if mode == "warn" else 0)
+        off = [r.getMessage() for r in caplog.records if "reads no step's loss" in r.getMessage()]
+        assert reader.read == [] and len(off) == (1 if mode == "off" else 0)  # once, not each step
     with pytest.raises(ValueError, match="if_nonfinite must be one of"):
         sgd_trainer(Diverging(), if_nonfinite="ignore")
 
