@@ -300,10 +300,20 @@ def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: 
             # Finite inputs and parameters make a finite output: its input was not finite,
             # made by its caller's own code (a jnp.log between two submodules), as the batch is finite.
             after = f", after {activations[acts[0] - 1].words()} returned" if acts[0] else ""
+            first = (f"the first call, in execution order, whose output went non-finite is {call.words()}, "
+                     "which makes no NaN or infinity from finite inputs and parameters: its input already "
+                     "was")
+            hidden = _unseen(param_names, activations)
+            if hidden:  # an nn.scan's body (say) ran unseen: it may have made it as well as the caller
+                named = ", ".join(f"{h!r}" for h in hidden[:3])
+                return _Cause(
+                    f"{first}, made by {named}, whose inside the replay cannot see (an nn.scan drops the "
+                    "values made in its body unless its variable_axes name 'intermediates' and "
+                    f"'perturbations'), or by the code of {call.parent}{after} ({cost})",
+                    f"{named} (its inside unseen) or the code of {call.parent}, before {call.words()}",
+                    hidden[0], values, "op")
             return _Cause(
-                f"the first call, in execution order, whose output went non-finite is {call.words()}, "
-                f"which makes no NaN or infinity from finite inputs and parameters: its input already "
-                f"was, made by the code of {call.parent} (not a submodule){after} ({cost})",
+                f"{first}, made by the code of {call.parent} (not a submodule){after} ({cost})",
                 f"the code of {call.parent}, before {call.words()}", "/".join(call.module[:-1]) or None,
                 values, "op")
         return _Cause(f"the first call, in execution order, whose output went non-finite is "
@@ -331,6 +341,28 @@ def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: 
         return _Cause(f"a replay of the step gives a finite loss: the failure does not repeat ({cost})")
     return _Cause(f"every module call's output is finite: it went non-finite in loss_fn ({cost})",
                   "loss_fn", None, {}, "op")
+
+
+def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
+    """The outermost modules holding parameters whose calls the replay did not
+    see (an ``nn.scan`` that drops the values made in its body), in parameter order.
+
+    Example:
+        >>> seen = [_Call("encoder", ("encoder",), "Dense", True), _Call("head", ("head",), "Dense", True)]
+        >>> _unseen(["encoder/kernel", "layers/Dense_0/kernel", "layers/Dense_0/bias", "head/kernel"], seen)
+        ['layers']
+    """
+    tapped = {call.module for call in calls}
+    found: list[str] = []
+    for name in param_names:
+        module = tuple(name.split("/")[:-1])
+        if not module or module in tapped:
+            continue
+        # The outermost module on its path whose call was not seen.
+        outer = next(module[:i] for i in range(1, len(module) + 1) if module[:i] not in tapped)
+        if "/".join(outer) not in found:
+            found.append("/".join(outer))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

@@ -306,3 +306,33 @@ def test_a_nan_after_the_gradient_norm_grew_is_told_to_lower_the_learning_rate()
     assert advice.startswith(f"the gradient norm grew from {before:.3g} to ")
     assert advice.endswith(": lower the learning rate or add warmup, clip gradients "
                            "(optax.clip_by_global_norm), or train in float32")
+
+
+class LogBody(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.log(nn.Dense(5)(x)), None  # NaN where the Dense gives a negative value
+
+
+class Scanned(nn.Module):
+    """A log inside an ``nn.scan`` body whose values the scan drops (its default variable_axes)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(5, name="encoder")(x)
+        x, _ = nn.scan(LogBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)(
+            name="layers")(x, None)
+        return nn.Dense(3, name="head")(x)
+
+
+def test_a_nan_made_inside_a_scan_that_hides_its_body_names_the_scan_not_the_next_call():
+    findings = Findings()
+    with pytest.warns(UserWarning, match="nn.scan module 'layers' drops"):
+        with pytest.raises(flaxhooks.NonFiniteError) as error:
+            sgd_trainer(Scanned(), callbacks=[findings]).fit(log_data(4), epochs=1)
+    assert ("its input already was, made by 'layers', whose inside the replay cannot see (an nn.scan drops "
+            "the values made in its body unless its variable_axes name 'intermediates' and 'perturbations'), "
+            "or by the code of the model, after 'encoder' (a Dense) returned") in str(error.value)
+    assert [(f.layer, f.brief) for f in findings.seen] == [
+        ("layers", "the loss is nan; first non-finite: 'layers' (its inside unseen) or the code of the "
+                   "model, before 'head' (a Dense)")]
