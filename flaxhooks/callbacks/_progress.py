@@ -337,7 +337,7 @@ class Progress(Callback):
             how = "done:"
         speed = self._speed(loop.step)
         rate = f", {speed:.1f} steps/s" if speed is not None else ""
-        fields = [f"{how} {position_text(ended, self._total, _shown_epoch(loop), loop.max_epochs)}",
+        fields = [f"{how} {position_text(ended, self._total, _epoch_at(loop, ended), loop.max_epochs)}",
                   f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
         if loop.clock is not None and self._timed_start is not None:
             window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
@@ -507,6 +507,21 @@ def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[
 def _shown_epoch(loop: Loop) -> int:
     """The epoch under way, counted from 1; between epochs (and after the last one), the last one."""
     return loop.epoch + 1 if loop.epoch_step or not loop.epoch else loop.epoch
+
+
+def _epoch_at(loop: Loop, step: int) -> int:
+    """The epoch (from 1) of ``step``, the current step or one of the few in flight
+    before it: the current epoch, or the one before if ``step`` came before its first batch.
+
+    Example:
+        >>> import flaxhooks
+        >>> _epoch_at(flaxhooks.Loop(step=7, epoch=1, epoch_step=2), 6), _epoch_at(
+        ...     flaxhooks.Loop(step=7, epoch=1, epoch_step=1), 6)
+        (2, 1)
+    """
+    if step == loop.step:
+        return _shown_epoch(loop)
+    return loop.epoch + 1 if loop.step - step < loop.epoch_step else max(loop.epoch, 1)
 
 
 def _total(loop: Loop) -> int | None:
