@@ -258,9 +258,11 @@ class ConsoleLog(Callback):
         )
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.exception is None and loop.metrics is not None and loop.epoch_done:  # not an epoch stopped
+        # After a NaN the last batch's metrics are those of steps the guard threw away.
+        if loop.exception is None and loop.metrics is not None and loop.diverged is None:
             metrics = format_metrics(loop.host_metrics())
-            self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")
+            ended = "done" if loop.epoch_done else "stopped"  # a step limit or a stop inside it
+            self._print(f"epoch {loop.epoch + 1} {ended} at step {loop.step}: last batch {metrics}")
 
     def on_fit_end(self, loop: Loop) -> None:
         if loop.stop_reason:  # the loop says why it stopped only at debug level: callbacks tell people
