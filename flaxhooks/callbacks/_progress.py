@@ -342,7 +342,8 @@ class Progress(Callback):
         if loop.clock is not None and self._timed_start is not None:
             window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
             fields += _time_texts(window) if window is not None else []
-        if self._metrics_step is not None:
+        # After a NaN the latest metrics are those of steps the guard threw away: the reason says the NaN.
+        if self._metrics_step is not None and loop.diverged is None:
             texts = metric_texts(self._metrics)
             fields += [*texts[:-1], f"{texts[-1]} (step {self._metrics_step})"] if texts else []
         if self._eval:

@@ -257,6 +257,7 @@ def test_a_nan_is_said_in_full_once_by_the_error_and_named_at_its_own_step_elsew
     summary = bar.getvalue().splitlines()[-1]
     assert summary.startswith(f"stopped ({brief}; details in the NonFiniteError) at step 4/12  epoch 1  "
                               "(4 steps in")
+    assert "loss" not in summary.split("(4 steps in")[1]  # no metrics of the steps thrown away after it
     row = [line for line in table.getvalue().splitlines() if "nonfinite" in line]
     assert len(row) == 1 and brief in row[0] and "look for log" in row[0]
     for text in (*logged, printed.getvalue(), bar.getvalue(), table.getvalue()):
