@@ -112,6 +112,25 @@ __all__ = [
 
 __version__ = "0.8.0.dev0"
 
+
+def _show_public_paths() -> None:
+    """Names each exported exception and warning by the path users import it
+    from (``flaxhooks.BatchError``), not the private module that defines it:
+    tracebacks print ``__module__``, and pickling (between processes) finds the
+    class by it. A subpackage's own exceptions are named by the subpackage."""
+    import importlib
+
+    for package in ("flaxhooks.core", "flaxhooks.data", "flaxhooks.step", "flaxhooks.callbacks",
+                    "flaxhooks.writers", "flaxhooks.eval", "flaxhooks.diagnose", __name__):
+        namespace = importlib.import_module(package)
+        for name in namespace.__all__:
+            value = getattr(namespace, name)
+            if isinstance(value, type) and issubclass(value, (BaseException, Warning)):
+                value.__module__ = package  # the top level comes last: its name wins
+
+
+_show_public_paths()
+
 #: Names that moved from the top level in 0.8, to the subpackage users extend;
 #: the old names work until 0.9, with a DeprecationWarning.
 _MOVED = {

@@ -170,3 +170,27 @@ def test_flaxhooks_uses_only_public_tensorboardx_names():
     for path in PACKAGE.rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not TENSORBOARDX_PRIVATE.search(line), f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+
+
+def test_every_exception_is_shown_and_pickled_by_the_path_users_import_it_from():
+    import importlib
+    import pickle
+    import traceback
+
+    errors = set()
+    for path in PACKAGE.rglob("*.py"):  # every module, private ones included: each error defined anywhere
+        for value in vars(importlib.import_module(module_name(path))).values():
+            if isinstance(value, type) and issubclass(value, (BaseException, Warning)) and \
+                    value.__module__.startswith("flaxhooks"):
+                errors.add(value)
+    names = {e.__name__ for e in errors}
+    assert {"BatchError", "LossError", "NonFiniteError", "CheckpointConflictError"} <= names
+    for error in errors:
+        assert "._" not in error.__module__, error
+        home = importlib.import_module(error.__module__)
+        assert getattr(home, error.__qualname__) is error and error.__qualname__ in home.__all__
+        if error.__name__ in flaxhooks.__all__:
+            assert error.__module__ == "flaxhooks"  # the shortest path users write
+    assert traceback.format_exception_only(flaxhooks.BatchError("bad")) == ["flaxhooks.BatchError: bad\n"]
+    copy = pickle.loads(pickle.dumps(flaxhooks.NonFiniteError("nan", 3)))
+    assert type(copy) is flaxhooks.NonFiniteError and str(copy) == "nan"

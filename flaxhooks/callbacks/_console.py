@@ -30,6 +30,22 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return "  ".join(metric_texts(metrics))
 
 
+#: Findings that change what evaluation's numbers measure, and what an eval line adds for each.
+EVAL_CAVEATS = {"dropout_in_eval": "dropout on: see finding dropout_in_eval"}
+
+
+def eval_caveats(kinds: set[str]) -> str:
+    """What an eval line adds for the findings of ``kinds`` said in this fit.
+
+    Example:
+        >>> eval_caveats({"dropout_in_eval", "dead_units"})
+        '  (dropout on: see finding dropout_in_eval)'
+        >>> eval_caveats(set())
+        ''
+    """
+    return "".join(f"  ({EVAL_CAVEATS[kind]})" for kind in sorted(kinds) if kind in EVAL_CAVEATS)
+
+
 def counted(count: int, noun: str) -> str:
     """``1 step``, ``2 steps``: a count with its noun in the right number."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
@@ -212,6 +228,7 @@ class ConsoleLog(Callback):
         self.every = Every(steps=100) if every is None else as_every(every)
         self.stream = stream
         self._rate = Rate()
+        self._findings: set[str] = set()  # the kinds said this fit (a caveat on eval lines)
 
     def __repr__(self) -> str:
         return f"ConsoleLog({self.every!r})"
@@ -230,18 +247,26 @@ class ConsoleLog(Callback):
             position = position_text(loop.step, loop.max_steps or None, loop.epoch + 1, loop.max_epochs)
             self._print(f"{position}  {metrics}{speed}")
 
+    def on_finding(self, loop: Loop) -> None:
+        self._findings.add(loop.payload.kind)
+
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
         self._print(
             f"{result.name} at step {result.step} ({counted(result.examples, 'example')}): "
-            f"{format_metrics(result.metrics)}"
+            f"{format_metrics(result.metrics)}{eval_caveats(self._findings)}"
         )
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.exception is None and loop.metrics is not None:
+        # After a NaN the last batch's metrics are those of steps the guard threw away.
+        if loop.exception is None and loop.metrics is not None and loop.diverged is None:
             metrics = format_metrics(loop.host_metrics())
-            self._print(f"epoch {loop.epoch + 1} done at step {loop.step}: last batch {metrics}")
+            ended = "done" if loop.epoch_done else "stopped"  # a step limit or a stop inside it
+            self._print(f"epoch {loop.epoch + 1} {ended} at step {loop.step}: last batch {metrics}")
 
     def on_fit_end(self, loop: Loop) -> None:
         if loop.stop_reason:  # the loop says why it stopped only at debug level: callbacks tell people
-            self._print(f"training stopped at step {loop.step}: {loop.stop_reason}")
+            # A NaN's step, not the one the loop reached with the steps in flight after it.
+            step = loop.diverged if loop.diverged is not None else loop.step
+            self._print(f"training stopped at step {step}: {loop.stop_reason}")
+        self._findings = set()  # a finding is said again each fit

@@ -497,5 +497,6 @@ def _print_table(findings: Sequence[Finding], console: Console | None = None) ->
     for column in ("step", "finding", "layer", "evidence", "try"):
         table.add_column(column, overflow="fold")
     for f in findings:
-        table.add_row(str(f.step), f.kind, f.layer or "-", f.evidence, f.advice)
+        # A finding said in full elsewhere (the guard's NaN: its NonFiniteError) in a few words.
+        table.add_row(str(f.step), f.kind, f.layer or "-", f.brief or f.evidence, f.advice)
     (console or Console(stderr=True)).print(table)

@@ -21,6 +21,7 @@ from flaxhooks.callbacks._console import (
     TerminalRedirect,
     counted,
     epoch_text,
+    eval_caveats,
     format_metrics,
     metric_texts,
     position_text,
@@ -89,6 +90,7 @@ class Progress(Callback):
         self._metrics: dict[str, float] = {}
         self._metrics_step: int | None = None
         self._eval = ""
+        self._findings: set[str] = set()  # the kinds said this fit (a caveat on eval lines)
         self._timed: Reading | None = None  # the loop's clock where the current window started
         self._timed_start: Reading | None = None  # and at fit_start
         self._window: Window | None = None  # the last complete window
@@ -142,9 +144,12 @@ class Progress(Callback):
         if self._bar is not None and self._clock() >= self._next_refresh:
             self._refresh_bar(loop)
 
+    def on_finding(self, loop: Loop) -> None:
+        self._findings.add(loop.payload.kind)
+
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
-        metrics = format_metrics(dict(result.metrics))
+        metrics = format_metrics(dict(result.metrics)) + eval_caveats(self._findings)
         self._eval = f"{result.name} {metrics}"
         if self.quiet:
             return
@@ -166,6 +171,7 @@ class Progress(Callback):
                 self._stop_terminal()
             finally:
                 self._print(self._summary(loop))
+                self._findings = set()  # a finding is said again each fit
 
     # -- the terminal --------------------------------------------------------
 
@@ -320,7 +326,9 @@ class Progress(Callback):
         metrics: one line off a terminal; on one, broken between fields to
         the terminal's width, never inside one."""
         start_step, start = self._start
-        steps = loop.step - start_step
+        # A NaN's step, not the one the loop reached with the steps in flight after it.
+        ended = loop.diverged if loop.diverged is not None else loop.step
+        steps = ended - start_step
         if loop.exception is not None:
             how = f"stopped by {type(loop.exception).__name__} at"
         elif loop.stop_reason:
@@ -329,12 +337,13 @@ class Progress(Callback):
             how = "done:"
         speed = self._speed(loop.step)
         rate = f", {speed:.1f} steps/s" if speed is not None else ""
-        fields = [f"{how} {self._position(loop)}",
+        fields = [f"{how} {position_text(ended, self._total, _epoch_at(loop, ended), loop.max_epochs)}",
                   f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
         if loop.clock is not None and self._timed_start is not None:
             window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
             fields += _time_texts(window) if window is not None else []
-        if self._metrics_step is not None:
+        # After a NaN the latest metrics are those of steps the guard threw away: the reason says the NaN.
+        if self._metrics_step is not None and loop.diverged is None:
             texts = metric_texts(self._metrics)
             fields += [*texts[:-1], f"{texts[-1]} (step {self._metrics_step})"] if texts else []
         if self._eval:
@@ -499,6 +508,21 @@ def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[
 def _shown_epoch(loop: Loop) -> int:
     """The epoch under way, counted from 1; between epochs (and after the last one), the last one."""
     return loop.epoch + 1 if loop.epoch_step or not loop.epoch else loop.epoch
+
+
+def _epoch_at(loop: Loop, step: int) -> int:
+    """The epoch (from 1) of ``step``, the current step or one of the few in flight
+    before it: the current epoch, or the one before if ``step`` came before its first batch.
+
+    Example:
+        >>> import flaxhooks
+        >>> _epoch_at(flaxhooks.Loop(step=7, epoch=1, epoch_step=2), 6), _epoch_at(
+        ...     flaxhooks.Loop(step=7, epoch=1, epoch_step=1), 6)
+        (2, 1)
+    """
+    if step == loop.step:
+        return _shown_epoch(loop)
+    return loop.epoch + 1 if loop.step - step < loop.epoch_step else max(loop.epoch, 1)
 
 
 def _total(loop: Loop) -> int | None:

@@ -28,6 +28,8 @@ class Finding:
         evidence: what was seen, in words and numbers.
         advice: what to try.
         values: the numbers behind the evidence, by name.
+        brief: the evidence in a few words, for a finding said in full elsewhere
+            (the guard's NaN: by the ``NonFiniteError`` fit raises); a table shows it.
 
     Example:
         >>> from flaxhooks import Finding
@@ -43,6 +45,7 @@ class Finding:
     advice: str
     since: int | None = None
     values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    brief: str | None = None
 
     @property
     def key(self) -> tuple[str, str | None]:

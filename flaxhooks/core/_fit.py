@@ -94,8 +94,8 @@ class Fit:
         finally:
             record.writers = Writers()
             _closed(Writers.close(writer_callbacks, loop), loop)
-        if loop.stop_reason:  # Progress and ConsoleLog say it to people
-            _log.debug("training stopped at step %d: %s", loop.step, loop.stop_reason)
+        if loop.stop_reason:  # Progress and ConsoleLog say it to people (a NaN at its own step)
+            _log.debug("training stopped at step %d: %s", loop.diverged or loop.step, loop.stop_reason)
 
     def _epoch(self, source: DataSource, host: Iterator[tuple[HostBatch, DataPosition]]) -> None:
         loop, record, stops = self.loop, self.record, self.stops

@@ -5,14 +5,18 @@ failing step instrumented from the state before it."""
 from __future__ import annotations
 
 import collections
+import collections.abc
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from flaxhooks.core._callback import Callback
 from flaxhooks.core._events import Event
@@ -43,7 +47,7 @@ class _Probe:
         acts = [t for t in tapped.activations if not isinstance(t, RepeatedTap)]
         grads = [t for t in tapped.gradients if not isinstance(t, RepeatedTap)]
         paths = jax.tree_util.tree_flatten_with_path(tapped.params)[0]
-        layout = (tuple((t.name, t.module) for t in acts), tuple((t.name, t.module) for t in grads),
+        layout = (tuple(_Call.of(t) for t in acts), tuple(_Call.of(t) for t in grads),
                   tuple("/".join(_key(k) for k in path) for path, _ in paths))
 
         def bad(values: list[jax.Array]) -> jax.Array:
@@ -55,6 +59,62 @@ class _Probe:
 
     def take(self, loop: Any, result: Any) -> None:  # replays hand results back directly
         pass
+
+
+#: Modules whose own operation makes no NaN or infinity from finite inputs and
+#: parameters (a product and a sum, or a look-up), short of overflowing float16.
+_AFFINE: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.Embed,
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum, nnx.Embed,
+)
+
+
+class _Call(NamedTuple):
+    """One module call of a replay, as the words about it need it (fixed while traced)."""
+
+    name: str  # the tap's name: the module path, and the method or index where there are several
+    module: tuple[str, ...]  # the module's path (empty: the model itself)
+    kind: str  # the module's class name ("" when unknown)
+    affine: bool  # its own operation cannot make a NaN from finite inputs (in float32 or wider)
+
+    @classmethod
+    def of(cls, tap: Any) -> _Call:
+        module = tap.origin[0] if tap.origin is not None else None
+        dtype = tap.value.dtype
+        wide = bool(jnp.finfo(dtype).max > 1e38) if jnp.issubdtype(dtype, jnp.floating) else False
+        return cls(tap.name, tap.module, type(module).__name__ if module is not None else "",
+                   isinstance(module, _AFFINE) and wide)
+
+    def words(self) -> str:
+        """``'Dense_2'``; the class is added where the name does not say it (``'head' (a Dense)``)."""
+        if not self.module:
+            return f"the model's own output{f' ({self.kind})' if self.kind else ''}"
+        said = self.kind and not self.module[-1].startswith(self.kind)
+        return f"{self.name!r}{f' (a {self.kind})' if said else ''}"
+
+    @property
+    def parent(self) -> str:
+        """The module whose own code called this one, in words."""
+        return f"{'/'.join(self.module[:-1])!r}" if len(self.module) > 1 else "the model"
+
+
+class _Unread(collections.abc.Sequence):
+    """The losses of a fit with ``if_nonfinite="off"``: none. The first reader
+    is told why in a log warning (the loss checks it makes are off)."""
+
+    def __init__(self) -> None:
+        self._said = False
+
+    def __len__(self) -> int:
+        if not self._said:
+            self._said = True
+            _log.warning("Trainer(if_nonfinite='off') reads no step's loss, so the checks that read "
+                         "loop.published['losses'] (Diagnose's initial_loss, loss_spike and loss_plateau) "
+                         "see none and are off; the default, 'stop', reads them")
+        return 0
+
+    def __getitem__(self, index: Any) -> Any:
+        raise IndexError("no loss was read (if_nonfinite='off')")
 
 
 def _key(entry: Any) -> str:
@@ -92,6 +152,8 @@ class NonFiniteGuard(Callback):
         #: ``(step, loss)`` of the latest steps checked, finite floats read on the
         #: host, published as ``loop.published["losses"]`` (what a loss watch reads).
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
+        # ``(step, loss, gradient norm or None)`` of the latest finite steps: growth before a NaN.
+        self._history: collections.deque[tuple[int, float, float | None]] = collections.deque(maxlen=HISTORY)
         #: The finding of this fit's non-finite step, once there was one.
         self.finding: Finding | None = None
 
@@ -117,7 +179,9 @@ class NonFiniteGuard(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._unchecked.clear()
         self.losses.clear()
-        loop.publish("losses", self.losses)
+        self._history.clear()
+        # Off, no loss is read: a reader of the losses is told so, once, the first time it looks.
+        loop.publish("losses", self.losses if self.mode != "off" else _Unread())
         self._warned, self.finding = False, None
 
     def on_step_end(self, loop: Loop) -> None:
@@ -140,9 +204,10 @@ class NonFiniteGuard(Callback):
             if self.finding is not None:
                 continue  # stopping already: the first cause only
             value = _host_float(loss)
-            norm = _host_float(grad_norm) if grad_norm is not None else 0.0
-            if np.isfinite(value) and np.isfinite(norm):
+            norm = _host_float(grad_norm) if grad_norm is not None else None
+            if np.isfinite(value) and (norm is None or np.isfinite(norm)):
                 self.losses.append((step, value))
+                self._history.append((step, value, norm))
                 continue
             what = f"the loss is {value}" if not np.isfinite(value) else f"the gradient norm is {norm}"
             if self.mode == "warn":
@@ -153,28 +218,51 @@ class NonFiniteGuard(Callback):
             self._diverged(loop, step, what, value, batch)
 
     def _diverged(self, loop: Loop, step: int, what: str, value: float, batch: Any) -> None:
+        growth = _growth(self._history)
         try:
-            cause, values = self._cause(loop, step, value, batch)
+            cause = self._cause(loop, step, value, batch, growth)
         except Exception as error:  # the replay may not fit in memory: the NaN is said all the same
             _log.debug("replaying step %d failed", step, exc_info=True)
-            cause, values = f"the replay that names the layer failed ({type(error).__name__}: {error})", {}
-        message = f"{what} at step {step}: {cause}"
-        self.finding = Finding("nonfinite", step, values.pop("layer", None), message, _ADVICE,
-                               values={"loss": value, **values})
+            cause = _Cause(f"the replay that names the layer failed ({type(error).__name__}: {error})")
+        advice = _advice(cause, step, growth)
+        full = f"{what} at step {step}: {cause.text}"
+        # Said in full once, by the NonFiniteError fit raises; the log line, the stop's
+        # reason (the progress summary) and Diagnose's table say it in a few words.
+        first = f"; first non-finite: {cause.where}" if cause.where else ""
+        brief = f"{what}{first}"
+        self.finding = Finding("nonfinite", step, cause.layer, full, advice, brief=brief,
+                               values={"loss": value, **cause.values})
         self._unchecked.clear()
-        _log.error("%s", message)
-        loop.mark_diverged(step, message)
+        _log.error("%s at step %d%s: training stops, and fit raises NonFiniteError saying how and what "
+                   "to try", what, step, first)
+        loop.mark_diverged(step, f"{brief}; details in the NonFiniteError", details=f"{full}. Try: {advice}")
         loop.emit(Event.FINDING, self.finding)
 
-    def _cause(self, loop: Loop, step: int, value: float, batch: Any) -> tuple[str, dict[str, Any]]:
+    def _cause(self, loop: Loop, step: int, value: float, batch: Any, growth: str | None) -> _Cause:
+        """Says what made the first non-finite value: the batch, or the call a replay names."""
+        bad: list[str] = []
+        if batch is not None:  # the batch itself: one compiled reduction, at the NaN only
+            names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
+            bad = [n for n, b in zip(names, first_replica(_nonfinite_leaves(batch)), strict=True) if b]
+        # A Dense whose output went non-finite took a non-finite input, unless values grew
+        # until it overflowed: then growth is said, not a guess about its input.
+        replayed = self._replayed(loop, step, value, batch, inputs_sane=not bad and growth is None)
+        if not bad:
+            return replayed
+        keys = ", ".join(f"batch{key}" for key in bad)
+        return _Cause(f"the batch of step {step} holds NaN or infinity (in {keys}): the data, not training, "
+                      f"made it; {replayed.text}", f"the batch ({keys})", replayed.layer,
+                      {**replayed.values, "batch_keys": bad}, "data")
+
+    def _replayed(self, loop: Loop, step: int, value: float, batch: Any, inputs_sane: bool) -> _Cause:
         """Replays ``step`` from the state before it and says which call went non-finite first."""
         replay = getattr(loop, "replay", None)
         if not self.replay or replay is None or batch is None:
-            return "the step was not replayed to find the layer (NonFiniteGuard(replay=False))", {}
+            return _Cause("the step was not replayed to find the layer (NonFiniteGuard(replay=False))")
         before = int(first_replica(loop.state.step))
         if before != step - 1:
-            return (f"the state from before it was not kept (the state is at step {before}), so the step "
-                    "could not be replayed"), {}
+            return _Cause(f"the state from before it was not kept (the state is at step {before}), so the "
+                          "step could not be replayed")
         started = time.perf_counter()
         (result,) = replay(batch, (_Probe(),))
         flags = {k: first_replica(v) for k, v in result.values.items()}
@@ -189,39 +277,180 @@ class NonFiniteGuard(Callback):
         flags["params"] = first_replica(_nonfinite_leaves(loop.state.params))
         params = [name for name, bad in zip(param_names, flags["params"], strict=True) if bad]
         if params:
-            return (f"the parameters were already non-finite before it ({', '.join(params[:3])}"
-                    f"{', ...' if len(params) > 3 else ''}): an earlier step's gradient or update was "
-                    f"non-finite while its loss was finite ({cost})"), {"layer": params[0].rsplit("/", 1)[0]}
-        acts = [i for i, bad in enumerate(flags["activations"]) if bad]
-        if acts:
-            name, module = activations[acts[0]]
-            layer = "/".join(module) or "the model itself"
-            return (f"the first call, in execution order, whose output went non-finite is {name!r} "
-                    f"(module {layer!r}) ({cost})"), {"layer": "/".join(module) or None, "call": name}
-        grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
-        if grads:
-            # The backward pass runs from the loss to the input: it went non-finite in the
-            # call after the deepest output whose gradient is not finite, which took that output in.
-            name, module = gradients[grads[-1]]
-            if grads[-1] + 1 < len(gradients):
-                consumer, at = gradients[grads[-1] + 1]
-                where, layer = f"in the backward pass of {consumer!r}", "/".join(at) or None
-            else:
-                where, layer = "in loss_fn's gradient", None
-            return (f"every output is finite, but the gradient went non-finite {where}: the deepest output "
-                    f"with a non-finite gradient is {name!r}, the next call's is finite ({cost})"
-                    ), {"layer": layer}
-        param_grads = [name for name, bad in zip(param_names, flags["param_grads"], strict=True) if bad]
-        if param_grads:
-            return (f"every module output and its gradient is finite, but the gradient of the parameter "
-                    f"{param_grads[0]!r} is not ({cost})"), {"layer": param_grads[0].rsplit("/", 1)[0]}
-        if not bool(flags["loss"]) and not np.isfinite(value):
-            return f"a replay of the step gives a finite loss: the failure does not repeat ({cost})", {}
-        return f"every module call's output is finite: it went non-finite in loss_fn ({cost})", {}
+            return _Cause(f"the parameters were already non-finite before it ({', '.join(params[:3])}"
+                          f"{', ...' if len(params) > 3 else ''}): an earlier step's gradient or update was "
+                          f"non-finite while its loss was finite ({cost})", f"the parameters ({params[0]})",
+                          params[0].rsplit("/", 1)[0], {}, "params")
+        largest = float(first_replica(_largest(loop.state.params)))
+        if largest > _LARGE:  # values grew until one overflowed: not an operation's domain
+            result = _first_call(flags, activations, gradients, param_names, value, cost, inputs_sane=False)
+            grown = f"the parameters grew to {largest:.3g} in magnitude before it"
+            return dataclasses.replace(result, made_by="growth", values={**result.values, "grown": grown})
+        return _first_call(flags, activations, gradients, param_names, value, cost, inputs_sane)
 
 
-_ADVICE = ("lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), look for "
-           "log/sqrt/division of values that reach 0 or below in that layer, or train in float32")
+def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: Sequence[_Call],
+                param_names: Sequence[str], value: float, cost: str, inputs_sane: bool) -> _Cause:
+    """The call (or gradient, or parameter) the replay's flags show went non-finite first."""
+    acts = [i for i, bad in enumerate(flags["activations"]) if bad]
+    if acts:
+        call: _Call = activations[acts[0]]
+        values = {"call": call.name}
+        if call.affine and inputs_sane:
+            # Finite inputs and parameters make a finite output: its input was not finite,
+            # made by its caller's own code (a jnp.log between two submodules), as the batch is finite.
+            after = f", after {activations[acts[0] - 1].words()} returned" if acts[0] else ""
+            first = (f"the first call, in execution order, whose output went non-finite is {call.words()}, "
+                     "which makes no NaN or infinity from finite inputs and parameters: its input already "
+                     "was")
+            hidden = _unseen(param_names, activations)
+            if hidden:  # an nn.scan's body (say) ran unseen: it may have made it as well as the caller
+                named = ", ".join(f"{h!r}" for h in hidden[:3])
+                return _Cause(
+                    f"{first}, made by {named}, whose inside the replay cannot see (an nn.scan drops the "
+                    "values made in its body unless its variable_axes name 'intermediates' and "
+                    f"'perturbations'), or by the code of {call.parent}{after} ({cost})",
+                    f"{named} (its inside unseen) or the code of {call.parent}, before {call.words()}",
+                    hidden[0], values, "op")
+            return _Cause(
+                f"{first}, made by the code of {call.parent} (not a submodule){after} ({cost})",
+                f"the code of {call.parent}, before {call.words()}", "/".join(call.module[:-1]) or None,
+                values, "op")
+        return _Cause(f"the first call, in execution order, whose output went non-finite is "
+                      f"{call.words()} ({cost})", f"the output of {call.words()}",
+                      "/".join(call.module) or None, values, "op")
+    grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
+    if grads:
+        # The backward pass runs from the loss to the input: it went non-finite in the
+        # call after the deepest output whose gradient is not finite, which took that output in.
+        deepest: _Call = gradients[grads[-1]]
+        if grads[-1] + 1 < len(gradients):
+            consumer: _Call = gradients[grads[-1] + 1]
+            where, layer = f"the backward pass of {consumer.words()}", "/".join(consumer.module) or None
+        else:
+            where, layer = "loss_fn's gradient", None
+        return _Cause(f"every output is finite, but the gradient went non-finite in {where}: the deepest "
+                      f"output with a non-finite gradient is {deepest.name!r}, the next call's is finite "
+                      f"({cost})", f"the gradient, in {where}", layer, {}, "op")
+    param_grads = [name for name, bad in zip(param_names, flags["param_grads"], strict=True) if bad]
+    if param_grads:
+        return _Cause(f"every module output and its gradient is finite, but the gradient of the "
+                      f"parameter {param_grads[0]!r} is not ({cost})",
+                      f"the gradient of {param_grads[0]}", param_grads[0].rsplit("/", 1)[0], {}, "op")
+    if not bool(flags["loss"]) and not np.isfinite(value):
+        return _Cause(f"a replay of the step gives a finite loss: the failure does not repeat ({cost})")
+    return _Cause(f"every module call's output is finite: it went non-finite in loss_fn ({cost})",
+                  "loss_fn", None, {}, "op")
+
+
+def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
+    """The outermost modules holding parameters whose calls the replay did not
+    see (an ``nn.scan`` that drops the values made in its body), in parameter order.
+
+    Example:
+        >>> seen = [_Call("encoder", ("encoder",), "Dense", True), _Call("head", ("head",), "Dense", True)]
+        >>> _unseen(["encoder/kernel", "layers/Dense_0/kernel", "layers/Dense_0/bias", "head/kernel"], seen)
+        ['layers']
+    """
+    tapped = {call.module for call in calls}
+    found: list[str] = []
+    for name in param_names:
+        module = tuple(name.split("/")[:-1])
+        if not module or module in tapped:
+            continue
+        # The outermost module on its path whose call was not seen.
+        outer = next(module[:i] for i in range(1, len(module) + 1) if module[:i] not in tapped)
+        if "/".join(outer) not in found:
+            found.append("/".join(outer))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cause:
+    """What made the first non-finite value, as the replay (or the batch) shows it.
+
+    Attributes:
+        text: the full account, with how it was found.
+        where: a few words naming it ("the output of 'Dense_2'"), or "" when unknown.
+        layer: the module to look at, for the finding.
+        values: what the finding holds besides the loss.
+        made_by: ``"data"`` (the batch), ``"op"`` (an operation on finite values: log,
+            sqrt, division), ``"params"`` (the parameters already were), or "" (unknown).
+    """
+
+    text: str
+    where: str = ""
+    layer: str | None = None
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    made_by: str = ""
+
+
+#: Finite losses and gradient norms of the latest steps, enough to see growth before a NaN.
+HISTORY = 256
+
+
+def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
+    """How the loss or the gradient norm grew over the steps before a NaN, in
+    words, or None when neither did: the last 3 steps' largest value at least
+    10 times (the gradient norm) or 3 times (a positive loss) the median of the
+    steps before them (at least 5); with fewer than 8 steps, the last 10 times
+    more than that against the first.
+
+    Example:
+        >>> _growth([(s, 1.0, 1.0) for s in range(1, 9)] + [(9, 1.0, 40.0)])
+        'the gradient norm grew from 1 to 40 over the steps before it (1 to 9)'
+        >>> _growth([(s, 1.0, 1.0) for s in range(1, 10)]) is None
+        True
+        >>> _growth([(1, 2.3, 1.0), (2, 2.2, 5.0)]) is None  # few steps: a hundredfold, not fivefold
+        True
+    """
+    if len(history) < 2:
+        return None
+    steps = (history[0][0], history[-1][0])
+    for index, name, factor in ((2, "gradient norm", 10.0), (1, "loss", 3.0)):
+        values = [h[index] for h in history if h[index] is not None]
+        if len(values) < 2 or (index == 1 and min(values) <= 0):
+            continue
+        # Few steps: the last against the first, ten times the bar.
+        many = len(values) >= 8
+        before, recent = (float(np.median(values[:-3])), max(values[-3:])) if many else \
+            (values[0], values[-1])
+        if before > 0 and recent >= factor * before * (1 if many else 10):
+            return (f"the {name} grew from {before:.3g} to {recent:.3g} over the steps before it "
+                    f"({steps[0]} to {steps[1]})")
+    return None
+
+
+def _advice(cause: _Cause, step: int, growth: str | None) -> str:
+    """What to try, the likeliest first: the data or the operation for a NaN
+    that came at once, the learning rate for one that growth came before."""
+    if cause.made_by == "data":
+        return ("check the data: find and drop or repair the examples holding NaN or infinity (np.isfinite "
+                "where the data is read); the learning rate is not the cause")
+    if growth is not None or cause.made_by in ("params", "growth"):
+        why = growth or cause.values.get("grown") or "an update made the parameters non-finite"
+        return (f"{why}: lower the learning rate or add warmup, clip gradients (optax.clip_by_global_norm), "
+                "or train in float32")
+    if cause.made_by == "op":
+        when = (f"at step {step}, before anything could grow" if step <= 3 else
+                "the loss and gradient norm did not grow before it")
+        return (f"look for log, sqrt, division or exp of values at or below 0 (or overflowing) in "
+                f"{cause.where}: add an epsilon or clip (jnp.log(jnp.maximum(x, 1e-6))); {when}, so a lower "
+                "learning rate is unlikely to help")
+    return ("check the batch for NaN or infinity, then look for log, sqrt or division of values that reach "
+            "0 or below; if the loss or gradient norm grew before it, lower the learning rate or add warmup, "
+            "or clip gradients (optax.clip_by_global_norm)")
+
+
+#: Parameters this large in magnitude are grown, not trained: a product with them may overflow.
+_LARGE = 1e6
+
+
+@jax.jit
+def _largest(params: Any) -> jax.Array:
+    """The largest finite magnitude among the parameters (compiled over the mesh)."""
+    leaves = [jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0)) for x in jax.tree.leaves(params) if x.size]
+    return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
 
 
 @jax.jit

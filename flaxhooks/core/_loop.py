@@ -49,6 +49,7 @@ class LoopRecord:
     payload: Any = None
     stop_reason: str | None = None
     diverged: int | None = None
+    diverged_details: str | None = None
     interrupted: int | None = None
     exception: BaseException | None = None
     published: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -253,16 +254,22 @@ class Loop:
             raise ValueError(f"a published topic is a non-empty string, got {topic!r}")
         self._record.published[topic] = value
 
-    def mark_diverged(self, step: int, reason: str) -> None:
+    def mark_diverged(self, step: int, reason: str, *, details: str | None = None) -> None:
         """Says training diverged at ``step`` (its loss or a watched value went
         non-finite) and stops it: no state is evaluated or saved after it, and
-        ``fit`` raises ``NonFiniteError``. The first step marked is kept."""
+        ``fit`` raises ``NonFiniteError``. The first step marked is kept.
+
+        Args:
+            step: the first non-finite step.
+            reason: why training stops, in a few words (the progress summary says it).
+            details: the full account ``NonFiniteError`` carries (default: ``reason``).
+        """
         record = self._record
         if not isinstance(step, int) or not 0 < step <= record.step:
             raise ValueError(f"a diverged step is one of the steps taken (1 to {record.step}), got {step!r}")
         self._note("mark_diverged", f"step {step}: {reason}")
         if record.diverged is None:
-            record.diverged = step
+            record.diverged, record.diverged_details = step, details or reason
         self.stop(reason)
 
     def replace_state(self, state: TrainState) -> None:

@@ -277,5 +277,5 @@ class Trainer:
         if (signum := stops.interrupted(loop)) is not None:
             raise TrainingInterrupted(signum, loop.step)
         if loop.diverged is not None:
-            raise NonFiniteError(str(loop.stop_reason), loop.diverged)
+            raise NonFiniteError(fit.record.diverged_details or str(loop.stop_reason), loop.diverged)
         return final

@@ -197,20 +197,29 @@ class ConfigMode(nn.Module):
         return nn.Dense(3)(x)
 
 
-def test_dropout_left_on_in_evaluation_is_said_before_training():
-    findings = Findings()
-    trainer = flaxhooks.Trainer(ConfigMode(Config()), optax.adam(1e-2), cross_entropy,
-                                callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings])
-    trainer.fit(data(), steps=2)
-    assert [(f.kind, f.step) for f in findings.seen] == [("dropout_in_eval", 0)]
-    assert "eval_model=" in findings.seen[0].advice
-    # Given the eval-mode twin, nothing is said.
-    findings.seen.clear()
-    fixed = flaxhooks.Trainer(ConfigMode(Config()), optax.adam(1e-2), cross_entropy,
-                              eval_model=ConfigMode(Config(deterministic=True)),
-                              callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings])
-    fixed.fit(data(), steps=2)
-    assert findings.seen == []
+def test_dropout_left_on_in_evaluation_is_said_before_training_and_on_every_eval_line():
+    held_out = {"image": np.ones((16, 8), np.float32), "label": np.zeros(16, np.int32)}
+    for eval_model, said in ((None, [("dropout_in_eval", 0)]), (ConfigMode(Config(deterministic=True)), [])):
+        findings, printed, bar = Findings(), io.StringIO(), io.StringIO()
+        trainer = flaxhooks.Trainer(
+            ConfigMode(Config()), optax.adam(1e-2), cross_entropy, eval_model=eval_model,
+            callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings,
+                       flaxhooks.Evaluate(held_out, every=1, batch_size=8),
+                       flaxhooks.ConsoleLog(100, stream=printed),
+                       flaxhooks.Progress(console=Console(file=bar, width=300))])
+        trainer.fit(data(), steps=2)
+        assert [(f.kind, f.step) for f in findings.seen] == said  # given the eval-mode twin, nothing
+        if said:
+            assert "eval_model=" in findings.seen[0].advice
+        # Every evaluation's numbers were measured with dropout on: each line says so after them.
+        caveat = "  (dropout on: see finding dropout_in_eval)" if said else ""
+        for output in (printed.getvalue(), bar.getvalue()):
+            lines = [line for line in output.splitlines() if line.startswith("eval at step")]
+            assert len(lines) == 2, output
+            assert all(line.endswith(f"accuracy {float(line.split('accuracy ')[1].split()[0]):.4g}{caveat}")
+                       for line in lines), lines
+        summary = bar.getvalue().splitlines()[-1]  # its last field: "| eval loss ... accuracy ..."
+        assert summary.endswith(caveat) and summary.count("dropout on") == bool(said)
 
 
 class NNXKilled(nnx.Module):

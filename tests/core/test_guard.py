@@ -55,9 +55,12 @@ def test_every_trainer_has_a_guard_that_names_the_call_and_keeps_the_state_befor
     assert error.value.step == 1
     message = str(error.value)
     assert message.startswith("the loss is nan at step 1: the first call, in execution order, whose output "
-                              "went non-finite is 'root'")
-    assert "found by replaying step 1 instrumented, in" in message
-    assert [r.getMessage() for r in caplog.records] == [message]  # said once
+                              "went non-finite is 'root' (a SquareRoot) (found by replaying step 1 "
+                              "instrumented, in")
+    # Said in full once, by the error; the log line in a few words.
+    assert [r.getMessage() for r in caplog.records] == [
+        "the loss is nan at step 1; first non-finite: the output of 'root' (a SquareRoot): training stops, "
+        "and fit raises NonFiniteError saying how and what to try"]
     assert int(trainer.state.step) == 0  # the state from before the step: nothing after it was applied
     assert [(f.kind, f.layer, f.step) for f in findings.seen] == [("nonfinite", "root", 1)]
 
@@ -102,20 +105,30 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught_at_its_step():
     message = str(error.value)
     assert error.value.step == 1 and message.startswith("the gradient norm is nan at step 1")
     # The backward pass starts at the loss: the deepest output whose gradient is not finite.
-    assert "went non-finite in the backward pass of 'zero_root': the deepest output with a non-finite " \
-        "gradient is 'encoder'" in message
+    assert "went non-finite in the backward pass of 'zero_root' (a ZeroRoot): the deepest output with a " \
+        "non-finite gradient is 'encoder'" in message
     assert int(trainer.state.step) == 0
 
 
-def test_warn_trains_on_and_off_watches_nothing(caplog):
+class ReadsLosses(flaxhooks.Callback):
+    """Reads the losses the guard publishes, as Diagnose's loss checks do."""
+
+    def on_step_end(self, loop):
+        self.read = list(loop.published["losses"])
+
+
+def test_warn_trains_on_and_off_watches_nothing_and_says_so_to_readers_of_the_losses(caplog):
     for mode in ("warn", "off"):
         caplog.clear()
-        trainer = sgd_trainer(Diverging(), if_nonfinite=mode)
+        reader = ReadsLosses()
+        trainer = sgd_trainer(Diverging(), if_nonfinite=mode, callbacks=[reader])
         with caplog.at_level(logging.WARNING, logger="flaxhooks"):
             trainer.fit(make_batches(6, batch_size=8), epochs=1)
         assert int(trainer.state.step) == 6
         said = [r.getMessage() for r in caplog.records if "training goes on" in r.getMessage()]
         assert len(said) == (1 if mode == "warn" else 0)
+        off = [r.getMessage() for r in caplog.records if "reads no step's loss" in r.getMessage()]
+        assert reader.read == [] and len(off) == (1 if mode == "off" else 0)  # once, not each step
     with pytest.raises(ValueError, match="if_nonfinite must be one of"):
         sgd_trainer(Diverging(), if_nonfinite="ignore")
 
@@ -180,3 +193,147 @@ def test_a_replay_that_fails_still_stops_and_says_why(monkeypatch):
     with pytest.raises(flaxhooks.NonFiniteError, match=failed):
         trainer.fit(make_batches(6, batch_size=8), epochs=1)
     assert int(trainer.state.step) == 0
+
+
+class LogOfData(nn.Module):
+    """``log`` of the batch's last feature, in the model's own code between two
+    submodules: NaN on a batch where that feature is negative (a finite batch)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="encoder")(x[..., :-1])
+        return nn.Dense(3, name="head")(h * jnp.log(x[..., -1:]))
+
+
+def log_data(count: int, bad_step: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Batches whose last feature is positive, but for one example of ``bad_step``'s batch (if any)."""
+    batches = make_batches(count, batch_size=8)
+    for batch in batches:
+        batch["image"][:, -1] = np.abs(batch["image"][:, -1]) + 0.5
+    if bad_step is not None:
+        batches[bad_step - 1]["image"][0, -1] = -1.0
+    return batches
+
+
+class Reached(flaxhooks.Callback):
+    def on_fit_end(self, loop):
+        self.step = loop.step
+
+
+def test_a_nan_is_said_in_full_once_by_the_error_and_named_at_its_own_step_elsewhere(caplog):
+    import io
+
+    from rich.console import Console
+
+    printed, table, bar = io.StringIO(), io.StringIO(), io.StringIO()
+    reached = Reached()
+    callbacks = [flaxhooks.ConsoleLog(100, stream=printed), reached,
+                 flaxhooks.Progress(console=Console(file=bar, width=400)),
+                 flaxhooks.Diagnose(console=Console(file=table, width=400))]
+    trainer = sgd_trainer(LogOfData(), callbacks=callbacks)
+    with caplog.at_level(logging.WARNING, logger="flaxhooks"):
+        with pytest.raises(flaxhooks.NonFiniteError) as error:
+            trainer.fit(log_data(12, bad_step=4), steps=12)
+    assert error.value.step == 4 and reached.step > 4  # found with steps in flight after it
+    # In full, once: the error a script sees. The Dense after the log took a NaN it cannot make
+    # from a finite input: the model's own code made it, and the first advice is about that code.
+    full = str(error.value)
+    cause = ("the loss is nan at step 4: the first call, in execution order, whose output went non-finite is "
+             "'head' (a Dense), which makes no NaN or infinity from finite inputs and parameters: its input "
+             "already was, made by the code of the model (not a submodule), after 'encoder' (a Dense) "
+             "returned (found by replaying step 4 instrumented, in ")
+    assert full.startswith(cause)
+    assert full.split(". Try: ")[1] == (
+        "look for log, sqrt, division or exp of values at or below 0 (or overflowing) in the code of the "
+        "model, before 'head' (a Dense): add an epsilon or clip (jnp.log(jnp.maximum(x, 1e-6))); the loss "
+        "and gradient norm did not grow before it, so a lower learning rate is unlikely to help")
+    brief = "the loss is nan; first non-finite: the code of the model, before 'head' (a Dense)"
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["the loss is nan at step 4; first non-finite: the code of the model, before 'head' "
+                      "(a Dense): training stops, and fit raises NonFiniteError saying how and what to try"]
+    # Every other place names the NaN's step (not the one reached) and refers to the error.
+    assert printed.getvalue().splitlines()[-1] == (
+        f"training stopped at step 4: {brief}; details in the NonFiniteError")
+    summary = bar.getvalue().splitlines()[-1]
+    assert summary.startswith(f"stopped ({brief}; details in the NonFiniteError) at step 4/12  epoch 1  "
+                              "(4 steps in")
+    assert "loss" not in summary.split("(4 steps in")[1]  # no metrics of the steps thrown away after it
+    row = [line for line in table.getvalue().splitlines() if "nonfinite" in line]
+    assert len(row) == 1 and brief in row[0] and "look for log" in row[0]
+    for text in (*logged, printed.getvalue(), bar.getvalue(), table.getvalue()):
+        assert "execution order" not in text and "which makes no NaN" not in text
+    assert "done at step" not in printed.getvalue()  # the stopped epoch was not done
+
+
+def test_a_nan_in_the_batch_is_said_to_be_the_datas():
+    batches = log_data(6)
+    batches[1]["image"][3, 0] = np.inf  # step 2
+    with pytest.raises(flaxhooks.NonFiniteError) as error:
+        sgd_trainer(LogOfData()).fit(batches, epochs=1)
+    message = str(error.value)
+    assert message.startswith("the loss is nan at step 2: the batch of step 2 holds NaN or infinity (in "
+                              "batch['image']): the data, not training, made it; the first call, in "
+                              "execution order, whose output went non-finite is 'encoder' (a Dense) (found "
+                              "by replaying step 2")
+    assert message.split(". Try: ")[1].startswith("check the data: find and drop or repair the examples")
+
+
+class Regression(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, name="head")(x)
+
+
+def test_a_nan_after_the_gradient_norm_grew_is_told_to_lower_the_learning_rate():
+    # Plain SGD with a step too long for the curvature: every step multiplies the error.
+    arrays = make_arrays(8 * 40, seed=1)
+    arrays["target"] = arrays["image"].sum(-1, keepdims=True)
+    batches = [{k: v[i * 8:(i + 1) * 8] for k, v in arrays.items()} for i in range(40)]
+    trainer = flaxhooks.Trainer(Regression(), optax.sgd(3.0),
+                                lambda out, batch: jnp.mean((out - batch["target"]) ** 2))
+    norms = []
+    with pytest.raises(flaxhooks.NonFiniteError) as error:
+        trainer.fit(batches, epochs=1)
+    # The reference: the gradient norms of the steps before it, replayed by hand.
+    params = trainer.init(batches[0]).params
+    for batch in batches[:error.value.step - 1]:
+        grads = jax.grad(lambda p, b=batch: jnp.mean((Regression().apply({"params": p}, b["image"])
+                                                      - b["target"]) ** 2))(params)
+        norms.append(float(optax.tree.norm(grads)))
+        params = jax.tree.map(lambda p, g: p - 3.0 * g, params, grads)
+    before, recent = np.median(norms[:-3]), max(norms[-3:])
+    assert recent > 10 * before
+    advice = str(error.value).split(". Try: ")[1]
+    assert advice.startswith(f"the gradient norm grew from {before:.3g} to ")
+    assert advice.endswith(": lower the learning rate or add warmup, clip gradients "
+                           "(optax.clip_by_global_norm), or train in float32")
+
+
+class LogBody(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.log(nn.Dense(5)(x)), None  # NaN where the Dense gives a negative value
+
+
+class Scanned(nn.Module):
+    """A log inside an ``nn.scan`` body whose values the scan drops (its default variable_axes)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(5, name="encoder")(x)
+        x, _ = nn.scan(LogBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)(
+            name="layers")(x, None)
+        return nn.Dense(3, name="head")(x)
+
+
+def test_a_nan_made_inside_a_scan_that_hides_its_body_names_the_scan_not_the_next_call():
+    findings = Findings()
+    with pytest.warns(UserWarning, match="nn.scan module 'layers' drops"):
+        with pytest.raises(flaxhooks.NonFiniteError) as error:
+            sgd_trainer(Scanned(), callbacks=[findings]).fit(log_data(4), epochs=1)
+    assert ("its input already was, made by 'layers', whose inside the replay cannot see (an nn.scan drops "
+            "the values made in its body unless its variable_axes name 'intermediates' and 'perturbations'), "
+            "or by the code of the model, after 'encoder' (a Dense) returned") in str(error.value)
+    assert [(f.layer, f.brief) for f in findings.seen] == [
+        ("layers", "the loss is nan; first non-finite: 'layers' (its inside unseen) or the code of the "
+                   "model, before 'head' (a Dense)")]

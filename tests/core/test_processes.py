@@ -241,17 +241,26 @@ def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):
     nonfinite = zero["nonfinite"]
     # Every process sees the same global loss and statistics: the same stop, then NonFiniteError on each.
     assert nonfinite["error"] == "NonFiniteError"
-    assert nonfinite["stop_reason"].startswith("every process: the loss is nan at step")
-    assert "Dense_1" in nonfinite["stop_reason"] and nonfinite["message"] == nonfinite["stop_reason"]
+    # The stop's reason in a few words (the same on every process), the error in full.
+    assert nonfinite["stop_reason"].startswith("every process: the loss is nan; first non-finite: ")
+    assert nonfinite["stop_reason"].endswith("; details in the NonFiniteError")
+    assert nonfinite["message"].startswith("the loss is nan at step") and "Dense_1" in nonfinite["message"]
+    advice = nonfinite["message"].split(". Try: ")[1]  # sgd(1e9): the growth, then the learning rate
+    assert " grew " in advice and advice.endswith(": lower the learning rate or add warmup, clip gradients "
+                                                  "(optax.clip_by_global_norm), or train in float32")
 
     # A NaN in process 1's share of step 3's batch: both replay step 3 (process 1
     # has the outcome later) and name the same call, in the same words.
     for got in (zero["nan_on_1"], one["nan_on_1"]):
         assert got["error"] == "NonFiniteError" and 3 <= got["step"] <= 5, got
-        assert got["stop_reason"] == got["message"] == (
-            "every process: the loss is nan at step 3: the first call, in execution order, whose output went "
-            "non-finite is 'Dense_0' (module 'Dense_0') (found by replaying step 3 instrumented on every "
-            "process)"), got
+        assert got["stop_reason"] == ("every process: the loss is nan; first non-finite: the batch "
+                                      "(batch['image']); details in the NonFiniteError"), got
+        assert got["message"] == (
+            "the loss is nan at step 3: the batch of step 3 holds NaN or infinity (in batch['image']): the "
+            "data, not training, made it; the first call, in execution order, whose output went non-finite "
+            "is 'Dense_0' (found by replaying step 3 instrumented on every process). Try: check the data: "
+            "find and drop or repair the examples holding NaN or infinity (np.isfinite where the data is "
+            "read); the learning rate is not the cause"), got
         assert [f[:3] for f in got["findings"]] == [["nonfinite", "Dense_0", 3]], got
         # The state from before step 3: that of 2 steps on the same batches.
         assert got["state_step"] == 2 and got["params"] == got["two_steps"]

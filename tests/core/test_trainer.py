@@ -242,14 +242,19 @@ def test_a_due_callback_reads_the_latest_metrics(capsys):
             self.losses[loop.step] = loop.host_metrics()["loss"]
 
     keep = Keep()
-    sgd_trainer(callbacks=[flaxhooks.ConsoleLog(flaxhooks.Every(steps=2)), keep]).fit(
-        make_batches(4), epochs=1)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    trainer = sgd_trainer(callbacks=[flaxhooks.ConsoleLog(flaxhooks.Every(steps=2)), keep])
+    trainer.fit(make_batches(4), epochs=1)
+    printed = capsys.readouterr().out.splitlines()
+    lines = [line for line in printed if line.startswith("step")]
     assert [line.split()[1] for line in lines] == ["2", "4"]
     for line in lines:
         step = int(line.split()[1])
         logged = float(line.split("loss ")[1].split()[0])
         assert logged == pytest.approx(keep.losses[step], rel=1e-3)
+    assert printed[-1].startswith(f"epoch 1 done at step 4: last batch loss {keep.losses[4]:.4g}  ")
+    trainer.fit(make_batches(4), steps=5)  # a step limit inside epoch 2: that epoch is not done
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"epoch 2 stopped at step 5: last batch loss {keep.losses[5]:.4g}  ")
 
 
 def test_fit_continues_from_the_last_state_and_by_total_steps():
