@@ -52,8 +52,11 @@ AFFINE: tuple[type, ...] = (
 #: Kinds about the whole model: said once whichever layer they name.
 _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
-    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite",
+    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
 })
+
+#: What a fit's first ``Thresholds.early_steps`` settle at once: said then, not at the first window's end.
+_CONCLUSIVE = frozenset({"dead_units", "unused_layer", "exploding_gradients"})
 
 
 def _once_key(finding: Finding) -> tuple[str, str | None]:
@@ -79,6 +82,7 @@ class _Pending:
     start: int
     end: int
     sums: WithLayout  # packed (Window.pack), and the layout it was traced with
+    early: bool = False  # the first steps of a fit, judged for what they settle at once
 
 
 class Diagnose(InstrumentedCallback):
@@ -134,6 +138,7 @@ class Diagnose(InstrumentedCallback):
         self.num_classes: int | None = None
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's state, taken at the next fit's start
         self._reset(0)
 
     def __repr__(self) -> str:
@@ -150,7 +155,41 @@ class Diagnose(InstrumentedCallback):
         self._first_max_grad: float | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
         self._losses_seen = step
+        # The first loss's findings wait for the first layer judgment, due within
+        # early_steps, which may name their cause (gradients exploding through depth).
+        early = self.thresholds.early_steps
+        self._held: list[Finding] = []
+        self._hold_until = step + min(early, self.window) if early else None
+        self._early_end = step + early if 0 < early < self.window else None
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as if never stopped: the loss watch's
+        windows and what it said, the findings active (not said again), and each
+        layer's first-window figures (the trends' and the gradient growth's baseline)."""
+        return {
+            "loss": self._watch.state_dict(),
+            "active": [[kind, layer, finding.step] for (kind, layer), finding in self._active.items()],
+            "absent": [[kind, layer, count] for (kind, layer), count in self._absent.items()],
+            "first": {name: dataclasses.asdict(f) for name, f in self._first.items()},
+            "first_max_grad": self._first_max_grad,
+            "held": [dataclasses.asdict(f) for f in self._held],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` gave; applied when the next ``fit`` starts."""
+        self._restored = state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._watch.load_state_dict(state["loss"])
+        for kind, layer, step in state["active"]:
+            # Only the key counts: what was said is in the log already.
+            self._active[(kind, layer)] = Finding(kind, int(step), layer, "(said before the resume)", "")
+        self._absent.update({(kind, layer): int(count) for kind, layer, count in state["absent"]})
+        self._first = {name: LayerFigures(**{**f, "slopes": tuple(f["slopes"])})
+                       for name, f in state["first"].items()}
+        self._first_max_grad = state["first_max_grad"]
+        self._held = [Finding(**{**f, "values": dict(f["values"])}) for f in state["held"]]
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)
@@ -198,6 +237,9 @@ class Diagnose(InstrumentedCallback):
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
         self._reset(loop.step)
+        if self._restored is not None:
+            self._restore(self._restored)
+            self._restored = None
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
             # Traced once per model and layout (tracing takes a good part of a second), said each fit.
@@ -217,6 +259,11 @@ class Diagnose(InstrumentedCallback):
         if loop.should_stop and loop.diverged is not None:
             return
         self._read_losses(loop)
+        if loop.step == self._early_end:
+            if self._sums is not None:  # the window goes on: its sums so far are judged apart
+                self._pending.append(_Pending(self._start, loop.step, self._sums, early=True))
+            else:
+                self._release_held(loop)
         if loop.step % self.window == 0:
             self._close(loop.step)
         settled = loop.settled_step
@@ -233,10 +280,14 @@ class Diagnose(InstrumentedCallback):
             if step <= self._losses_seen:
                 break
             new.append((step, value))
+        self._watch.num_classes = self.num_classes
         for step, value in reversed(new):
             if step == 1:  # the loss before any update, on a fresh run
                 for finding in self._watch.initial(step, value, self.num_classes):
-                    self._say(loop, finding)
+                    if self._hold_until is not None:
+                        self._held.append(finding)
+                    else:
+                        self._say(loop, finding)
             for finding in self._watch.add(step, value):
                 self._say(loop, finding)
         self._losses_seen = new[0][0]
@@ -250,6 +301,7 @@ class Diagnose(InstrumentedCallback):
             while self._pending:
                 self._judge(loop, self._pending.popleft())
         self._pending.clear()
+        self._release_held(loop)
         if jax.process_index() == 0:
             if self.table and self.findings:
                 _print_table(self.findings, self.console)
@@ -277,6 +329,12 @@ class Diagnose(InstrumentedCallback):
             if self.heatmaps:
                 self._draw(loop, figures, sums, layout, pending.end)
             return
+        if pending.early:
+            # Judged against nothing before it, and only for what the first steps settle.
+            early = layer_findings(figures, {}, steps, self.thresholds)
+            found = [f for f in early if f.kind in _CONCLUSIVE and _conclusive(f)]
+            self.update(loop, self._with_held(loop, found), pending.end, clear=False)
+            return
         found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
         if self._first_max_grad is None and grads:
             self._first_max_grad = max(grads)
@@ -284,11 +342,12 @@ class Diagnose(InstrumentedCallback):
         dead = [f for f in found if f.kind == "dead_units"]
         gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
         gone |= {layer for f in dead for layer in f.values.get("follow", ())}
+        gone |= {layer for f in found if f.kind == "unused_layer" for layer in f.values["layers"]}
         reached = {f.name: f.silent < 1.0 for f in figures}
         params = param_findings(layout.modules, sums.params, float(sums.steps), steps, self.thresholds,
                                 reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
-        self.update(loop, found, pending.end)
+        self.update(loop, self._with_held(loop, found), pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, layout, pending.end)
 
@@ -331,10 +390,35 @@ class Diagnose(InstrumentedCallback):
                                      or ["No finding: nothing looked wrong."])
         (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")
 
-    def update(self, loop: Loop, found: Sequence[Finding], step: int) -> None:
-        """Says the findings that appeared; forgets those absent twice in a row."""
+    def _with_held(self, loop: Loop, found: list[Finding]) -> list[Finding]:
+        """Says the first loss's held findings, before ``found`` (the first layer judgment's),
+        unless gradients exploding through depth explain them: then that finding says so."""
+        depth = next((f for f in found if f.kind == "exploding_gradients"
+                      and f.values.get("rule") == "depth"), None)
+        held = self._held
+        initial = next((f for f in held if f.kind == "initial_loss"
+                        and f.values["loss"] > f.values["expected"]), None)
+        if depth is not None and initial is not None:
+            held = [f for f in held if f is not initial]
+            evidence = (f"{depth.evidence}; the first loss, {initial.values['loss']:.3g}, far above "
+                        f"log({initial.values['num_classes']}) = {initial.values['expected']:.2f}, is its "
+                        "symptom: the same amplification makes the logits large")
+            values = {**depth.values, "initial_loss": initial.values["loss"]}
+            found = [dataclasses.replace(f, evidence=evidence, values=values) if f is depth else f
+                     for f in found]
+        self._held = []
+        for finding in held:
+            self._say(loop, finding)
+        return found
+
+    def _release_held(self, loop: Loop) -> None:
+        self._with_held(loop, [])
+
+    def update(self, loop: Loop, found: Sequence[Finding], step: int, clear: bool = True) -> None:
+        """Says the findings that appeared; forgets those absent twice in a row
+        (with ``clear=False``: says the new ones and forgets nothing)."""
         current = {_once_key(f): f for f in found}
-        for key in list(self._active):
+        for key in list(self._active) if clear else ():
             if key in current:
                 self._absent.pop(key, None)
                 continue
@@ -355,6 +439,16 @@ class Diagnose(InstrumentedCallback):
             _log.warning("%s", finding.message())
         loop.writers.text("health/findings", _markdown(finding), finding.step)
         loop.emit(Event.FINDING, finding)
+
+
+def _conclusive(finding: Finding) -> bool:
+    """Whether a finding of a fit's first steps stands already: a layer dead to its last unit
+    (and what it starves), layers the loss does not reach, gradients exploding through depth."""
+    if finding.kind == "dead_units":
+        return finding.values.get("dead", 0.0) >= 1.0
+    if finding.kind == "exploding_gradients":
+        return finding.values.get("rule") == "depth"
+    return finding.kind == "unused_layer"
 
 
 #: The heatmaps, and whether each is coloured on a log scale.

@@ -37,9 +37,9 @@ class LossThresholds:
             above ``log(C)`` is too high (1.0).
         initial_high_ratio: see ``initial_high_nats`` (0.5).
         initial_low_ratio: a first loss below this times ``log(C)`` is too low, for C >= 3 (0.25).
-        not_learning_steps: the losses of a fresh classifier's run after which one still at
-            chance and not fallen from its first ones is said to be not learning (50; 0 turns
-            the rule off).
+        not_learning_steps: the losses of a fresh classifier's run after which one at chance,
+            not fallen from its first ones (or fallen to chance from far above), is said to be
+            not learning (50; 0 turns the rule off).
         not_learning_span: the losses at the start and at the end of those that are compared (10).
         not_learning_min_fall: learning is a fall of the mean of the last ``span`` losses below
             that of the first ``span`` of at least this fraction of ``log(C)`` (0.02) and
@@ -256,17 +256,19 @@ def _plateau_finding(step: int, recent: _Level, previous: _Level, start: _Level)
     )
 
 
-def _not_learning_finding(step: int, first: _Level, last: _Level, num_classes: int,
+def _not_learning_finding(step: int, first: _Level, last: _Level, num_classes: int, from_above: bool,
                           fall_needed: float) -> Finding:
-    """A classifier's loss at chance, not fallen over a fresh run's first steps: nothing is being learned."""
-    chance = (f", at log({num_classes}) = {math.log(num_classes):.2f}: the loss of a classifier that gives "
-              "every class the same probability, no better than chance")
-    moved = "rose" if last.mean > first.mean else "fell only"
+    """A classifier's loss at chance over a fresh run's first steps: nothing is being learned."""
+    if from_above:
+        moved = "it fell to chance from above and no further"
+    else:
+        moved = (f"it {'rose' if last.mean > first.mean else 'fell only'} {abs(first.mean - last.mean):.3g} "
+                 f"(learning is a fall of at least {fall_needed:.3g}, beyond the noise)")
     return Finding(
         "not_learning", step, None,
-        f"the loss has not fallen from its first values: its mean is {_num(last.mean)} over {last.steps()}, "
-        f"against {_num(first.mean)} over {first.steps()} (it {moved} {abs(first.mean - last.mean):.3g}; "
-        f"learning is a fall of at least {fall_needed:.3g}){chance}",
+        f"the loss is at chance: its mean is {_num(last.mean)} over {last.steps()}, against "
+        f"{_num(first.mean)} over {first.steps()}; log({num_classes}) = {math.log(num_classes):.2f} is the "
+        f"loss of a classifier that gives every class the same probability, and {moved}",
         "check the learning rate first, the commonest cause: too high (a loss stuck at chance, dead units, "
         "large updates) or too low (tiny updates); try values a decade apart. Then check that gradients "
         "reach the parameters and the labels match the inputs; try to overfit a single batch",
@@ -552,15 +554,18 @@ class LossWatch:
                 or self._seen != limits.not_learning_steps):
             return []
         first, last = _Level.of(self._opening), _Level.of(self._latest)
+        chance, band = math.log(self.num_classes), limits.not_learning_chance * math.log(self.num_classes)
+        if abs(last.mean - chance) > band:
+            return []
+        # A fall counts as learning from at or below chance: from far above (logits blown up by
+        # too high a learning rate, then collapsed to uniform) it reaches chance and no further.
+        from_above = first.mean > chance + band
         noise = math.sqrt(first.std**2 / first.count + last.std**2 / last.count)
         drop = first.mean - last.mean
-        chance = math.log(self.num_classes)
-        if drop > fall_needed and drop > limits.plateau_sigmas * noise:
+        if not from_above and drop > fall_needed and drop > limits.plateau_sigmas * noise:
             return []
-        if abs(last.mean - chance) > limits.not_learning_chance * chance:
-            return []
-        self._stuck_at = first
-        return [_not_learning_finding(step, first, last, self.num_classes, fall_needed)]
+        self._stuck_at = last
+        return [_not_learning_finding(step, first, last, self.num_classes, from_above, fall_needed)]
 
     def _plateau(self, step: int) -> list[Finding]:
         """Whether the loss has not fallen since training began, nor lately."""

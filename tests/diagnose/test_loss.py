@@ -293,7 +293,8 @@ def test_a_classifier_stuck_at_chance_is_not_learning_at_step_50():
     first, last = losses[:10].mean(), losses[40:50].mean()
     assert found[0].values["first_mean"] == pytest.approx(first)
     assert found[0].values["last_mean"] == pytest.approx(last)
-    assert f"its mean is {last:.2f} over steps 40-49, against {first:.2f} over steps 0-9" in found[0].evidence
+    assert found[0].evidence.startswith(
+        f"the loss is at chance: its mean is {last:.2f} over steps 40-49, against {first:.2f} over steps 0-9")
     assert "log(10) = 2.30" in found[0].evidence and "chance" in found[0].evidence
     assert "learning rate" in found[0].advice
 
@@ -338,3 +339,13 @@ def test_a_resumed_watch_says_what_an_uninterrupted_one_says():
         (f.kind, f.step, f.since, f.evidence) for f in whole]
     assert [f.values["std"] for f in found] == pytest.approx([f.values["std"] for f in whole], rel=1e-12)
     assert resumed.fresh and resumed.retained == first.retained
+
+
+def test_a_classifier_blown_up_and_collapsed_to_chance_is_not_learning():
+    # SGD at ten times its learning rate on an MLP: the first losses near 16, then uniform outputs.
+    losses = np.concatenate([np.linspace(30.0, 3.0, 10), noisy_flat(10, 90, level=math.log(10), noise=0.01)])
+    (found,) = watch_all(losses, classifier_watch())
+    assert (found.kind, found.step) == ("not_learning", 49)
+    assert "fell to chance from above and no further" in found.evidence
+    # Once the loss falls below chance, the watch judges plateaus again.
+    assert found.values["last_mean"] == pytest.approx(losses[40:50].mean())
