@@ -90,8 +90,10 @@ class Diagnose(InstrumentedCallback):
 
     From sums of each layer's pre-activations and their gradients, added up
     on the devices over a ``window`` of sampled steps, and from every step's
-    loss: dead units, saturation, vanishing or exploding gradients, update
-    ratios, loss spikes and plateaus, set-up traps. Each problem is said once,
+    loss: dead units, layers the loss does not reach, saturation, vanishing or
+    exploding gradients, update ratios, a classifier not learning, loss spikes
+    and plateaus, set-up traps. What a fit's first ``Thresholds.early_steps``
+    settle (a layer dead from the start) is said then. Each problem is said once,
     as a ``finding`` event and in TensorBoard (see README, "When training goes wrong").
 
     Args:
@@ -159,8 +161,10 @@ class Diagnose(InstrumentedCallback):
         # early_steps, which may name their cause (gradients exploding through depth).
         early = self.thresholds.early_steps
         self._held: list[Finding] = []
-        self._hold_until = step + min(early, self.window) if early else None
+        self._hold_first = early > 0
         self._early_end = step + early if 0 < early < self.window else None
+        # Each recent step's batch, by its epoch and place in it (as many as the guard's losses).
+        self._positions: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -258,6 +262,7 @@ class Diagnose(InstrumentedCallback):
     def on_step_end(self, loop: Loop) -> None:
         if loop.should_stop and loop.diverged is not None:
             return
+        self._positions.append((loop.step, loop.epoch, loop.epoch_step - 1))
         self._read_losses(loop)
         if loop.step == self._early_end:
             if self._sums is not None:  # the window goes on: its sums so far are judged apart
@@ -284,13 +289,27 @@ class Diagnose(InstrumentedCallback):
         for step, value in reversed(new):
             if step == 1:  # the loss before any update, on a fresh run
                 for finding in self._watch.initial(step, value, self.num_classes):
-                    if self._hold_until is not None:
+                    if self._hold_first:
                         self._held.append(finding)
                     else:
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, finding)
+                self._say(loop, self._located(finding))
         self._losses_seen = new[0][0]
+
+    def _located(self, finding: Finding) -> Finding:
+        """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
+        if finding.kind != "loss_spike" or finding.since is None:
+            return finding
+        place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
+                      if step == finding.since), None)
+        if place is None or place[1] < 0:
+            return finding
+        epoch, index = place
+        evidence = (f"{finding.evidence}; step {finding.since}'s batch is batch {index} of epoch {epoch} "
+                    "(both from 0)")
+        return dataclasses.replace(finding, evidence=evidence,
+                                   values={**finding.values, "batch": {"epoch": epoch, "index": index}})
 
     def on_fit_end(self, loop: Loop) -> None:
         self._read_losses(loop)
