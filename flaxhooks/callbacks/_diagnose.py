@@ -55,9 +55,6 @@ _MODEL_WIDE = frozenset({
     "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
 })
 
-#: What a fit's first ``Thresholds.early_steps`` settle at once: said then, not at the first window's end.
-_CONCLUSIVE = frozenset({"dead_units", "unused_layer", "exploding_gradients"})
-
 
 def _once_key(finding: Finding) -> tuple[str, str | None]:
     return (finding.kind, None) if finding.kind in _MODEL_WIDE else finding.key
@@ -338,6 +335,9 @@ class Diagnose(InstrumentedCallback):
         steps = (pending.start, pending.end)
         read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
         figures = layer_figures(layout.layers, layout.units, read, self.thresholds)
+        if pending.early:
+            self._judge_early(loop, figures, steps, bool(np.all(np.isfinite(np.asarray(sums.layers)))))
+            return
         for f in figures:
             self._first.setdefault(f.name, f)
         grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
@@ -347,12 +347,6 @@ class Diagnose(InstrumentedCallback):
             self.update(loop, list(self._active.values()), pending.end)
             if self.heatmaps:
                 self._draw(loop, figures, sums, layout, pending.end)
-            return
-        if pending.early:
-            # Judged against nothing before it, and only for what the first steps settle.
-            early = layer_findings(figures, {}, steps, self.thresholds)
-            found = [f for f in early if f.kind in _CONCLUSIVE and _conclusive(f)]
-            self.update(loop, self._with_held(loop, found), pending.end, clear=False)
             return
         found = layer_findings(figures, self._first, steps, self.thresholds, self._first_max_grad)
         if self._first_max_grad is None and grads:
@@ -369,6 +363,16 @@ class Diagnose(InstrumentedCallback):
         self.update(loop, self._with_held(loop, found), pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, layout, pending.end)
+
+    def _judge_early(self, loop: Loop, figures: Sequence[LayerFigures], steps: tuple[int, int],
+                     finite: bool) -> None:
+        """A fit's first steps, judged for what they settle at once: against nothing before
+        them, neither a baseline for the windows' trends nor a column of the heatmaps."""
+        found = []
+        if finite:  # else every unit would look dead: the guard has said it
+            found = [f for f in layer_findings(figures, {}, steps, self.thresholds)
+                     if _conclusive(f)]
+        self.update(loop, self._with_held(loop, found), steps[1], clear=False)
 
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
