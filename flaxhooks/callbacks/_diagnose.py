@@ -159,6 +159,7 @@ class Diagnose(InstrumentedCallback):
         early = self.thresholds.early_steps
         self._held: list[Finding] = []
         self._hold_first = early > 0
+        self._hold_end = step + min(early, self.window)  # no later, when no judgment is due by then
         self._early_end = step + early if 0 < early < self.window else None
         # Each recent step's batch, by its epoch and place in it (as many as the guard's losses).
         self._positions: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
@@ -261,13 +262,13 @@ class Diagnose(InstrumentedCallback):
             return
         self._positions.append((loop.step, loop.epoch, loop.epoch_step - 1))
         self._read_losses(loop)
-        if loop.step == self._early_end:
-            if self._sums is not None:  # the window goes on: its sums so far are judged apart
-                self._pending.append(_Pending(self._start, loop.step, self._sums, early=True))
-            else:
-                self._release_held(loop)
+        if loop.step == self._early_end and self._sums is not None:
+            # The window goes on: its sums so far are judged apart.
+            self._pending.append(_Pending(self._start, loop.step, self._sums, early=True))
         if loop.step % self.window == 0:
             self._close(loop.step)
+        if self._held and loop.step >= self._hold_end and not self._pending:
+            self._release_held(loop)  # no step sampled so far: no judgment to wait for
         settled = loop.settled_step
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())

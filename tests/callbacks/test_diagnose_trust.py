@@ -17,7 +17,7 @@ import pytest
 import flaxhooks
 from flaxhooks.callbacks import Checkpoint
 from flaxhooks.diagnose import LossThresholds, Thresholds
-from tests.callbacks.test_diagnose import Findings, Healthy, Killed, fit, kinds
+from tests.callbacks.test_diagnose import Confident, Findings, Healthy, Killed, fit, kinds
 from tests.helpers import cross_entropy
 
 
@@ -166,3 +166,21 @@ def test_a_loss_spike_names_the_batch_it_began_at():
     assert [f.since for f in spikes] == [16, 36]
     assert [f.values["batch"] for f in spikes] == [{"epoch": 0, "index": 15}, {"epoch": 1, "index": 15}]
     assert spikes[1].evidence.endswith("step 36's batch is batch 15 of epoch 1 (both from 0)")
+
+
+def test_a_large_first_loss_waits_for_no_judgment_that_is_not_coming():
+    class Said(flaxhooks.Callback):
+        """The step at which each finding is said."""
+
+        def __init__(self):
+            self.at = []
+
+        def on_finding(self, loop):
+            self.at.append((loop.payload.kind, loop.payload.step, loop.step))
+
+    said = Said()
+    # Every 50th step sampled: nothing to judge by step 20, when the first loss's finding is said.
+    diagnose = flaxhooks.Diagnose(every=50, window=200, table=False)
+    trainer = flaxhooks.Trainer(Confident(), optax.adam(1e-2), cross_entropy, callbacks=[diagnose, said])
+    trainer.fit(balanced(), steps=25)
+    assert said.at == [("initial_loss", 1, 20)]
