@@ -220,6 +220,9 @@ def test_the_watch_holds_a_bounded_number_of_losses():
 def test_windows_shorter_than_two_are_refused():
     with pytest.raises(ValueError, match="plateau_window"):
         LossThresholds(plateau_window=1)
+    with pytest.raises(ValueError, match="not_learning_steps must be 0 or at least twice"):
+        LossThresholds(not_learning_steps=15)  # its first and last 10 losses would overlap
+    assert LossThresholds(not_learning_steps=0).not_learning_steps == 0  # the rule off
 
 
 def converged_to_zero(seed: int, steps: int = 1000) -> np.ndarray:
