@@ -52,7 +52,7 @@ AFFINE: tuple[type, ...] = (
 #: Kinds about the whole model: said once whichever layer they name.
 _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
-    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite",
+    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
 })
 
 
@@ -79,6 +79,7 @@ class _Pending:
     start: int
     end: int
     sums: WithLayout  # packed (Window.pack), and the layout it was traced with
+    early: bool = False  # the first steps of a fit, judged for what they settle at once
 
 
 class Diagnose(InstrumentedCallback):
@@ -86,8 +87,10 @@ class Diagnose(InstrumentedCallback):
 
     From sums of each layer's pre-activations and their gradients, added up
     on the devices over a ``window`` of sampled steps, and from every step's
-    loss: dead units, saturation, vanishing or exploding gradients, update
-    ratios, loss spikes and plateaus, set-up traps. Each problem is said once,
+    loss: dead units, layers the loss does not reach, saturation, vanishing or
+    exploding gradients, update ratios, a classifier not learning, loss spikes
+    and plateaus, set-up traps. What a fit's first ``Thresholds.early_steps``
+    settle (a layer dead from the start) is said then. Each problem is said once,
     as a ``finding`` event and in TensorBoard's Text tab (``health/findings``;
     a fit that found nothing says what was checked), with a ``health/<kind>``
     counter for each kind found (see README, "When training goes wrong").
@@ -139,6 +142,7 @@ class Diagnose(InstrumentedCallback):
         # The run's Text tab entry written last: its step and what it holds.
         self._entry = _Entry(-1)
         self._fired: set[str] = set()  # the kinds with a health/<kind> counter in this run
+        self._restored: dict[str, Any] | None = None  # a checkpoint's state, taken at the next fit's start
         self._reset(0)
 
     def __repr__(self) -> str:
@@ -155,9 +159,46 @@ class Diagnose(InstrumentedCallback):
         self._first_max_grad: float | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
         self._losses_seen = step
+        # The first loss's findings wait for the first layer judgment, due within
+        # early_steps, which may name their cause (gradients exploding through depth).
+        early = self.thresholds.early_steps
+        self._held: list[Finding] = []
+        self._hold_first = early > 0
+        self._hold_end = step + min(early, self.window)  # no later, when no judgment is due by then
+        self._early_end = step + early if 0 < early < self.window else None
+        # Each recent step's batch, by its epoch and place in it (as many as the guard's losses).
+        self._positions: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
         self._fit_start = step + 1
         self._checked = _Checked()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as if never stopped: the loss watch's
+        windows and what it said, the findings active (not said again), and each
+        layer's first-window figures (the trends' and the gradient growth's baseline)."""
+        return {
+            "loss": self._watch.state_dict(),
+            "active": [[kind, layer, finding.step] for (kind, layer), finding in self._active.items()],
+            "absent": [[kind, layer, count] for (kind, layer), count in self._absent.items()],
+            "first": {name: dataclasses.asdict(f) for name, f in self._first.items()},
+            "first_max_grad": self._first_max_grad,
+            "held": [dataclasses.asdict(f) for f in self._held],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` gave; applied when the next ``fit`` starts."""
+        self._restored = state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._watch.load_state_dict(state["loss"])
+        for kind, layer, step in state["active"]:
+            # Only the key counts: what was said is in the log already.
+            self._active[(kind, layer)] = Finding(kind, int(step), layer, "(said before the resume)", "")
+        self._absent.update({(kind, layer): int(count) for kind, layer, count in state["absent"]})
+        self._first = {name: LayerFigures(**{**f, "slopes": tuple(f["slopes"])})
+                       for name, f in state["first"].items()}
+        self._first_max_grad = state["first_max_grad"]
+        self._held = [Finding(**{**f, "values": dict(f["values"])}) for f in state["held"]]
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)
@@ -207,6 +248,9 @@ class Diagnose(InstrumentedCallback):
         self._reset(loop.step)
         if loop.step < self._entry.step or (loop.step == 0 and loop.resumed_from is None):
             self._entry, self._fired = _Entry(-1), set()  # a new run
+        if self._restored is not None:
+            self._restore(self._restored)
+            self._restored = None
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
             # Traced once per model and layout (tracing takes a good part of a second), said each fit.
@@ -230,9 +274,15 @@ class Diagnose(InstrumentedCallback):
     def on_step_end(self, loop: Loop) -> None:
         if loop.should_stop and loop.diverged is not None:
             return
+        self._positions.append((loop.step, loop.epoch, loop.epoch_step - 1))
         self._read_losses(loop)
+        if loop.step == self._early_end and self._sums is not None:
+            # The window goes on: its sums so far are judged apart.
+            self._pending.append(_Pending(self._start, loop.step, self._sums, early=True))
         if loop.step % self.window == 0:
             self._close(loop.step)
+        if self._held and loop.step >= self._hold_end and not self._pending:
+            self._release_held(loop)  # no step sampled so far: no judgment to wait for
         settled = loop.settled_step
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())
@@ -248,14 +298,32 @@ class Diagnose(InstrumentedCallback):
                 break
             new.append((step, value))
         self._checked.losses += len(new)
+        self._watch.num_classes = self.num_classes
         for step, value in reversed(new):
             if step == 1:  # the loss before any update, on a fresh run
                 self._checked.initial = self.num_classes is not None
                 for finding in self._watch.initial(step, value, self.num_classes):
-                    self._say(loop, finding)
+                    if self._hold_first:
+                        self._held.append(finding)
+                    else:
+                        self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, finding)
+                self._say(loop, self._located(finding))
         self._losses_seen = new[0][0]
+
+    def _located(self, finding: Finding) -> Finding:
+        """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
+        if finding.kind != "loss_spike" or finding.since is None:
+            return finding
+        place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
+                      if step == finding.since), None)
+        if place is None or place[1] < 0:
+            return finding
+        epoch, index = place
+        evidence = (f"{finding.evidence}; step {finding.since}'s batch is batch {index} of epoch {epoch} "
+                    "(both from 0)")
+        return dataclasses.replace(finding, evidence=evidence,
+                                   values={**finding.values, "batch": {"epoch": epoch, "index": index}})
 
     def on_fit_end(self, loop: Loop) -> None:
         self._read_losses(loop)
@@ -269,6 +337,7 @@ class Diagnose(InstrumentedCallback):
                 note = self._checked.no_finding(self._fit_start, loop.step)
                 self._write_text(loop, note=note, step=loop.step)
         self._pending.clear()
+        self._release_held(loop)
         if jax.process_index() == 0:
             if self.table and self.findings:
                 _print_table(self.findings, self.console)
@@ -289,6 +358,9 @@ class Diagnose(InstrumentedCallback):
         self._checked.modules = max(self._checked.modules, len(layout.modules))
         read = {"layers": sums.layers, "reached": sums.reached, "fired": sums.fired, "mass": sums.mass}
         figures = layer_figures(layout.layers, layout.units, read, self.thresholds)
+        if pending.early:
+            self._judge_early(loop, figures, steps, bool(np.all(np.isfinite(np.asarray(sums.layers)))))
+            return
         for f in figures:
             self._first.setdefault(f.name, f)
         grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
@@ -306,13 +378,24 @@ class Diagnose(InstrumentedCallback):
         dead = [f for f in found if f.kind == "dead_units"]
         gone = {f.layer for f in dead if f.values.get("dead", f.values.get("silent", 0.0)) >= 1.0}
         gone |= {layer for f in dead for layer in f.values.get("follow", ())}
+        gone |= {layer for f in found if f.kind == "unused_layer" for layer in f.values["layers"]}
         reached = {f.name: f.silent < 1.0 for f in figures}
         params = param_findings(layout.modules, sums.params, float(sums.steps), steps, self.thresholds,
                                 reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
-        self.update(loop, found, pending.end)
+        self.update(loop, self._with_held(loop, found), pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, layout, pending.end)
+
+    def _judge_early(self, loop: Loop, figures: Sequence[LayerFigures], steps: tuple[int, int],
+                     finite: bool) -> None:
+        """A fit's first steps, judged for what they settle at once: against nothing before
+        them, neither a baseline for the windows' trends nor a column of the heatmaps."""
+        found = []
+        if finite:  # else every unit would look dead: the guard has said it
+            found = [f for f in layer_findings(figures, {}, steps, self.thresholds)
+                     if _conclusive(f)]
+        self.update(loop, self._with_held(loop, found), steps[1], clear=False)
 
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
@@ -351,10 +434,35 @@ class Diagnose(InstrumentedCallback):
                                      or ["No finding: nothing looked wrong."])
         (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")
 
-    def update(self, loop: Loop, found: Sequence[Finding], step: int) -> None:
-        """Says the findings that appeared; forgets those absent twice in a row."""
+    def _with_held(self, loop: Loop, found: list[Finding]) -> list[Finding]:
+        """Says the first loss's held findings, before ``found`` (the first layer judgment's),
+        unless gradients exploding through depth explain them: then that finding says so."""
+        depth = next((f for f in found if f.kind == "exploding_gradients"
+                      and f.values.get("rule") == "depth"), None)
+        held = self._held
+        initial = next((f for f in held if f.kind == "initial_loss"
+                        and f.values["loss"] > f.values["expected"]), None)
+        if depth is not None and initial is not None:
+            held = [f for f in held if f is not initial]
+            evidence = (f"{depth.evidence}; the first loss, {initial.values['loss']:.3g}, far above "
+                        f"log({initial.values['num_classes']}) = {initial.values['expected']:.2f}, is its "
+                        "symptom: the same amplification makes the logits large")
+            values = {**depth.values, "initial_loss": initial.values["loss"]}
+            found = [dataclasses.replace(f, evidence=evidence, values=values) if f is depth else f
+                     for f in found]
+        self._held = []
+        for finding in held:
+            self._say(loop, finding)
+        return found
+
+    def _release_held(self, loop: Loop) -> None:
+        self._with_held(loop, [])
+
+    def update(self, loop: Loop, found: Sequence[Finding], step: int, clear: bool = True) -> None:
+        """Says the findings that appeared; forgets those absent twice in a row
+        (with ``clear=False``: says the new ones and forgets nothing)."""
         current = {_once_key(f): f for f in found}
-        for key in list(self._active):
+        for key in list(self._active) if clear else ():
             if key in current:
                 self._absent.pop(key, None)
                 continue
@@ -466,6 +574,16 @@ class _Checked:
             looked.append("the set-up (dropout in evaluation, RNG streams)")
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
+
+
+def _conclusive(finding: Finding) -> bool:
+    """Whether a finding of a fit's first steps stands already: a layer dead to its last unit
+    (and what it starves), layers the loss does not reach, gradients exploding through depth."""
+    if finding.kind == "dead_units":
+        return finding.values.get("dead", 0.0) >= 1.0
+    if finding.kind == "exploding_gradients":
+        return finding.values.get("rule") == "depth"
+    return finding.kind == "unused_layer"
 
 
 #: The heatmaps, and whether each is coloured on a log scale.

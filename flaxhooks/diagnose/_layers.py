@@ -35,6 +35,13 @@ class Thresholds:
         update_ratio_high: a window's mean ``|update| / |params|`` above this is too fast.
         update_ratio_step: one step's ``|update| / |params|`` above this is too fast.
         update_ratio_low: a mean below this (but not 0) is barely learning.
+        exploding_depth: a gradient RMS grown this many times down through consecutive layers
+            that each amplify it (100, as ``exploding_growth``) ...
+        exploding_depth_layers: ... over at least this many layers (4): gradients exploding
+            through depth, named with the layers and the growth per layer.
+        early_steps: a fit's first this many steps (when a window is longer) are judged on
+            their own as well, for what is conclusive from the start: a layer dead to its last
+            unit, layers the loss does not reach, gradients exploding through depth (20; 0: none).
     """
 
     dead_fraction: float = 0.30
@@ -48,6 +55,9 @@ class Thresholds:
     update_ratio_high: float = 0.1
     update_ratio_step: float = 0.5
     update_ratio_low: float = 1e-6
+    exploding_depth: float = 100.0
+    exploding_depth_layers: int = 4
+    early_steps: int = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +141,10 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
     its first window (for the trend); ``steps``: the window's first and last step."""
     start, end = steps
     found: list[Finding] = []
+    unused = unused_layers(figures)
     for f in figures:
+        if f.name in unused:
+            continue
         before = first.get(f.name)
         trend = ""
         if before is not None and before is not f:
@@ -174,8 +187,50 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
                 "(Glorot/He), or ReLU/GELU instead of tanh/sigmoid", since=start,
                 values={"saturated": f.saturated},
             ))
+    if unused:
+        found.append(_unused_finding(figures, unused, steps))
     found += _gradient_findings(figures, steps, thresholds, first_max_grad)
     return _root_causes(found, figures)
+
+
+def unused_layers(figures: Sequence[LayerFigures]) -> list[str]:
+    """The layers whose outputs do not reach the loss: no unit got a gradient at any
+    entry while some fired, and no layer after them is dead to its last unit
+    (which would explain the silence: :func:`layer_findings` names that one).
+
+    Example:
+        >>> from flaxhooks.diagnose import LayerFigures
+        >>> def layer(name, dead, silent):
+        ...     return LayerFigures(name, 0.1, 0.0 if silent == 1 else 0.1, dead, silent, 0.0, 0.0, ())
+        >>> unused_layers([layer("trunk", 0.0, 0.0), layer("head", 0.0, 0.0), layer("aux", 0.0, 1.0)])
+        ['aux']
+        >>> unused_layers([layer("before", 0.0, 1.0), layer("killed", 1.0, 1.0)])
+        []
+    """
+    names = []
+    for i, f in enumerate(figures):
+        blocked = any(after.dead >= 1.0 for after in figures[i + 1:])
+        if f.silent >= 1.0 and f.dead < 1.0 and f.grad_rms == 0 and not blocked:
+            names.append(f.name)
+    return names
+
+
+def _unused_finding(figures: Sequence[LayerFigures], unused: Sequence[str],
+                    steps: tuple[int, int]) -> Finding:
+    start, end = steps
+    live = {f.name: 1.0 - f.dead for f in figures}
+    listed = ", ".join(f"{name!r} ({_pct(live[name])} of its units active)" for name in unused)
+    plural = len(unused) > 1
+    return Finding(
+        "unused_layer", end, unused[0],
+        f"{'these layers' if plural else 'this layer'}: {listed}, got a gradient of exactly 0 at every unit "
+        f"on every example over steps {start}-{end} while {'their' if plural else 'its'} units are active, "
+        f"and no layer after {'them' if plural else 'it'} is dead: {'their' if plural else 'its'} outputs do "
+        "not reach the loss (a second head the loss ignores, an output left unused, a stop_gradient)",
+        "add its output's loss to the total (weighted), or remove it; if it is trained apart on purpose, "
+        "ignore this",
+        since=start, values={"layers": list(unused)},
+    )
 
 
 def _root_causes(found: list[Finding], figures: Sequence[LayerFigures]) -> list[Finding]:
@@ -229,7 +284,10 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
             "residual connections, normalization (LayerNorm/BatchNorm), ReLU/GELU instead of sigmoid/tanh, "
             "or He/Glorot init", since=start, values={"ratio": float(ratio)},
         ))
-    if exploding:
+    run = _amplifying_run(rms, usable, thresholds.exploding_depth_layers)
+    if run is not None and rms[run[0]] >= thresholds.exploding_depth * rms[run[1]]:
+        found.append(_depth_finding(figures, run, steps, thresholds))
+    elif exploding:
         i, ratio = exploding[-1]
         found.append(Finding(
             "exploding_gradients", end, figures[i].name,
@@ -249,6 +307,46 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
             since=start, values={"growth": float(growth)},
         ))
     return found
+
+
+def _amplifying_run(rms: np.ndarray, usable: np.ndarray, min_layers: int) -> tuple[int, int] | None:
+    """The ``(bottom, top)`` layers of the run of consecutive layers, each with a larger gradient
+    RMS than the one after it, over which the RMS grows most; None if none spans ``min_layers``."""
+    best, best_growth = None, 1.0
+    top = len(rms) - 1
+    while top > 0:
+        bottom = top
+        while bottom > 0 and usable[bottom] and usable[bottom - 1] and rms[bottom - 1] > rms[bottom]:
+            bottom -= 1
+        if top - bottom + 1 >= min_layers and rms[bottom] / rms[top] > best_growth:
+            best, best_growth = (bottom, top), rms[bottom] / rms[top]
+        top = bottom - 1
+    return best
+
+
+def _depth_finding(figures: Sequence[LayerFigures], run: tuple[int, int], steps: tuple[int, int],
+                   thresholds: Thresholds) -> Finding:
+    """Gradients that grow at every layer back from the loss: the cause of a large first
+    loss, of updates too large in the first layers, and of the NaN that follows."""
+    start, end = steps
+    bottom, top = run
+    growth = figures[bottom].grad_rms / figures[top].grad_rms
+    per_layer = growth ** (1.0 / (top - bottom))
+    names = [f.name for f in figures[bottom:top + 1]]
+    factors = ", ".join(f"{figures[k].grad_rms / figures[k + 1].grad_rms:.3g}x into {figures[k].name!r}"
+                        for k in range(top - 1, bottom - 1, -1))
+    return Finding(
+        "exploding_gradients", end, figures[bottom].name,
+        f"its gradient RMS is {figures[bottom].grad_rms:.2g}, {growth:.3g} times that of "
+        f"{figures[top].name!r} over steps {start}-{end}: it grows at each of the {top - bottom} layers "
+        f"from {figures[top].name!r} down to it, about {per_layer:.3g} times per layer ({factors}; threshold "
+        f"{thresholds.exploding_depth:g} times over {thresholds.exploding_depth_layers} layers)",
+        "the weights amplify what passes through them: a smaller init scale (He for ReLU, Glorot for "
+        "tanh: variance 2/fan_in or less), normalization (LayerNorm/BatchNorm) or residual connections; "
+        "clip gradients (optax.clip_by_global_norm) meanwhile",
+        since=start, values={"ratio": float(growth), "per_layer": float(per_layer), "layers": names,
+                             "rule": "depth"},
+    )
 
 
 def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float, steps: tuple[int, int],

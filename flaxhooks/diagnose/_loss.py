@@ -1,11 +1,13 @@
-"""The loss, step by step: a spike, a plateau, and a first loss that an
-untrained classifier cannot have (:class:`LossWatch`)."""
+"""The loss, step by step: a spike, a plateau, a loss that does not fall
+from its first values, and a first loss that an untrained classifier cannot
+have (:class:`LossWatch`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections import deque
+from typing import Any
 
 from flaxhooks.core import Finding
 
@@ -21,6 +23,12 @@ class LossThresholds:
         outlier_window: MaxText's rule: the losses one loss's mean and deviation are taken over (128).
         outlier_sigmas: a loss this many standard deviations above that mean is a spike (6).
         outlier_min_rise: ... if also this fraction of the mean above it (0.1; ours).
+        spike_min_rise: either rule's spike must also rise this fraction of the loss's scale
+            above the mean: ``log(C)`` for a classifier, else the first loss (0.05; ours: a
+            converged classifier whose loss went from 6e-06 to 0.002 rose 0.1% of ``log(10)``,
+            noise about zero, no spike).
+        spike_quiet: ordinary losses in a row that end a spike's episode; a spike before
+            them is the same episode, not said again (100, the spike window).
         plateau_window: W, the losses each plateau mean is taken over (200).
         plateau_min_fall: a fall between two window means is at least this fraction (0.01) ...
         plateau_sigmas: ... and this many standard errors of the difference (2).
@@ -29,6 +37,14 @@ class LossThresholds:
             above ``log(C)`` is too high (1.0).
         initial_high_ratio: see ``initial_high_nats`` (0.5).
         initial_low_ratio: a first loss below this times ``log(C)`` is too low, for C >= 3 (0.25).
+        not_learning_steps: the losses of a fresh classifier's run after which one at chance,
+            not fallen from its first ones (or fallen to chance from far above), is said to be
+            not learning (50; 0 turns the rule off).
+        not_learning_span: the losses at the start and at the end of those that are compared (10).
+        not_learning_min_fall: learning is a fall of the mean of the last ``span`` losses below
+            that of the first ``span`` of at least this fraction of ``log(C)`` (0.02) and
+            ``plateau_sigmas`` standard errors of the difference.
+        not_learning_chance: at chance is within this fraction of ``log(C)`` (0.05).
 
     Example:
         >>> from flaxhooks.diagnose import LossThresholds
@@ -42,6 +58,8 @@ class LossThresholds:
     outlier_window: int = 128
     outlier_sigmas: float = 6.0
     outlier_min_rise: float = 0.1
+    spike_min_rise: float = 0.05
+    spike_quiet: int = 100
     plateau_window: int = 200
     plateau_min_fall: float = 0.01
     plateau_sigmas: float = 2.0
@@ -49,11 +67,18 @@ class LossThresholds:
     initial_high_nats: float = 1.0
     initial_high_ratio: float = 0.5
     initial_low_ratio: float = 0.25
+    not_learning_steps: int = 50
+    not_learning_span: int = 10
+    not_learning_min_fall: float = 0.02
+    not_learning_chance: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("spike_window", "outlier_window", "plateau_window"):
+        for name in ("spike_window", "outlier_window", "plateau_window", "not_learning_span"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be at least 2, got {getattr(self, name)}")
+        if self.not_learning_steps and self.not_learning_steps < 2 * self.not_learning_span:
+            raise ValueError(f"not_learning_steps must be 0 or at least twice not_learning_span "
+                             f"({2 * self.not_learning_span}), got {self.not_learning_steps}")
         if self.spike_factor <= 1:
             raise ValueError(f"spike_factor must be above 1, got {self.spike_factor}")
 
@@ -123,6 +148,18 @@ class _Window:
     def span(self) -> tuple[int, int]:
         return self.steps[0], self.steps[-1]
 
+    def state(self) -> list[list[float]]:
+        """Its ``[step, loss]`` pairs, oldest first (JSON)."""
+        return [[step, value] for step, value in zip(self.steps, self.values, strict=True)]
+
+    @staticmethod
+    def restored(size: int, pairs: list[list[float]]) -> _Window:
+        """A window of ``size`` holding the pairs :meth:`state` gave."""
+        window = _Window(size)
+        for step, value in pairs[-size:]:
+            window.push(int(step), float(value))
+        return window
+
 
 @dataclasses.dataclass(frozen=True)
 class _Level:
@@ -140,6 +177,17 @@ class _Level:
 
     def steps(self) -> str:
         return f"steps {self.first}-{self.last}"
+
+    @staticmethod
+    def restored(state: dict[str, float] | None) -> _Level | None:
+        if state is None:
+            return None
+        return _Level(float(state["mean"]), int(state["first"]), int(state["last"]), float(state["std"]),
+                      int(state["count"]))
+
+
+def _level_state(level: _Level | None) -> dict[str, float] | None:
+    return None if level is None else dataclasses.asdict(level)
 
 
 def _num(value: float) -> str:
@@ -208,6 +256,28 @@ def _plateau_finding(step: int, recent: _Level, previous: _Level, start: _Level)
     )
 
 
+def _not_learning_finding(step: int, first: _Level, last: _Level, num_classes: int, from_above: bool,
+                          fall_needed: float) -> Finding:
+    """A classifier's loss at chance over a fresh run's first steps: nothing is being learned."""
+    if from_above:
+        moved = "it fell to chance from above and no further"
+    else:
+        moved = (f"it {'rose' if last.mean > first.mean else 'fell only'} {abs(first.mean - last.mean):.3g} "
+                 f"(learning is a fall of at least {fall_needed:.3g}, beyond the noise)")
+    return Finding(
+        "not_learning", step, None,
+        f"the loss is at chance: its mean is {_num(last.mean)} over {last.steps()}, against "
+        f"{_num(first.mean)} over {first.steps()}; log({num_classes}) = {math.log(num_classes):.2f} is the "
+        f"loss of a classifier that gives every class the same probability, and {moved}",
+        "check the learning rate first, the commonest cause: too high (a loss stuck at chance, dead units, "
+        "large updates) or too low (tiny updates); try values a decade apart. Then check that gradients "
+        "reach the parameters and the labels match the inputs; try to overfit a single batch",
+        since=first.first,
+        values={"first_mean": first.mean, "last_mean": last.mean, "first": (first.first, first.last),
+                "last": (last.first, last.last), "num_classes": num_classes},
+    )
+
+
 def _initial_finding(step: int, loss: float, num_classes: int, thresholds: LossThresholds) -> Finding | None:
     """Karpathy's "verify loss @ init": an untrained classifier's loss is about log(C)."""
     chance = math.log(num_classes)
@@ -241,14 +311,22 @@ class LossWatch:
     """Finds problems in the loss, one step at a time, and says each once.
 
     ``loss_spike`` (LLM-Foundry's ``KillLossSpike`` or MaxText's
-    ``skip_step_on_spikes`` rule), ``loss_plateau`` (no fall over ``3 *
-    plateau_window`` losses; a resumed run is not judged) and ``initial_loss``
-    (:meth:`initial`: far from ``log(C)``). Non-finite losses are skipped.
-    The README ("When training goes wrong") gives each rule.
+    ``skip_step_on_spikes`` rule, either rising at least ``spike_min_rise``
+    of the loss's scale; one per episode), ``not_learning`` (a fresh
+    classifier's loss at chance and not fallen from its first values after
+    ``not_learning_steps``),
+    ``loss_plateau`` (no fall over ``3 * plateau_window`` losses; a resumed
+    run is not judged) and ``initial_loss`` (:meth:`initial`: far from
+    ``log(C)``). Non-finite losses are skipped. The README ("When training
+    goes wrong") gives each rule. :meth:`state_dict` keeps it across a resume.
 
     Args:
         thresholds: when the loss is a problem.
         fresh: whether the first loss it takes is training's first (False for a resumed run).
+
+    Attributes:
+        num_classes: the classes of a classifier's logits, else None: its loss's scale is
+            ``log(num_classes)``, and a loss at it is at chance (:meth:`initial` sets it).
 
     Example:
         >>> from flaxhooks.diagnose import LossWatch
@@ -268,12 +346,17 @@ class LossWatch:
     def __init__(self, thresholds: LossThresholds = LossThresholds(), *, fresh: bool = True):
         self.thresholds = thresholds
         self.fresh = fresh
+        self.num_classes: int | None = None
+        self._first_loss: float | None = None
         self._spike_window = _Window(thresholds.spike_window)
         self._outlier_window = _Window(thresholds.outlier_window)
         self._recent = _Window(thresholds.plateau_window)
         self._previous = _Window(thresholds.plateau_window)
         self._seen = 0
         self._start: _Level | None = None
+        # The not-learning rule: the first losses, and the latest as many.
+        self._opening = _Window(thresholds.not_learning_span)
+        self._latest = _Window(thresholds.not_learning_span)
         # LLM-Foundry's rule: the run of high losses, against the baseline from before it began.
         self._high_baseline: _Level | None = None
         self._high_since = 0
@@ -283,12 +366,21 @@ class LossWatch:
         self._spike_said = False
         self._calm_steps = 0
         self._plateau_at: _Level | None = None
+        self._stuck_at: _Level | None = None  # where not_learning was said, until the loss falls
         self._initial_said = False
+
+    @property
+    def scale(self) -> float:
+        """The loss's scale at the start: ``log(C)`` for a classifier, else the first loss's size."""
+        if self.num_classes is not None and self.num_classes >= 2:
+            return math.log(self.num_classes)
+        return abs(self._first_loss) if self._first_loss is not None else 0.0
 
     @property
     def retained(self) -> int:
         """How many losses the watch holds: bounded by its windows, however long the run."""
-        windows = (self._spike_window, self._outlier_window, self._recent, self._previous)
+        windows = (self._spike_window, self._outlier_window, self._recent, self._previous, self._opening,
+                   self._latest)
         return sum(len(window) for window in windows)
 
     def add(self, step: int, loss: float) -> list[Finding]:
@@ -302,9 +394,11 @@ class LossWatch:
         loss = float(loss)
         if not math.isfinite(loss):
             return []
+        if self._first_loss is None:
+            self._first_loss = loss
         found = self._spike(step, loss)
         self._push(step, loss)
-        return found + self._plateau(step)
+        return found + self._not_learning(step) + self._plateau(step)
 
     def initial(self, step: int, loss: float, num_classes: int | None) -> list[Finding]:
         """Checks the first loss of a fresh run against ``log(num_classes)``.
@@ -322,13 +416,57 @@ class LossWatch:
             >>> LossWatch().initial(0, 2.35, num_classes=10)
             []
         """
+        if num_classes is not None and num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+        if num_classes is not None:
+            self.num_classes = num_classes
         if num_classes is None or self._initial_said or not math.isfinite(loss):
             return []
-        if num_classes < 2:
-            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         finding = _initial_finding(step, float(loss), num_classes, self.thresholds)
         self._initial_said = finding is not None
         return [finding] if finding else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its windows and what it has said, as JSON, so a resumed run keeps its
+        baselines and says nothing twice (:meth:`load_state_dict`)."""
+        return {
+            "fresh": self.fresh, "num_classes": self.num_classes, "first_loss": self._first_loss,
+            "seen": self._seen, "start": _level_state(self._start),
+            "windows": {name: getattr(self, f"_{name}").state() for name in _WINDOWS},
+            "high": {"baseline": _level_state(self._high_baseline), "since": self._high_since,
+                     "steps": self._high_steps, "peak": list(self._high_peak)},
+            "said": {"spike": self._spike_said, "calm_steps": self._calm_steps,
+                     "plateau_at": _level_state(self._plateau_at), "stuck_at": _level_state(self._stuck_at),
+                     "initial": self._initial_said},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` gave (its windows keep their own sizes).
+
+        Example:
+            >>> from flaxhooks.diagnose import LossWatch
+            >>> watch = LossWatch()
+            >>> _ = [watch.add(step, 2.3) for step in range(60)]
+            >>> resumed = LossWatch(fresh=False)
+            >>> resumed.load_state_dict(watch.state_dict())
+            >>> resumed.fresh, resumed.retained == watch.retained
+            (True, True)
+        """
+        self.fresh, self.num_classes = bool(state["fresh"]), state["num_classes"]
+        self._first_loss, self._seen = state["first_loss"], int(state["seen"])
+        self._start = _Level.restored(state["start"])
+        for name in _WINDOWS:
+            window = getattr(self, f"_{name}")
+            setattr(self, f"_{name}", _Window.restored(window.size, state["windows"][name]))
+        high = state["high"]
+        self._high_baseline = _Level.restored(high["baseline"])
+        self._high_since, self._high_steps = int(high["since"]), int(high["steps"])
+        self._high_peak = (float(high["peak"][0]), int(high["peak"][1]))
+        said = state["said"]
+        self._spike_said, self._calm_steps = bool(said["spike"]), int(said["calm_steps"])
+        self._plateau_at = _Level.restored(said["plateau_at"])
+        self._stuck_at = _Level.restored(said["stuck_at"])
+        self._initial_said = bool(said["initial"])
 
     def _push(self, step: int, loss: float) -> None:
         self._seen += 1
@@ -339,14 +477,21 @@ class LossWatch:
             self._previous.push(*leaving)
         if self._start is None and self._recent.full:
             self._start = _Level.of(self._recent)
+        if not self._opening.full:
+            self._opening.push(step, loss)
+        self._latest.push(step, loss)
+
+    def _min_rise(self) -> float:
+        """The least rise above the mean that can be a spike, in the loss's units."""
+        return self.thresholds.spike_min_rise * self.scale
 
     def _spike(self, step: int, loss: float) -> list[Finding]:
-        """Both spike rules, against the windows before this loss."""
+        """Both spike rules, against the windows before this loss; one finding an episode."""
         outlier = self._outlier(loss)
         high = self._track_high(step, loss)
         if outlier is None and not high:
             self._calm_steps += 1
-            if self._calm_steps > self.thresholds.spike_patience:
+            if self._calm_steps >= self.thresholds.spike_quiet:
                 self._spike_said = False
             return []
         self._calm_steps = 0
@@ -369,21 +514,25 @@ class LossWatch:
             return None
         level = _Level.of(self._outlier_window)
         rise = loss - level.mean
-        if rise > limits.outlier_sigmas * level.std and rise > limits.outlier_min_rise * abs(level.mean):
+        if (rise > limits.outlier_sigmas * level.std and rise > limits.outlier_min_rise * abs(level.mean)
+                and rise > self._min_rise()):
             return level
         return None
 
     def _track_high(self, step: int, loss: float) -> bool:
         """LLM-Foundry's rule: whether ``loss`` is high, keeping the run of high losses."""
+        factor = self.thresholds.spike_factor
         if self._high_baseline is None:
             window = self._spike_window
-            # Twice a mean means nothing unless the mean is positive.
-            if not window.full or window.mean <= 0 or loss < self.thresholds.spike_factor * window.mean:
+            # Twice a mean means nothing unless the mean is positive, nor a rise below the floor.
+            if (not window.full or window.mean <= 0 or loss < factor * window.mean
+                    or loss - window.mean <= self._min_rise()):
                 return False
             self._high_baseline, self._high_since, self._high_steps = _Level.of(window), step, 1
             self._high_peak = (loss, step)
             return True
-        if loss < self.thresholds.spike_factor * self._high_baseline.mean:
+        baseline = self._high_baseline.mean
+        if loss < factor * baseline or loss - baseline <= self._min_rise():
             self._high_baseline, self._high_steps = None, 0
             return False
         self._high_steps += 1
@@ -391,10 +540,39 @@ class LossWatch:
             self._high_peak = (loss, step)
         return True
 
+    def _not_learning(self, step: int) -> list[Finding]:
+        """Whether a fresh run's loss has not fallen from its first values (judged once)."""
+        limits = self.thresholds
+        fall_needed = limits.not_learning_min_fall * self.scale
+        if self._stuck_at is not None:
+            if _Level.of(self._latest).mean < self._stuck_at.mean - fall_needed:
+                self._stuck_at = None  # learning at last: the plateau rule takes over
+            return []
+        # A classifier only: without a chance level, a loss that barely moves in its first steps
+        # may be a fine-tuning run's, already near its floor (the plateau rule judges it later).
+        if (not self.fresh or self.num_classes is None or not limits.not_learning_steps
+                or self._seen != limits.not_learning_steps):
+            return []
+        first, last = _Level.of(self._opening), _Level.of(self._latest)
+        chance, band = math.log(self.num_classes), limits.not_learning_chance * math.log(self.num_classes)
+        if abs(last.mean - chance) > band:
+            return []
+        # A fall counts as learning from at or below chance: from far above (logits blown up by
+        # too high a learning rate, then collapsed to uniform) it reaches chance and no further.
+        from_above = first.mean > chance + band
+        noise = math.sqrt(first.std**2 / first.count + last.std**2 / last.count)
+        drop = first.mean - last.mean
+        if not from_above and drop > fall_needed and drop > limits.plateau_sigmas * noise:
+            return []
+        self._stuck_at = last
+        return [_not_learning_finding(step, first, last, self.num_classes, from_above, fall_needed)]
+
     def _plateau(self, step: int) -> list[Finding]:
         """Whether the loss has not fallen since training began, nor lately."""
         limits = self.thresholds
         if not self.fresh or self._seen <= 3 * limits.plateau_window or self._start is None:
+            return []
+        if self._stuck_at is not None:  # said as not learning, and still so: the same problem
             return []
         recent = _Level.of(self._recent)
         if self._plateau_at is not None:
@@ -409,3 +587,7 @@ class LossWatch:
             return []
         self._plateau_at = recent
         return [_plateau_finding(step, recent, previous, start)]
+
+
+#: The windows a watch keeps, by attribute name (without the underscore).
+_WINDOWS = ("spike_window", "outlier_window", "recent", "previous", "opening", "latest")

@@ -3,6 +3,7 @@ plateau and a wrong first loss are each said once, with the steps and numbers.""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -211,10 +212,143 @@ def test_the_watch_holds_a_bounded_number_of_losses():
     thresholds = LossThresholds()
     watch = LossWatch(thresholds)
     watch_all(np.concatenate([decaying(0), converged(1)]), watch)
-    bound = thresholds.spike_window + thresholds.outlier_window + 2 * thresholds.plateau_window
+    bound = (thresholds.spike_window + thresholds.outlier_window + 2 * thresholds.plateau_window
+             + 2 * thresholds.not_learning_span)
     assert watch.retained == bound
 
 
 def test_windows_shorter_than_two_are_refused():
     with pytest.raises(ValueError, match="plateau_window"):
         LossThresholds(plateau_window=1)
+    with pytest.raises(ValueError, match="not_learning_steps must be 0 or at least twice"):
+        LossThresholds(not_learning_steps=15)  # its first and last 10 losses would overlap
+    assert LossThresholds(not_learning_steps=0).not_learning_steps == 0  # the rule off
+
+
+def converged_to_zero(seed: int, steps: int = 1000) -> np.ndarray:
+    """A classifier that fits its data: from log(10) down to about 6e-06 by step 300, then flat
+    with noise a hundred times its size in ratio (as a converged MLP's loss looks on a log scale)."""
+    rng = np.random.default_rng(seed)
+    falling = np.exp(np.linspace(math.log(2.3), math.log(6e-6), 300))
+    flat = 6e-6 * np.exp(rng.normal(0.0, 1.0, steps - 300))
+    return np.concatenate([falling, flat])
+
+
+def classifier_watch(thresholds: LossThresholds | None = None, classes: int = 10) -> LossWatch:
+    watch = LossWatch(thresholds or LossThresholds())
+    assert watch.initial(0, math.log(classes), num_classes=classes) == []
+    return watch
+
+
+def spikes(found: list[Finding]) -> list[Finding]:
+    return [f for f in found if f.kind == "loss_spike"]
+
+
+def test_a_converged_loss_rising_from_6e_06_to_0_002_is_no_spike():
+    losses = converged_to_zero(0)
+    losses[[500, 540, 700]] = 0.002  # the user's case: three "spikes" of 0.002 nats
+    # Against their own window these are dozens of standard deviations: the old rule said each one.
+    unfloored = watch_all(losses, classifier_watch(LossThresholds(spike_min_rise=0.0, spike_quiet=5)))
+    assert [f.since for f in spikes(unfloored)][:3] == [500, 540, 700]
+    assert spikes(unfloored)[0].values["sigmas"] > 6
+    # A rise of 0.002 nats is 0.1% of log(10), the loss's scale at start: below the floor of 5%.
+    assert 0.002 < LossThresholds().spike_min_rise * math.log(10)
+    assert watch_all(losses, classifier_watch()) == []
+
+
+def test_a_real_spike_after_converging_is_still_said():
+    losses = converged_to_zero(1)
+    losses[600:603] = 1.0  # 43% of log(10) above a converged loss
+    (found,) = watch_all(losses, classifier_watch())
+    assert (found.kind, found.since, found.values["rule"]) == ("loss_spike", 600, "outlier")
+
+
+def test_the_floor_of_a_loss_that_is_no_classifier_is_its_first_loss():
+    # A regression loss from 4.0: a rise of 0.1 above a converged 0.01 is 2.5% of 4.0, under the floor;
+    # one of 0.5 is 12.5%, over it.
+    rng = np.random.default_rng(2)
+    losses = np.concatenate([np.linspace(4.0, 0.01, 200), 0.01 + rng.normal(0, 0.001, 600)])
+    small, large = losses.copy(), losses.copy()
+    small[500] += 0.1
+    large[500] += 0.5
+    watch = LossWatch()
+    assert watch_all(small, watch) == [] and watch.scale == 4.0
+    assert [f.since for f in spikes(watch_all(large))] == [500]
+
+
+def test_a_spike_is_said_once_per_episode():
+    losses = decaying(0)
+    for start in (600, 620, 680, 900):  # calm gaps of 15 and 55 losses, then of 215
+        losses[start:start + 5] = 3.0
+    found = watch_all(losses)
+    assert [f.since for f in spikes(found)] == [600, 900]
+    assert LossThresholds().spike_quiet == 100
+    # With a short quiet, each is its own episode.
+    assert [f.since for f in spikes(watch_all(losses, LossWatch(LossThresholds(spike_quiet=10))))] == [
+        600, 620, 680, 900]
+
+
+def test_a_classifier_stuck_at_chance_is_not_learning_at_step_50():
+    # SGD at ten times its learning rate: the loss sits at log(10) from the first step.
+    losses = noisy_flat(7, 400, level=math.log(10), noise=0.01)
+    found = watch_all(losses, classifier_watch())
+    assert [(f.kind, f.step, f.since) for f in found] == [("not_learning", 49, 0)]
+    first, last = losses[:10].mean(), losses[40:50].mean()
+    assert found[0].values["first_mean"] == pytest.approx(first)
+    assert found[0].values["last_mean"] == pytest.approx(last)
+    assert found[0].evidence.startswith(
+        f"the loss is at chance: its mean is {last:.2f} over steps 40-49, against {first:.2f} over steps 0-9")
+    assert "log(10) = 2.30" in found[0].evidence and "chance" in found[0].evidence
+    assert "learning rate" in found[0].advice
+
+
+def test_a_classifier_that_falls_slowly_at_first_is_learning():
+    # Falling 3% of log(10) over its first 50 steps (the recipe CNN under SGD at 1e-3 falls so).
+    steps = np.arange(400)
+    noise = np.random.default_rng(8).normal(0.0, 0.01, steps.size)
+    losses = math.log(10) - 0.0016 * steps + noise
+    assert watch_all(losses, classifier_watch()) == []
+
+
+def test_a_loss_at_chance_after_a_fall_is_not_judged_not_learning():
+    # Fine-tuning a loss that is no classifier, flat from the start: no chance level, no finding.
+    assert watch_all(noisy_flat(9, 100, level=math.log(10), noise=0.01)) == []
+    # A classifier whose loss is far from chance (a pre-trained one being fine-tuned).
+    assert watch_all(noisy_flat(9, 100, level=0.3, noise=0.01), classifier_watch()) == []
+    # A resumed run.
+    watch = LossWatch(fresh=False)
+    watch.num_classes = 10
+    assert watch_all(noisy_flat(9, 100, level=math.log(10), noise=0.01), watch) == []
+
+
+def test_not_learning_and_then_no_plateau_for_the_same_flat_loss():
+    losses = noisy_flat(3, 1000, level=math.log(10), noise=0.02)
+    assert [f.kind for f in watch_all(losses, classifier_watch())] == ["not_learning"]
+
+
+def test_a_resumed_watch_says_what_an_uninterrupted_one_says():
+    losses = decaying(0)
+    losses[600:605] *= 3
+    losses[1500:1505] *= 3
+    whole = watch_all(losses, classifier_watch())
+    first = classifier_watch()
+    found = [f for step, loss in enumerate(losses[:602]) for f in first.add(step, float(loss))]
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint keeps it
+    resumed = LossWatch(fresh=False)
+    resumed.load_state_dict(state)
+    found += [f for step, loss in enumerate(losses[602:], 602) for f in resumed.add(step, float(loss))]
+    assert [(f.kind, f.step) for f in whole] == [("loss_spike", 600), ("loss_spike", 1500)]
+    assert [(f.kind, f.step, f.since, f.evidence) for f in found] == [
+        (f.kind, f.step, f.since, f.evidence) for f in whole]
+    assert [f.values["std"] for f in found] == pytest.approx([f.values["std"] for f in whole], rel=1e-12)
+    assert resumed.fresh and resumed.retained == first.retained
+
+
+def test_a_classifier_blown_up_and_collapsed_to_chance_is_not_learning():
+    # SGD at ten times its learning rate on an MLP: the first losses near 16, then uniform outputs.
+    losses = np.concatenate([np.linspace(30.0, 3.0, 10), noisy_flat(10, 90, level=math.log(10), noise=0.01)])
+    (found,) = watch_all(losses, classifier_watch())
+    assert (found.kind, found.step) == ("not_learning", 49)
+    assert "fell to chance from above and no further" in found.evidence
+    # Once the loss falls below chance, the watch judges plateaus again.
+    assert found.values["last_mean"] == pytest.approx(losses[40:50].mean())
