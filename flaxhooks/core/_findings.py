@@ -12,6 +12,7 @@ KINDS: tuple[str, ...] = (
     "nonfinite", "dead_units", "dormant_units", "saturation", "vanishing_gradients", "exploding_gradients",
     "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "loss_plateau", "initial_loss",
     "dropout_in_eval", "rng_streams", "not_learning", "unused_layer",
+    "grad_norm_spike",
 )
 
 

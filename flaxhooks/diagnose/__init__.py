@@ -47,11 +47,17 @@ from flaxhooks.diagnose._setup import (
     rng_streams,
     setup_findings,
 )
+from flaxhooks.diagnose._spikes import (
+    GradNormWatch,
+    SpikeThresholds,
+    first_spiked_layer,
+)
 from flaxhooks.writers import (
     encode_png,
 )
 
 __all__ = [
     "LossThresholds",
+    "SpikeThresholds",
     "Thresholds",
 ]
