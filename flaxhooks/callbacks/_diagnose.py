@@ -326,7 +326,7 @@ class Diagnose(InstrumentedCallback):
                     else:
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, self._sourced(loop, self._located(finding)))
+                self._say(loop, self._located(self._sourced(loop, finding)))
         self._losses_seen = new[0][0]
 
     def _read_grad_norms(self, loop: Loop) -> None:
@@ -341,7 +341,7 @@ class Diagnose(InstrumentedCallback):
             new.append((step, value))
         for step, value in reversed(new):
             for finding in self._norm_watch.add(step, value):
-                self._say(loop, self._sourced(loop, self._located(finding)))
+                self._say(loop, self._located(self._sourced(loop, finding)))
         self._norms_seen = new[0][0]
 
     def _forget_batches(self) -> None:
