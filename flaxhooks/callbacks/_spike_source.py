@@ -33,12 +33,15 @@ class LayerGradNorms:
             if not isinstance(tap, RepeatedTap) and tap.module and tap.module not in modules:
                 modules.append(tap.module)
         squares: dict[tuple[str, ...], list[jax.Array]] = {m: [] for m in modules}
+        unseen: list[str] = []  # the outermost modules of parameters no tapped layer owns
         for path, grad in jax.tree_util.tree_flatten_with_path(tapped.grads)[0]:
             owner = tuple(_key(k) for k in path[:-1])
             if owner in squares:
                 squares[owner].append(jnp.sum(jnp.square(grad.astype(jnp.float32))))
+            elif owner and owner[0] not in unseen:
+                unseen.append(owner[0])
         norms = [jnp.sqrt(sum(s)) if s else jnp.zeros(()) for s in squares.values()]
-        layout = tuple("/".join(m) for m in modules)
+        layout = (tuple("/".join(m) for m in modules), tuple(unseen))
         return WithLayout(jnp.stack(norms) if norms else jnp.zeros(0), layout)
 
     def take(self, loop: Any, result: Any) -> None:  # replays hand results back directly
@@ -83,7 +86,7 @@ def spike_source(loop: Loop, step: int, batches: dict[int, Any], taps: Taps, fac
     contributor = LayerGradNorms(taps)
     (hit,) = replay(spiked, (contributor,))
     (base,) = replay(before, (contributor,))
-    layers = list(hit.layout)
+    layers, unseen = list(hit.layout[0]), list(hit.layout[1])
     layer, ratios = first_spiked_layer(layers, np.asarray(first_replica(hit.values), np.float64).tolist(),
                                        np.asarray(first_replica(base.values), np.float64).tolist(), factor)
     seconds = time.perf_counter() - started
@@ -91,8 +94,11 @@ def spike_source(loop: Loop, step: int, batches: dict[int, Any], taps: Taps, fac
     # included, unless the optimizer skipped it); the spike's step ran from step - 1's.
     at = f"at the parameters after step {loop.step} (step {step} ran from those after step {step - 1})"
     how = f"replaying the batches of steps {step - 1} and {step} {at}, in {seconds:.1f} s"
+    if unseen:  # their gradients were not compared: a spike may have begun in them
+        how += (f"; not compared: the parameters of {', '.join(repr(u) for u in unseen[:3])}"
+                f"{', ...' if len(unseen) > 3 else ''}, in no layer Diagnose taps")
     values = {"layer_source": layer, "layer_ratios": dict(zip(layers, ratios, strict=True)),
-              "replayed_at": loop.step}
+              "replayed_at": loop.step, "not_compared": unseen}
     if layer is None:
         largest = max(range(len(ratios)), key=ratios.__getitem__) if ratios else None
         most = f" (the most, {layers[largest]!r}, {ratios[largest]:.3g}x)" if largest is not None else ""

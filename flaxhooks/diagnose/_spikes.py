@@ -23,6 +23,10 @@ class SpikeThresholds:
         min_factor: ... if also at least this times the mean (2, LLM-Foundry's spike factor;
             ours here): a gradient norm has no scale of its own, so the floor against a
             tiny-spread false alarm (a converged model's near-constant norm) is relative.
+        recent: ... and at least ``min_factor`` times the largest of the last this many norms
+            (5; ours): a spike is sudden, while a norm that climbs over tens of steps (a
+            healthy LSTM's rose from 0.3 to 2 over steps 100-128, noisily) is a trend,
+            far above a window's mean and spread but not above its own latest steps.
         quiet: ordinary norms in a row that end a spike's episode (100).
         layer_factor: a layer's gradient spiked when its norm on the spike's batch is at
             least this times its norm on the batch before, at the same parameters (3).
@@ -36,10 +40,13 @@ class SpikeThresholds:
     window: int = 128
     sigmas: float = 6.0
     min_factor: float = 2.0
+    recent: int = 5
     quiet: int = 100
     layer_factor: float = 3.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.recent <= self.window:
+            raise ValueError(f"recent must be between 1 and window ({self.window}), got {self.recent}")
         if self.window < 2:
             raise ValueError(f"window must be at least 2, got {self.window}")
         if self.min_factor <= 1 or self.layer_factor <= 1:
@@ -49,8 +56,9 @@ class SpikeThresholds:
 
 class GradNormWatch:
     """Says a gradient-norm spike once per episode: a norm at least ``sigmas``
-    standard deviations and ``min_factor`` times above the mean of the
-    ``window`` norms before it (non-finite norms are the guard's, skipped).
+    standard deviations above the mean of the ``window`` norms before it, and
+    ``min_factor`` times both that mean and the largest of the ``recent`` norms
+    before it (non-finite norms are the guard's, skipped).
 
     Example:
         >>> from flaxhooks.diagnose import GradNormWatch, SpikeThresholds
@@ -92,7 +100,9 @@ class GradNormWatch:
             return None
         level = _Level.of(self._window)
         rise = norm - level.mean
-        if rise > limits.sigmas * level.std and norm >= limits.min_factor * level.mean and level.mean > 0:
+        latest = max(list(self._window.values)[-limits.recent:])
+        if (rise > limits.sigmas * level.std and level.mean > 0
+                and norm >= limits.min_factor * max(level.mean, latest)):
             return level
         return None
 

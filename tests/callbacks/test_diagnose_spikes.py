@@ -117,7 +117,7 @@ def test_the_watch_against_a_numpy_z_score():
     # The reference: every step whose norm is 6 sample deviations and twice the mean above the 32 before it.
     expected = [s for s in range(32, 200)
                 if norms[s] - norms[s - 32:s].mean() > 6 * norms[s - 32:s].std(ddof=1)
-                and norms[s] >= 2 * norms[s - 32:s].mean()]
+                and norms[s] >= 2 * max(norms[s - 32:s].mean(), norms[s - 5:s].max())]
     assert expected == [150] and [f.since for f in found] == expected
 
 
@@ -127,5 +127,15 @@ def test_a_blip_far_outside_a_tiny_spread_but_not_twice_the_mean_is_no_spike():
     norms[50] = 1.3e-3
     window = norms[30:50]
     assert norms[50] - np.mean(window) > 6 * np.std(window, ddof=1)  # the z-score alone would fire
+    watch = GradNormWatch(SpikeThresholds(window=20))
+    assert [f for step, n in enumerate(norms) for f in watch.add(step, n)] == []
+
+
+def test_a_norm_climbing_over_steps_is_a_trend_not_a_spike():
+    # Flat, then doubling every 4 steps: each far above the flat window's spread and mean,
+    # never twice the largest of the 5 before it.
+    norms = [0.3 + 0.01 * (step % 2) for step in range(40)] + [0.3 * 2 ** (k / 4) for k in range(1, 15)]
+    window = np.array(norms[20:40])
+    assert norms[52] - window.mean() > 6 * window.std(ddof=1) and norms[52] > 2 * window.mean()
     watch = GradNormWatch(SpikeThresholds(window=20))
     assert [f for step, n in enumerate(norms) for f in watch.add(step, n)] == []
