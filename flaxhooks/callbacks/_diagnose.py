@@ -180,7 +180,8 @@ class Diagnose(InstrumentedCallback):
         self._norms_seen = step
         # The batches (references) of the steps whose loss and gradient norm are not yet read, and
         # of the last one read: a spike's batch and the one before it, replayed to name its layer.
-        self._batches: collections.deque[tuple[int, Any]] = collections.deque()
+        # Bounded: with the guard off no loss is read, and none would ever be dropped.
+        self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=_HELD_BATCHES)
         self._sources: dict[int, Source] = {}  # by step: a loss and a norm spike at one step share a replay
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
         self._fit_start = step + 1
@@ -568,6 +569,9 @@ class Diagnose(InstrumentedCallback):
         self._entry = entry = entry.with_(findings, note)
         loop.writers.text(FINDINGS_TAG, entry.markdown(), at)
 
+
+#: The most batches Diagnose holds for a spike's replay (the steps in flight are far fewer).
+_HELD_BATCHES = 64
 
 #: The group of Diagnose's scalars in TensorBoard: ``health/<kind>`` counts the
 #: active findings of each kind found in the run.
