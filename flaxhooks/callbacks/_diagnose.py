@@ -198,6 +198,7 @@ class Diagnose(InstrumentedCallback):
             "first": {name: dataclasses.asdict(f) for name, f in self._first.items()},
             "first_max_grad": self._first_max_grad,
             "held": [dataclasses.asdict(f) for f in self._held],
+            "grad_norm": self._norm_watch.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -214,6 +215,8 @@ class Diagnose(InstrumentedCallback):
                        for name, f in state["first"].items()}
         self._first_max_grad = state["first_max_grad"]
         self._held = [Finding(**{**f, "values": dict(f["values"])}) for f in state["held"]]
+        if "grad_norm" in state:  # absent from a checkpoint written before gradient-norm spikes
+            self._norm_watch.load_state_dict(state["grad_norm"])
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from flaxhooks.core import Finding
 from flaxhooks.diagnose._loss import _Level, _Window
@@ -93,6 +94,25 @@ class GradNormWatch:
                 found.append(_spike_finding(step, norm, level))
         self._window.push(step, norm)
         return found
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its window and what it has said, as JSON, so a resumed run keeps its baseline."""
+        return {"window": self._window.state(), "said": self._said, "calm": self._calm}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what :meth:`state_dict` gave (the window keeps its own size).
+
+        Example:
+            >>> from flaxhooks.diagnose import GradNormWatch
+            >>> watch = GradNormWatch()
+            >>> _ = [watch.add(step, 1.0) for step in range(200)]
+            >>> resumed = GradNormWatch()
+            >>> resumed.load_state_dict(watch.state_dict())
+            >>> [f.since for f in resumed.add(200, 50.0)]
+            [200]
+        """
+        self._window = _Window.restored(self.thresholds.window, state["window"])
+        self._said, self._calm = bool(state["said"]), int(state["calm"])
 
     def _spiking(self, norm: float) -> _Level | None:
         limits = self.thresholds
