@@ -11,7 +11,7 @@ from typing import Any
 KINDS: tuple[str, ...] = (
     "nonfinite", "dead_units", "dormant_units", "saturation", "vanishing_gradients", "exploding_gradients",
     "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "loss_plateau", "initial_loss",
-    "dropout_in_eval", "rng_streams",
+    "dropout_in_eval", "rng_streams", "attention_logits", "attention_entropy", "output_logit_drift",
 )
 
 
