@@ -165,6 +165,11 @@ class Diagnose(InstrumentedCallback):
         self.findings: list[Finding] = []
         #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
+        #: Each attention layer's figures over the last window judged (per head: largest
+        #: |logit|, mean entropy over log(valid keys)).
+        self.attention_figures: list[AttentionFigures] = []
+        #: The output logits' log Z over the last window judged (mean, mean_abs, max_abs; empty: none).
+        self.output_log_z: dict[str, float] = {}
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
         self._reset(0)
@@ -238,6 +243,7 @@ class Diagnose(InstrumentedCallback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
+        self.attention_figures, self.output_log_z = [], {}
         self._reset(loop.step)
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
@@ -346,6 +352,7 @@ class Diagnose(InstrumentedCallback):
     def _transformer_findings(self, packed: WithLayout, steps: tuple[int, int]) -> list[Finding]:
         """Attention logit growth and entropy collapse per layer, and output log Z drift."""
         attention, log_z = self.transformer_figures(packed)
+        self.attention_figures, self.output_log_z = attention, log_z
         for f in attention:
             self._first_attention.setdefault(f.name, f)
         if log_z and self._first_log_z is None:

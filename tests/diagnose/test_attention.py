@@ -19,8 +19,13 @@ import flaxhooks
 from flaxhooks.diagnose import (
     ATTENTION,
     SOWN_NAME,
+    AttentionFigures,
     AttentionStats,
+    AttentionThresholds,
+    attention_findings,
     attention_interceptor,
+    log_z_figures,
+    log_z_findings,
     logit_stats,
     record_attention,
 )
@@ -250,3 +255,126 @@ def test_a_drifting_output_normalizer_is_found_and_nothing_else():
     assert drift.layer is None and drift.values["mean"] == pytest.approx(40 + 3, abs=1.5)
     assert "z-loss" in drift.advice
     assert found == {}
+
+
+# -- the judgments, from figures -------------------------------------------------------------------
+
+def _figures(name, max_logit, entropy):
+    return AttentionFigures(name, tuple(max_logit), tuple(entropy))
+
+
+@pytest.mark.parametrize(("first", "now", "found"), [
+    ((8.0, 6.0), (19.0, 15.0), False),  # the addition recipe's healthy run: 8.4 -> 19 over 400 steps
+    ((8.0, 6.0), (51.0, 15.0), True),  # above the cap
+    ((3.0, 2.0), (31.0, 4.0), True),  # grown more than 10x, above 20
+    ((1.0, 1.0), (15.0, 4.0), False),  # grown 15x, but small
+])
+def test_attention_logits_are_judged_by_their_size_and_growth(first, now, found):
+    thresholds = AttentionThresholds()
+    base = {"a": _figures("a", first, (0.8, 0.8))}
+    result = attention_findings([_figures("a", now, (0.8, 0.8))], base, (51, 100), thresholds)
+    assert [f.kind for f in result] == (["attention_logits"] if found else [])
+    if found:
+        assert result[0].values["max_logit"] == max(now) and result[0].since == 51
+
+
+@pytest.mark.parametrize(("first", "now", "found"), [
+    ((0.74, 0.74), (0.31, 0.31), False),  # the recipe's healthy run: sharper, far from one-hot
+    ((0.74, 0.74), (0.03, 0.04), True),  # collapsed since the first window
+    ((0.03, 0.03), (0.03, 0.03), True),  # one-hot from the start
+    ((0.74, 0.74), (0.01, 0.6), False),  # one head one-hot, the layer not
+])
+def test_attention_entropy_is_judged_against_uniform_and_the_first_window(first, now, found):
+    base = {"a": _figures("a", (5.0, 5.0), first)}
+    result = attention_findings([_figures("a", (5.0, 5.0), now)], base, (51, 100), AttentionThresholds())
+    assert [f.kind for f in result] == (["attention_entropy"] if found else [])
+
+
+def test_log_z_is_judged_by_its_mean_absolute_value():
+    # [positions, sum, sum |log Z|, max |log Z|]
+    healthy, drifted = log_z_figures([100, 900.0, 900.0, 13.7]), log_z_figures([100, -3000.0, 3000.0, 31.0])
+    assert healthy == {"mean": 9.0, "mean_abs": 9.0, "max_abs": 13.7}
+    assert log_z_findings(healthy, None, (1, 50), AttentionThresholds()) == []
+    [drift] = log_z_findings(drifted, healthy, (51, 100), AttentionThresholds())
+    assert drift.values["mean"] == -30.0 and drift.values["first_mean"] == 9.0 and drift.layer is None
+
+
+# -- the addition recipe: diagnosed through the hook, numerics unchanged, healthy -----------------------
+
+class DotProductAttention(nn.Module):
+    """The recipe's attention as it was, through ``nn.dot_product_attention``: the reference."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        from recipes.transformer import _dense_init, _zeros
+
+        width = x.shape[-1]
+
+        def projection(name):
+            joint = nn.Dense(width, name=name,
+                             kernel_init=nn.with_logical_partitioning(_dense_init, ("embed", "heads")),
+                             bias_init=nn.with_logical_partitioning(_zeros, ("heads",)))(x)
+            return joint.reshape(*joint.shape[:-1], self.heads, width // self.heads)
+
+        query, key, value = (projection(name) for name in ("query", "key", "value"))
+        causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.bool_))
+        attended = nn.dot_product_attention(query, key, value, mask=causal)
+        out = nn.Dense(width, name="out",
+                       kernel_init=nn.with_logical_partitioning(_dense_init, ("heads", "embed")),
+                       bias_init=nn.with_logical_partitioning(_zeros, ("embed",)))
+        return out(attended.reshape(*attended.shape[:-2], width))
+
+
+def _recipe_losses(steps: int, window: int = 10, one_device: bool = False,
+                   **kwargs) -> tuple[list[float], flaxhooks.Diagnose]:
+    """Trains the addition recipe's Transformer (``kwargs``: its config), on
+    every device as the recipe lays them out, or on one."""
+    from recipes import addition, addition_data
+    from recipes.transformer import AXIS_RULES, Transformer, batch_loss
+
+    config = addition.Config(train_examples=2000, eval_examples=10, **kwargs)
+    sums = addition_data.make_sums(config.digits, config.train_examples, config.eval_examples, 0)
+    if one_device:
+        placed = {"devices": jax.devices()[:1], "axis_rules": tuple((name, None) for name, _ in AXIS_RULES)}
+    else:
+        placed = addition.sharding_arguments(config, addition.check_options(config, jax.device_count()))
+    diagnose = flaxhooks.Diagnose(every=2, window=window, table=False, heatmaps=False)
+    losses = []
+
+    class Losses(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            losses.append(loop.metrics["loss"])
+
+    length = addition_data.sequence_length(config.digits) - 1
+    model = Transformer(vocab_size=addition.VOCAB_SIZE, length=length, width=config.width, depth=config.depth,
+                        heads=config.heads)
+    trainer = flaxhooks.Trainer(model, optax.adamw(config.learning_rate), functools.partial(
+        batch_loss, pad=addition_data.PAD), input_keys=("tokens",), label_key=None, seed=0,
+        callbacks=[diagnose, Losses()], **placed)
+    trainer.fit(flaxhooks.ArrayLoader(sums.train(), 64, seed=0), steps=steps)
+    return [float(v) for v in losses], diagnose
+
+
+def test_the_recipe_attention_computes_what_nn_dot_product_attention_does(monkeypatch):
+    from recipes import transformer
+
+    hooked, diagnose = _recipe_losses(4, window=4, one_device=True, digits=2, width=32)
+    assert [f.name for f in diagnose.attention_figures] == ["block_0/attention", "block_1/attention"]
+    monkeypatch.setattr(transformer, "CausalSelfAttention", DotProductAttention)
+    reference, diagnose = _recipe_losses(4, window=4, one_device=True, digits=2, width=32)
+    np.testing.assert_allclose(hooked, reference, rtol=1e-6)
+    assert diagnose.attention_figures == []  # no attention to see: nothing recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [None, "data=4,model=2"])
+def test_the_addition_recipe_trains_with_no_transformer_finding(mesh):
+    _, diagnose = _recipe_losses(20, mesh=mesh)  # the default-size model: two windows
+    assert diagnose.findings == []
+    assert [(f.name, len(f.max_logit)) for f in diagnose.attention_figures] == [
+        ("block_0/attention", 4), ("block_1/attention", 4)]
+    assert all(0 < m < 50 for f in diagnose.attention_figures for m in f.max_logit)
+    assert all(0.05 < e <= 1 for f in diagnose.attention_figures for e in f.entropy)
+    assert 0 < diagnose.output_log_z["mean_abs"] < 25
