@@ -20,7 +20,6 @@ from flaxhooks.diagnose import (
     ATTENTION,
     SOWN_NAME,
     AttentionFigures,
-    AttentionStats,
     AttentionThresholds,
     attention_findings,
     attention_interceptor,
@@ -29,7 +28,7 @@ from flaxhooks.diagnose import (
     logit_stats,
     record_attention,
 )
-from flaxhooks.step._nnx import _intercepted
+from flaxhooks.step import NNXModel, Taps
 
 VOCAB, LENGTH, WIDTH, HEADS = 16, 8, 32, 2
 
@@ -108,20 +107,31 @@ def test_linen_multi_head_attention_is_recorded_through_its_attention_fn_unchang
 
 def test_nnx_multi_head_attention_is_recorded_with_its_mask_and_is_causal():
     x = jax.random.normal(jax.random.key(3), (2, 6, 8))
-    mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=nnx.Rngs(0))
     padded = np.ones((2, 1, 1, 6), bool)
     padded[0, ..., 5:] = False
-    plain = mha(x, mask=padded, is_causal=True)
 
-    def call(module):
-        return _intercepted(type(module).__call__, module, (attention_interceptor,))(x, mask=padded,
-                                                                                      is_causal=True)
+    class Model(nnx.Module):
+        def __init__(self):
+            self.mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False,
+                                              keep_rngs=False, rngs=nnx.Rngs(0))
 
-    out, sown = nnx.capture(call, AttentionStats)(mha)
-    np.testing.assert_allclose(out, plain, rtol=1e-6, atol=1e-6)
-    expected = reference_stats(mha.query(x), mha.key(x), padded & np.tril(np.ones((6, 6), bool)))
-    np.testing.assert_allclose(nnx.to_pure_dict(sown)[SOWN_NAME][0], expected, rtol=1e-5, atol=1e-5)
-    assert mha.attention_fn is nnx.dot_product_attention
+        def __call__(self, x):
+            return self.mha(x, mask=padded, is_causal=True)
+
+    module = Model()
+    model = NNXModel(module, input_keys=("x",))
+    variables = model.init(jax.random.key(0), {"x": x})
+    params = variables.pop("params")
+    # The instrumented call as Diagnose asks for it.
+    taps = Taps(optional_collections=(ATTENTION,), intercept=(attention_interceptor,))
+    out, _, found = model.tap(variables, {"x": x}, rngs={}, taps=taps)(params, {})
+    np.testing.assert_allclose(out, module(x), rtol=1e-6, atol=1e-6)
+    [tap] = found
+    assert tap.name == f"mha/{SOWN_NAME}" and tap.collection == ATTENTION
+    causal = np.tril(np.ones((6, 6), bool))
+    expected = reference_stats(module.mha.query(x), module.mha.key(x), padded & causal)
+    np.testing.assert_allclose(tap.value, expected, rtol=1e-5, atol=1e-5)
+    assert module.mha.attention_fn is nnx.dot_product_attention
 
 
 # -- broken on purpose, and healthy ----------------------------------------------------------------
