@@ -235,10 +235,12 @@ def log_z_stats(logits: jax.Array) -> jax.Array:
 
 
 def output_logits(outputs: Any, batch: Mapping[str, Any], label_key: str | None) -> jax.Array | None:
-    """The model's output when it is logits over classes: a floating array
-    ``[..., classes]`` (at least 2) whose leading shape an integer batch
-    array (``label_key``'s, else any) labels, else None."""
-    if not isinstance(outputs, jax.Array) or outputs.ndim < 2 or outputs.shape[-1] < 2:
+    """The model's output when it is a sequence model's token logits: a
+    floating array ``[batch, positions..., vocabulary]`` (at least 2) whose
+    leading shape an integer batch array (``label_key``'s, else any) labels,
+    else None. A classifier's ``[batch, classes]`` is left out: confident
+    classifiers grow their logits, and z-loss is a language model's remedy."""
+    if not isinstance(outputs, jax.Array) or outputs.ndim < 3 or outputs.shape[-1] < 2:
         return None
     if not jnp.issubdtype(outputs.dtype, jnp.floating):
         return None
