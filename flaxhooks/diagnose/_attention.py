@@ -82,18 +82,20 @@ def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
 
 
 def _head_stats(logits: jax.Array, valid: jax.Array, heads: int) -> jax.Array:
-    keys = valid.sum(-1).astype(jnp.float32)  # [examples, heads, q]
-    max_abs = jnp.max(jnp.where(valid, jnp.abs(logits), 0.0), axis=(0, 2, 3))
-    top = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True)
-    shifted = jnp.where(valid, logits - jnp.where(jnp.isfinite(top), top, 0.0), 0.0)
+    # Few reductions, each over stacked features: on CPU XLA runs each reduction as a pass of its own.
+    top = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1)  # [examples, heads, q]
+    low = jnp.min(jnp.where(valid, logits, jnp.inf), axis=-1)
+    shifted = jnp.where(valid, logits - jnp.where(jnp.isfinite(top), top, 0.0)[..., None], 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
-    total = weights.sum(-1)
+    features = jnp.stack([valid.astype(jnp.float32), weights, weights * shifted])
+    keys, total, weighted = jnp.sum(features, axis=-1)
     # H = log Z - E[l - top], over valid keys; 0 for a row of one key.
-    entropy = jnp.log(jnp.maximum(total, 1e-30)) - (weights * shifted).sum(-1) / jnp.maximum(total, 1e-30)
+    safe = jnp.maximum(total, 1e-30)
     counted = keys >= 2
-    normalized = jnp.where(counted, entropy / jnp.log(jnp.maximum(keys, 2.0)), 0.0)
-    stats = jnp.stack([max_abs, normalized.sum(axis=(0, 2)), counted.astype(jnp.float32).sum(axis=(0, 2))],
-                      axis=1)
+    normalized = jnp.where(counted, (jnp.log(safe) - weighted / safe) / jnp.log(jnp.maximum(keys, 2.0)), 0.0)
+    row_abs = jnp.where(keys > 0, jnp.maximum(jnp.abs(top), jnp.abs(low)), 0.0)
+    sums = jnp.sum(jnp.stack([normalized, counted.astype(jnp.float32)]), axis=(1, 3))  # [2, heads]
+    stats = jnp.stack([jnp.max(row_abs, axis=(0, 2)), sums[0], sums[1]], axis=1)
     return stats.reshape(heads, len(HEAD_COLUMNS))
 
 
