@@ -350,7 +350,7 @@ def _recipe_losses(steps: int, window: int = 10, one_device: bool = False,
         placed = {"devices": jax.devices()[:1], "axis_rules": tuple((name, None) for name, _ in AXIS_RULES)}
     else:
         placed = addition.sharding_arguments(config, addition.check_options(config, jax.device_count()))
-    diagnose = flaxhooks.Diagnose(every=2, window=window, table=False, heatmaps=False)
+    diagnose = flaxhooks.Diagnose(every=1, window=window, table=False, heatmaps=False)  # one variant compiled
     losses = []
 
     class Losses(flaxhooks.Callback):
