@@ -20,6 +20,13 @@ from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
+    ATTENTION,
+    HEAD_COLUMNS,
+    HEAD_MAXED,
+    LOG_Z_COLUMNS,
+    LOG_Z_MAXED,
+    AttentionFigures,
+    AttentionThresholds,
     Heatmaps,
     LayerFigures,
     LossThresholds,
@@ -27,9 +34,17 @@ from flaxhooks.diagnose import (
     Thresholds,
     Window,
     add_windows,
+    attention_figures,
+    attention_findings,
+    attention_interceptor,
+    attention_layers,
     encode_png,
     layer_figures,
     layer_findings,
+    log_z_figures,
+    log_z_findings,
+    log_z_stats,
+    output_logits,
     param_findings,
     setup_findings,
     step_window,
@@ -53,6 +68,7 @@ AFFINE: tuple[type, ...] = (
 _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
     "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
+    "output_logit_drift",
 })
 
 
@@ -67,6 +83,15 @@ class _WindowLayout(NamedTuple):
     units: tuple[int, ...]  # each layer's units
     modules: tuple[str, ...]  # the modules with parameters
     num_classes: int | None  # of a classifier's logits
+    attention: tuple[tuple[str, int], ...] = ()  # each attention layer's name and heads
+    log_z: bool = False  # whether the output's log Z sums follow the attention's
+
+    @property
+    def transformer_sizes(self) -> tuple[int, int]:
+        """The lengths of the attention's per-head sums and of the log Z sums,
+        packed after the :class:`~flaxhooks.diagnose.Window`'s."""
+        heads = sum(h for _, h in self.attention)
+        return heads * len(HEAD_COLUMNS), len(LOG_Z_COLUMNS) if self.log_z else 0
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -100,6 +125,10 @@ class Diagnose(InstrumentedCallback):
         window: the steps whose sums make one judgment.
         layers: the modules whose outputs are layers (default :data:`AFFINE`).
         thresholds: when figures become findings (:class:`flaxhooks.diagnose.Thresholds`).
+        attention: when a Transformer's attention logits, attention entropy and
+            output ``log Z`` are a problem (:class:`flaxhooks.diagnose.AttentionThresholds`);
+            attention is seen in Flax's attention modules and wherever the model calls
+            :func:`flaxhooks.diagnose.record_attention`.
         loss: when the loss is a problem (:class:`flaxhooks.diagnose.LossThresholds`).
         label_key: the batch key of class labels, to recognize a classifier.
         table: print the findings in a table when ``fit`` ends.
@@ -117,6 +146,7 @@ class Diagnose(InstrumentedCallback):
 
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
+                 attention: AttentionThresholds | None = None,
                  label_key: str = "label", table: bool = True, heatmaps: bool = True,
                  report_dir: str | Path | None = None, console: Console | None = None):
         if window < 1:
@@ -124,7 +154,11 @@ class Diagnose(InstrumentedCallback):
         self.every = as_every(every)
         self.window = window
         select = as_module_filter(AFFINE if layers is None else layers)
-        self.taps = Taps(capture=select, perturb=select)
+        # Attention statistics are sown where the model has attention (Flax's, through the
+        # interceptor, or its own, through record_attention); a model without sows nothing.
+        self.taps = Taps(capture=select, perturb=select, optional_collections=(ATTENTION,),
+                         intercept=(attention_interceptor,))
+        self.attention_thresholds = attention or AttentionThresholds()
         self.thresholds = thresholds or Thresholds()
         self.loss_thresholds = loss or LossThresholds()
         self.label_key = label_key
@@ -137,6 +171,11 @@ class Diagnose(InstrumentedCallback):
         self.findings: list[Finding] = []
         #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
+        #: Each attention layer's figures over the last window judged (per head: largest
+        #: |logit|, mean entropy over log(valid keys)).
+        self.attention_figures: list[AttentionFigures] = []
+        #: The output logits' log Z over the last window judged (mean, mean_abs, max_abs; empty: none).
+        self.output_log_z: dict[str, float] = {}
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
         # The run's Text tab entry written last: its step and what it holds.
@@ -157,6 +196,8 @@ class Diagnose(InstrumentedCallback):
         self._absent: collections.Counter[tuple[str, str | None]] = collections.Counter()
         self._first: dict[str, LayerFigures] = {}
         self._first_max_grad: float | None = None
+        self._first_attention: dict[str, AttentionFigures] = {}
+        self._first_log_z: dict[str, float] | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
         self._losses_seen = step
         # The first loss's findings wait for the first layer judgment, due within
@@ -225,13 +266,19 @@ class Diagnose(InstrumentedCallback):
         modules, ratios = update_ratios(tapped.params, tapped.updates)
         # Fixed by the model while traced: the host reads the sums by them.
         classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
-        layout = _WindowLayout(tuple(names), tuple(units), modules, classes)
-        return WithLayout(step_window(pairs, ratios).pack(), layout)
+        attention = attention_layers(tapped.activations)
+        logits = output_logits(tapped.outputs, tapped.batch, self.label_key)
+        heads = tuple((name, int(stats.shape[0])) for name, stats in attention)
+        layout = _WindowLayout(tuple(names), tuple(units), modules, classes, heads, logits is not None)
+        parts = [step_window(pairs, ratios).pack(), *(stats.reshape(-1) for _, stats in attention)]
+        if logits is not None:
+            parts.append(log_z_stats(logits))
+        return WithLayout(jnp.concatenate([p.astype(jnp.float32) for p in parts]), layout)
 
     def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
         """The window's sums so far and this step's, as one (in the step: the runner
         gives back what this callback carries, zeros at a window's start)."""
-        maxed = Window.maxed(*result.layout.sizes)
+        maxed = _maxed(result.layout)
         return WithLayout(add_windows(carry.values, result.values, maxed), result.layout)
 
     def take(self, loop: Loop, result: WithLayout) -> None:
@@ -245,6 +292,7 @@ class Diagnose(InstrumentedCallback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
+        self.attention_figures, self.output_log_z = [], {}
         self._reset(loop.step)
         if loop.step < self._entry.step or (loop.step == 0 and loop.resumed_from is None):
             self._entry, self._fired = _Entry(-1), set()  # a new run
@@ -383,6 +431,7 @@ class Diagnose(InstrumentedCallback):
         params = param_findings(layout.modules, sums.params, float(sums.steps), steps, self.thresholds,
                                 reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
+        found += self._transformer_findings(pending.sums, steps)
         self.update(loop, self._with_held(loop, found), pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, layout, pending.end)
@@ -396,6 +445,26 @@ class Diagnose(InstrumentedCallback):
             found = [f for f in layer_findings(figures, {}, steps, self.thresholds)
                      if _conclusive(f)]
         self.update(loop, self._with_held(loop, found), steps[1], clear=False)
+
+    def transformer_figures(self, packed: WithLayout) -> tuple[list[AttentionFigures], dict[str, float]]:
+        """A window's attention figures per layer, and its output's log Z figures (empty: none)."""
+        layout = packed.layout
+        start = sum(Window.sizes(*layout.sizes))
+        heads, log_z = layout.transformer_sizes
+        vector = np.asarray(first_replica(packed.values))
+        figures = attention_figures(layout.attention, vector[start:start + heads])
+        return figures, (log_z_figures(vector[start + heads:start + heads + log_z]) if log_z else {})
+
+    def _transformer_findings(self, packed: WithLayout, steps: tuple[int, int]) -> list[Finding]:
+        """Attention logit growth and entropy collapse per layer, and output log Z drift."""
+        attention, log_z = self.transformer_figures(packed)
+        self.attention_figures, self.output_log_z = attention, log_z
+        for f in attention:
+            self._first_attention.setdefault(f.name, f)
+        if log_z and self._first_log_z is None:
+            self._first_log_z = log_z
+        found = attention_findings(attention, self._first_attention, steps, self.attention_thresholds)
+        return found + log_z_findings(log_z, self._first_log_z, steps, self.attention_thresholds)
 
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
@@ -590,6 +659,13 @@ def _conclusive(finding: Finding) -> bool:
 _MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
 _TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
+
+
+def _maxed(layout: _WindowLayout) -> np.ndarray:
+    """Which entries of the packed sums add up by their maximum (the rest by their sum)."""
+    heads = sum(h for _, h in layout.attention)
+    return np.concatenate([Window.maxed(*layout.sizes), np.tile(np.asarray(HEAD_MAXED, bool), heads),
+                           np.asarray(LOG_Z_MAXED if layout.log_z else (), bool)])
 
 
 def _classes(outputs: Any, labels: Any) -> int | None:
