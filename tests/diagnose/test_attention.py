@@ -388,3 +388,27 @@ def test_the_addition_recipe_trains_with_no_transformer_finding(mesh):
     assert all(0 < m < 50 for f in diagnose.attention_figures for m in f.max_logit)
     assert all(0.05 < e <= 1 for f in diagnose.attention_figures for e in f.entropy)
     assert 0 < diagnose.output_log_z["mean_abs"] < 25
+
+
+def _readme_snippet(marker: str) -> str:
+    """The README's ```python block that contains ``marker``."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"the README has {len(found)} python blocks with {marker!r}"
+    return found[0]
+
+
+def test_the_readmes_own_attention_example_is_recorded_as_numpy_computes_it():
+    namespace: dict = {}
+    exec(compile(_readme_snippet("class MyAttention"), "README.md", "exec"), namespace)
+    q, k = _qkv(3)
+    v = jax.random.normal(jax.random.key(4), q.shape)
+    mask = np.tril(np.ones((6, 6), bool))[None, None]
+    module = namespace["MyAttention"]()
+    out, sown = module.apply({}, q, k, v, mask, mutable=[ATTENTION])
+    np.testing.assert_allclose(sown[ATTENTION][SOWN_NAME][0], reference_stats(q, k, mask), rtol=1e-5, atol=1e-5)
+    expected = nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
