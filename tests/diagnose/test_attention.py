@@ -409,6 +409,7 @@ def test_the_readmes_own_attention_example_is_recorded_as_numpy_computes_it():
     mask = np.tril(np.ones((6, 6), bool))[None, None]
     module = namespace["MyAttention"]()
     out, sown = module.apply({}, q, k, v, mask, mutable=[ATTENTION])
-    np.testing.assert_allclose(sown[ATTENTION][SOWN_NAME][0], reference_stats(q, k, mask), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sown[ATTENTION][SOWN_NAME][0], reference_stats(q, k, mask),
+                               rtol=1e-5, atol=1e-5)
     expected = nn.dot_product_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
