@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -224,6 +225,11 @@ class Diagnose(InstrumentedCallback):
             "first": {name: dataclasses.asdict(f) for name, f in self._first.items()},
             "first_max_grad": self._first_max_grad,
             "held": [dataclasses.asdict(f) for f in self._held],
+            # JSON has no NaN: a head with no query to judge is None.
+            "first_attention": {name: {"max_logit": list(f.max_logit),
+                                       "entropy": [e if np.isfinite(e) else None for e in f.entropy]}
+                                for name, f in self._first_attention.items()},
+            "first_log_z": self._first_log_z,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,6 +246,11 @@ class Diagnose(InstrumentedCallback):
                        for name, f in state["first"].items()}
         self._first_max_grad = state["first_max_grad"]
         self._held = [Finding(**{**f, "values": dict(f["values"])}) for f in state["held"]]
+        self._first_attention = {
+            name: AttentionFigures(name, tuple(f["max_logit"]),
+                                   tuple(math.nan if e is None else e for e in f["entropy"]))
+            for name, f in state.get("first_attention", {}).items()}
+        self._first_log_z = state.get("first_log_z")
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)

@@ -260,11 +260,22 @@ def test_attention_collapsed_to_one_hot_is_found_through_the_hook():
 
 
 def test_a_drifting_output_normalizer_is_found_and_nothing_else():
-    found = kinds(diagnosed(TinyTransformer(logit_bias=40.0)))
+    import json
+
+    diagnose = diagnosed(TinyTransformer(logit_bias=40.0))
+    found = kinds(diagnose)
     [drift] = found.pop("output_logit_drift")
     assert drift.layer is None and drift.values["mean"] == pytest.approx(40 + 3, abs=1.5)
     assert "z-loss" in drift.advice
     assert found == {}
+    # The trends' baselines go into a checkpoint (as Checkpoint keeps a callback's state) and back.
+    state = diagnose.state_dict()
+    assert state["first_attention"] and state["first_log_z"]
+    text = json.dumps(state)
+    resumed = flaxhooks.Diagnose()
+    resumed.load_state_dict(json.loads(text))
+    resumed._restore(resumed._restored)  # what the next fit's start does
+    assert json.dumps(resumed.state_dict()) == text
 
 
 # -- the judgments, from figures -------------------------------------------------------------------
@@ -413,3 +424,4 @@ def test_the_readmes_own_attention_example_is_recorded_as_numpy_computes_it():
                                rtol=1e-5, atol=1e-5)
     expected = nn.dot_product_attention(q, k, v, mask=mask)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
