@@ -14,6 +14,14 @@ What is compared
         heatmaps on, the table off).
     (c) ``every_step``: ``Diagnose(every=1)``.
 
+    With ``--model transformer`` the model is the addition recipe's
+    Transformer at its default size (``recipes.transformer.Transformer``:
+    width 128, 2 blocks of 4 heads, 16 tokens, sequences of 12), trained with
+    ``optax.adamw(2e-3)`` on the recipe's sums, data-parallel; Diagnose then
+    also computes its Transformer findings (attention logits and entropy per
+    head through ``record_attention``, the output's ``log Z``). Targets: 0.98
+    and 0.90.
+
     Everything is compiled before anything is timed. Each round times (a),
     (b) and (c) back to back over ``--steps`` steps, rotating which goes
     first, end to end until the final params are on the host: each fit judges
@@ -25,7 +33,8 @@ What is compared
     compile counts and the median ratio of CPU time per step.
 
 How to run
-    python -m benchmarks.bench_diagnose [--steps 200] [--rounds 9] [--batch-size 128] [--cpu-devices N]
+    python -m benchmarks.bench_diagnose [--model cnn|transformer] [--steps 200] [--rounds 9]
+        [--batch-size 128] [--cpu-devices N]
 
     The last line of output is one JSON object with the results.
 """
@@ -33,6 +42,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -48,11 +58,15 @@ from benchmarks.bench_trainer import make_batches, run_trainer, start_devices
 from recipes.models import CNN, cross_entropy_loss
 
 TARGETS = {"every_16": 0.98, "every_step": 0.91}
+#: The targets with the Transformer (its attention and log Z sums on top).
+TRANSFORMER_TARGETS = {"every_16": 0.98, "every_step": 0.90}
 TENSORBOARD_EVERY = 50
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("cnn", "transformer"), default="cnn",
+                        help="the recipe CNN on MNIST-shaped batches, or the addition recipe's Transformer")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per round (default 200)")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size (default 128)")
@@ -64,30 +78,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_trainer(every: int | None) -> flaxhooks.Trainer:
+def make_trainer(every: int | None, model: str = "cnn") -> flaxhooks.Trainer:
     callbacks: list[flaxhooks.Callback] = [
         flaxhooks.TensorBoard(tempfile.mkdtemp(prefix="bench-diagnose-"), every=TENSORBOARD_EVERY)
     ]
     if every is not None:
         callbacks.append(flaxhooks.Diagnose(every=every, table=False))
+    if model == "transformer":
+        from recipes import addition_data
+        from recipes.transformer import AXIS_RULES, Transformer, batch_loss
+
+        transformer = Transformer(vocab_size=16, length=addition_data.sequence_length(3) - 1)
+        loss = functools.partial(batch_loss, pad=addition_data.PAD)
+        return flaxhooks.Trainer(transformer, optax.adamw(2e-3), loss, input_keys=("tokens",), label_key=None,
+                                 callbacks=callbacks, axis_rules=[(name, None) for name, _ in AXIS_RULES])
     return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
+
+
+def make_sum_batches(count: int, batch_size: int) -> list[dict[str, Any]]:
+    """``count`` host batches of the addition recipe's 3-digit sums."""
+    from recipes import addition_data
+
+    train = addition_data.make_sums(3, count * batch_size, 10, 0).train()
+    return [{key: values[i * batch_size:(i + 1) * batch_size] for key, values in train.items()}
+            for i in range(count)]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     devices = start_devices(args.cpu_devices, args.batch_size)
-    batches = make_batches(args.steps, args.batch_size)
-    trainers = {"lean": make_trainer(None), "every_16": make_trainer(16), "every_step": make_trainer(1)}
+    targets = TRANSFORMER_TARGETS if args.model == "transformer" else TARGETS
+    batches = (make_sum_batches if args.model == "transformer" else make_batches)(args.steps, args.batch_size)
+    trainers = {name: make_trainer(every, args.model)
+                for name, every in (("lean", None), ("every_16", 16), ("every_step", 1))}
     init = trainers["lean"].init(batches[0])
     for trainer in trainers.values():  # compiles every step and the windows' sum
         run_trainer(trainer, init, batches * (40 // len(batches) + 1), 40)
 
-    print(f"diagnose: {devices} device(s) ({jax.devices()[0].platform}), {args.steps} steps x "
+    print(f"diagnose ({args.model}): {devices} device(s) ({jax.devices()[0].platform}), {args.steps} steps x "
           f"{args.rounds} rounds, batch {args.batch_size}; jax {jax.__version__}")
     names = list(trainers)
     rates: dict[str, list[float]] = {name: [] for name in names}
-    ratios: dict[str, list[float]] = {name: [] for name in TARGETS}
-    cpu_ratios: dict[str, list[float]] = {name: [] for name in TARGETS}
+    ratios: dict[str, list[float]] = {name: [] for name in targets}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in targets}
     for round_index in range(args.rounds):
         order = names[round_index % 3:] + names[:round_index % 3]
         round_rates, round_cpu = {}, {}
@@ -98,12 +131,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             round_cpu[name] = time.process_time() - cpu_start
         for name in names:
             rates[name].append(round_rates[name])
-        for name in TARGETS:
+        for name in targets:
             ratios[name].append(round_rates[name] / round_rates["lean"])
             cpu_ratios[name].append(round_cpu["lean"] / round_cpu[name])
         print(f"round {round_index + 1}/{args.rounds} ({order[0]} first): "
               + "  ".join(f"{n} {round_rates[n]:6.2f}/s" for n in names)
-              + "  ratios " + " ".join(f"{ratios[n][-1]:.4f}" for n in TARGETS))
+              + "  ratios " + " ".join(f"{ratios[n][-1]:.4f}" for n in targets))
     for trainer in trainers.values():
         for callback in trainer.callbacks:
             if isinstance(callback, flaxhooks.TensorBoard):
@@ -111,22 +144,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "benchmark": "diagnose",
+        "model": args.model,
         "devices": devices,
         "platform": jax.devices()[0].platform,
         "steps": args.steps,
         "rounds": args.rounds,
         "batch_size": args.batch_size,
         **{f"steps_per_s_{name}": statistics.median(rates[name]) for name in names},
-        **{f"ratio_{name}": statistics.median(ratios[name]) for name in TARGETS},
-        **{f"ratios_{name}": ratios[name] for name in TARGETS},
-        **{f"cpu_ratio_{name}": statistics.median(cpu_ratios[name]) for name in TARGETS},
-        "targets": TARGETS,
+        **{f"ratio_{name}": statistics.median(ratios[name]) for name in targets},
+        **{f"ratios_{name}": ratios[name] for name in targets},
+        **{f"cpu_ratio_{name}": statistics.median(cpu_ratios[name]) for name in targets},
+        "targets": targets,
         "compiles": {name: dict(trainer.runner.traces) for name, trainer in trainers.items()},
         "findings": {name: [f.kind for f in cb.findings] for name, trainer in trainers.items()
                      for cb in trainer.callbacks if isinstance(cb, flaxhooks.Diagnose)},
         "jax_version": jax.__version__,
     }
-    for name, target in TARGETS.items():
+    for name, target in targets.items():
         verdict = "PASS" if result[f"ratio_{name}"] >= target else "FAIL"
         print(f"median ratio {name} / lean: {result[f'ratio_{name}']:.4f} (target >= {target}): {verdict}; "
               f"CPU time per step, lean / {name}: {result[f'cpu_ratio_{name}']:.4f}")

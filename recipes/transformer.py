@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flaxhooks.diagnose import record_attention
+
 #: Logical axis name to mesh axis: batches split over ``data``; the vocabulary,
 #: the heads and the MLP's hidden units over ``model`` (tensor parallelism);
 #: the rest replicated.
@@ -80,7 +82,12 @@ class CausalSelfAttention(nn.Module):
             nn.with_logical_constraint(projection(name), names) for name in ("query", "key", "value")
         )
         causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.bool_))
-        attended = nn.dot_product_attention(query, key, value, mask=causal)
+        # nn.dot_product_attention's computation, written out so that Diagnose sees
+        # the pre-softmax logits (record_attention does nothing outside its steps).
+        logits = jnp.einsum("...qhd,...khd->...hqk", query / jnp.sqrt(head_width).astype(query.dtype), key)
+        record_attention(self, logits, causal)
+        weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(logits.dtype).min))
+        attended = jnp.einsum("...hqk,...khd->...qhd", weights, value)
         attended = nn.with_logical_constraint(attended, names)
         out = nn.Dense(
             width, name="out",

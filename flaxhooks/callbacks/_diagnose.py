@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,6 +22,13 @@ from flaxhooks.callbacks._spike_source import Source, spike_source
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
+    ATTENTION,
+    HEAD_COLUMNS,
+    HEAD_MAXED,
+    LOG_Z_COLUMNS,
+    LOG_Z_MAXED,
+    AttentionFigures,
+    AttentionThresholds,
     GradNormWatch,
     Heatmaps,
     LayerFigures,
@@ -30,9 +38,17 @@ from flaxhooks.diagnose import (
     Thresholds,
     Window,
     add_windows,
+    attention_figures,
+    attention_findings,
+    attention_interceptor,
+    attention_layers,
     encode_png,
     layer_figures,
     layer_findings,
+    log_z_figures,
+    log_z_findings,
+    log_z_stats,
+    output_logits,
     param_findings,
     setup_findings,
     step_window,
@@ -56,6 +72,7 @@ AFFINE: tuple[type, ...] = (
 _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
     "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
+    "output_logit_drift",
     "grad_norm_spike",
 })
 
@@ -71,6 +88,15 @@ class _WindowLayout(NamedTuple):
     units: tuple[int, ...]  # each layer's units
     modules: tuple[str, ...]  # the modules with parameters
     num_classes: int | None  # of a classifier's logits
+    attention: tuple[tuple[str, int], ...] = ()  # each attention layer's name and heads
+    log_z: bool = False  # whether the output's log Z sums follow the attention's
+
+    @property
+    def transformer_sizes(self) -> tuple[int, int]:
+        """The lengths of the attention's per-head sums and of the log Z sums,
+        packed after the :class:`~flaxhooks.diagnose.Window`'s."""
+        heads = sum(h for _, h in self.attention)
+        return heads * len(HEAD_COLUMNS), len(LOG_Z_COLUMNS) if self.log_z else 0
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -104,6 +130,10 @@ class Diagnose(InstrumentedCallback):
         window: the steps whose sums make one judgment.
         layers: the modules whose outputs are layers (default :data:`AFFINE`).
         thresholds: when figures become findings (:class:`flaxhooks.diagnose.Thresholds`).
+        attention: when a Transformer's attention logits, attention entropy and
+            output ``log Z`` are a problem (:class:`flaxhooks.diagnose.AttentionThresholds`);
+            attention is seen in Flax's attention modules and wherever the model calls
+            :func:`flaxhooks.diagnose.record_attention`.
         loss: when the loss is a problem (:class:`flaxhooks.diagnose.LossThresholds`).
         label_key: the batch key of class labels, to recognize a classifier.
         spikes: when a gradient norm is a spike, and a layer's gradient spiked with it
@@ -123,6 +153,7 @@ class Diagnose(InstrumentedCallback):
 
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
+                 attention: AttentionThresholds | None = None,
                  label_key: str = "label", table: bool = True, heatmaps: bool = True,
                  report_dir: str | Path | None = None, console: Console | None = None,
                  spikes: SpikeThresholds | None = None):
@@ -131,7 +162,11 @@ class Diagnose(InstrumentedCallback):
         self.every = as_every(every)
         self.window = window
         select = as_module_filter(AFFINE if layers is None else layers)
-        self.taps = Taps(capture=select, perturb=select)
+        # Attention statistics are sown where the model has attention (Flax's, through the
+        # interceptor, or its own, through record_attention); a model without sows nothing.
+        self.taps = Taps(capture=select, perturb=select, optional_collections=(ATTENTION,),
+                         intercept=(attention_interceptor,))
+        self.attention_thresholds = attention or AttentionThresholds()
         self.thresholds = thresholds or Thresholds()
         self.loss_thresholds = loss or LossThresholds()
         self.spike_thresholds = spikes or SpikeThresholds()
@@ -145,6 +180,11 @@ class Diagnose(InstrumentedCallback):
         self.findings: list[Finding] = []
         #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
+        #: Each attention layer's figures over the last window judged (per head: largest
+        #: |logit|, mean entropy over log(valid keys)).
+        self.attention_figures: list[AttentionFigures] = []
+        #: The output logits' log Z over the last window judged (mean, mean_abs, max_abs; empty: none).
+        self.output_log_z: dict[str, float] = {}
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
         # The run's Text tab entry written last: its step and what it holds.
@@ -165,6 +205,8 @@ class Diagnose(InstrumentedCallback):
         self._absent: collections.Counter[tuple[str, str | None]] = collections.Counter()
         self._first: dict[str, LayerFigures] = {}
         self._first_max_grad: float | None = None
+        self._first_attention: dict[str, AttentionFigures] = {}
+        self._first_log_z: dict[str, float] | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
         self._losses_seen = step
         # The first loss's findings wait for the first layer judgment, due within
@@ -198,6 +240,11 @@ class Diagnose(InstrumentedCallback):
             "first": {name: dataclasses.asdict(f) for name, f in self._first.items()},
             "first_max_grad": self._first_max_grad,
             "held": [dataclasses.asdict(f) for f in self._held],
+            # JSON has no NaN: a head with no query to judge is None.
+            "first_attention": {name: {"max_logit": list(f.max_logit),
+                                       "entropy": [e if np.isfinite(e) else None for e in f.entropy]}
+                                for name, f in self._first_attention.items()},
+            "first_log_z": self._first_log_z,
             "grad_norm": self._norm_watch.state_dict(),
         }
 
@@ -215,6 +262,11 @@ class Diagnose(InstrumentedCallback):
                        for name, f in state["first"].items()}
         self._first_max_grad = state["first_max_grad"]
         self._held = [Finding(**{**f, "values": dict(f["values"])}) for f in state["held"]]
+        self._first_attention = {
+            name: AttentionFigures(name, tuple(f["max_logit"]),
+                                   tuple(math.nan if e is None else e for e in f["entropy"]))
+            for name, f in state.get("first_attention", {}).items()}
+        self._first_log_z = state.get("first_log_z")
         if "grad_norm" in state:  # absent from a checkpoint written before gradient-norm spikes
             self._norm_watch.load_state_dict(state["grad_norm"])
 
@@ -243,13 +295,19 @@ class Diagnose(InstrumentedCallback):
         modules, ratios = update_ratios(tapped.params, tapped.updates)
         # Fixed by the model while traced: the host reads the sums by them.
         classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
-        layout = _WindowLayout(tuple(names), tuple(units), modules, classes)
-        return WithLayout(step_window(pairs, ratios).pack(), layout)
+        attention = attention_layers(tapped.activations)
+        logits = output_logits(tapped.outputs, tapped.batch, self.label_key)
+        heads = tuple((name, int(stats.shape[0])) for name, stats in attention)
+        layout = _WindowLayout(tuple(names), tuple(units), modules, classes, heads, logits is not None)
+        parts = [step_window(pairs, ratios).pack(), *(stats.reshape(-1) for _, stats in attention)]
+        if logits is not None:
+            parts.append(log_z_stats(logits))
+        return WithLayout(jnp.concatenate([p.astype(jnp.float32) for p in parts]), layout)
 
     def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
         """The window's sums so far and this step's, as one (in the step: the runner
         gives back what this callback carries, zeros at a window's start)."""
-        maxed = Window.maxed(*result.layout.sizes)
+        maxed = _maxed(result.layout)
         return WithLayout(add_windows(carry.values, result.values, maxed), result.layout)
 
     def take(self, loop: Loop, result: WithLayout) -> None:
@@ -263,6 +321,7 @@ class Diagnose(InstrumentedCallback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self.findings = []
+        self.attention_figures, self.output_log_z = [], {}
         self._reset(loop.step)
         if loop.step < self._entry.step or (loop.step == 0 and loop.resumed_from is None):
             self._entry, self._fired = _Entry(-1), set()  # a new run
@@ -447,6 +506,7 @@ class Diagnose(InstrumentedCallback):
         params = param_findings(layout.modules, sums.params, float(sums.steps), steps, self.thresholds,
                                 reached)
         found += [f for f in params if not (f.kind == "frozen_params" and f.layer in gone)]
+        found += self._transformer_findings(pending.sums, steps)
         self.update(loop, self._with_held(loop, found), pending.end)
         if self.heatmaps:
             self._draw(loop, figures, sums, layout, pending.end)
@@ -460,6 +520,26 @@ class Diagnose(InstrumentedCallback):
             found = [f for f in layer_findings(figures, {}, steps, self.thresholds)
                      if _conclusive(f)]
         self.update(loop, self._with_held(loop, found), steps[1], clear=False)
+
+    def transformer_figures(self, packed: WithLayout) -> tuple[list[AttentionFigures], dict[str, float]]:
+        """A window's attention figures per layer, and its output's log Z figures (empty: none)."""
+        layout = packed.layout
+        start = sum(Window.sizes(*layout.sizes))
+        heads, log_z = layout.transformer_sizes
+        vector = np.asarray(first_replica(packed.values))
+        figures = attention_figures(layout.attention, vector[start:start + heads])
+        return figures, (log_z_figures(vector[start + heads:start + heads + log_z]) if log_z else {})
+
+    def _transformer_findings(self, packed: WithLayout, steps: tuple[int, int]) -> list[Finding]:
+        """Attention logit growth and entropy collapse per layer, and output log Z drift."""
+        attention, log_z = self.transformer_figures(packed)
+        self.attention_figures, self.output_log_z = attention, log_z
+        for f in attention:
+            self._first_attention.setdefault(f.name, f)
+        if log_z and self._first_log_z is None:
+            self._first_log_z = log_z
+        found = attention_findings(attention, self._first_attention, steps, self.attention_thresholds)
+        return found + log_z_findings(log_z, self._first_log_z, steps, self.attention_thresholds)
 
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
@@ -657,6 +737,13 @@ def _conclusive(finding: Finding) -> bool:
 _MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
 _TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
+
+
+def _maxed(layout: _WindowLayout) -> np.ndarray:
+    """Which entries of the packed sums add up by their maximum (the rest by their sum)."""
+    heads = sum(h for _, h in layout.attention)
+    return np.concatenate([Window.maxed(*layout.sizes), np.tile(np.asarray(HEAD_MAXED, bool), heads),
+                           np.asarray(LOG_Z_MAXED if layout.log_z else (), bool)])
 
 
 def _classes(outputs: Any, labels: Any) -> int | None:

@@ -7,12 +7,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-#: The kinds of finding, in the order a report lists them.
+#: The kinds of finding, in the order a report lists them: the worst first.
 KINDS: tuple[str, ...] = (
-    "nonfinite", "dead_units", "dormant_units", "saturation", "vanishing_gradients", "exploding_gradients",
-    "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "loss_plateau", "initial_loss",
-    "dropout_in_eval", "rng_streams", "not_learning", "unused_layer",
-    "grad_norm_spike",
+    "nonfinite", "not_learning", "exploding_gradients", "attention_logits", "output_logit_drift",
+    "dead_units", "unused_layer", "dormant_units", "saturation", "attention_entropy", "vanishing_gradients",
+    "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "grad_norm_spike",
+    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams",
 )
 
 

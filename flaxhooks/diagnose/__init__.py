@@ -7,6 +7,28 @@ and the pictures that show them. The callback itself is
 ``Diagnose``'s own and may change in any release.
 """
 
+from flaxhooks.diagnose._attention import (
+    ATTENTION,
+    HEAD_COLUMNS,
+    HEAD_MAXED,
+    LOG_Z_COLUMNS,
+    LOG_Z_MAXED,
+    SOWN_NAME,
+    AttentionFigures,
+    AttentionStats,
+    AttentionThresholds,
+    attention_figures,
+    attention_findings,
+    attention_interceptor,
+    attention_layers,
+    attention_logits,
+    log_z_figures,
+    log_z_findings,
+    log_z_stats,
+    logit_stats,
+    output_logits,
+    record_attention,
+)
 from flaxhooks.diagnose._heatmap import (
     MISSING,
     NON_FINITE,
@@ -57,7 +79,9 @@ from flaxhooks.writers import (
 )
 
 __all__ = [
+    "AttentionThresholds",
     "LossThresholds",
     "SpikeThresholds",
     "Thresholds",
+    "record_attention",
 ]

@@ -43,7 +43,16 @@ from flaxhooks.step._stats import (
     param_stats,
     tap_stats,
 )
-from flaxhooks.step._taps import ModuleFilter, ModuleSpec, Tap, Tapped, Taps, as_module_filter, select_modules
+from flaxhooks.step._taps import (
+    Interceptor,
+    ModuleFilter,
+    ModuleSpec,
+    Tap,
+    Tapped,
+    Taps,
+    as_module_filter,
+    select_modules,
+)
 from flaxhooks.step._totals import (
     Totals,
     add_to_totals,

@@ -10,6 +10,7 @@ constructor runs while a step is traced.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -253,7 +254,10 @@ class _LinenRecordedCall:
         variables = {"params": params, **self.model_state}
         if perturbations:
             variables[PERTURBATIONS] = perturbations
-        with nn.intercept_methods(self.recorder):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(nn.intercept_methods(self.recorder))
+            for interceptor in self.taps.intercept:  # inside the recorder's: they change no output it sees
+                stack.enter_context(nn.intercept_methods(interceptor))
             return self.model._call(variables, self.batch, train=True, rngs=self.rngs, mutable=mutable,
                                     capture=self.recorder.capture_filter or False)
 

@@ -23,7 +23,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from flaxhooks.step._recording import (
 from flaxhooks.step._taps import (
     INTERMEDIATES,
     PERTURBATIONS,
+    Interceptor,
     ModuleFilter,
     Tap,
     Taps,
@@ -347,12 +348,31 @@ def _recording(recorder: _NNXCallRecorder, classes: set[type]) -> Iterator[None]
                     owner.__call__ = original  # type: ignore[method-assign]
 
 
+class CallContext(NamedTuple):
+    """What an interceptor learns of an NNX module call (as Linen's ``InterceptorContext``)."""
+
+    module: Any
+    method_name: str
+    orig_method: Callable[..., Any]
+
+
+def _intercepted(original: Callable[..., Any], module: Any,
+                 interceptors: Sequence[Interceptor]) -> Callable[..., Any]:
+    """``module.__call__`` wrapped by ``interceptors``, the last one innermost (as Linen nests them)."""
+    run = functools.partial(original, module)
+    context = CallContext(module, "__call__", run)
+    for interceptor in interceptors:
+        run = functools.partial(lambda i, f, *a, **k: i(f, a, k, context), interceptor, run)
+    return run
+
+
 class _NNXCallRecorder:
     """Records the outputs of the modules of one graph, in the order their
     calls complete, and adds perturbations to the selected ones."""
 
     def __init__(self, root: nnx.Module, capture: ModuleFilter | None, perturb: ModuleFilter | None,
-                 perturbations: Mapping[str, jax.Array] | None):
+                 perturbations: Mapping[str, jax.Array] | None, intercept: Sequence[Interceptor] = ()):
+        self.intercept = tuple(intercept)
         self.modules = {id(m): (tuple(str(p) for p in path), m) for path, m in nnx.iter_modules(root)}
         self.capture, self.perturb, self.perturbations = capture, perturb, perturbations
         self.order = CallOrder()
@@ -384,7 +404,7 @@ class _NNXCallRecorder:
         path, _ = known
         self._stack.append(module)
         try:
-            output = original(module, *args, **kwargs)
+            output = _intercepted(original, module, self.intercept)(*args, **kwargs)
         finally:
             self._stack.pop()
         call = self.calls.get(path, 0)
@@ -452,7 +472,7 @@ class _NNXRecordedCall:
 
     def __init__(self, model: NNXModel, model_state: Mapping[str, Any], batch: Batch, taps: Taps):
         self.model, self.model_state, self.batch, self.taps = model, model_state, batch, taps
-        self.sown = {t: n for t, n in _sown_types(taps.collections).items() if t is not nnx.Perturbation}
+        self.sown = {t: n for t, n in _sown_types(taps.sown_collections).items() if t is not nnx.Perturbation}
         # nnx.Perturbation first: it subclasses nnx.Intermediate.
         self.types = [*([nnx.Perturbation] if taps.model_perturbations else []), *self.sown]
         self.recorder: _NNXCallRecorder | None = None
@@ -462,7 +482,8 @@ class _NNXRecordedCall:
     ) -> tuple[Any, nnx.Module, dict[type, Any]]:
         module = self.model.merged(params, self.model_state, train=True)
         outputs = None if perturbations is None else perturbations.get("outputs", {})
-        recorder = self.recorder = _NNXCallRecorder(module, self.taps.capture, self.taps.perturb, outputs)
+        recorder = self.recorder = _NNXCallRecorder(module, self.taps.capture, self.taps.perturb, outputs,
+                                                    self.taps.intercept)
         init = None
         if perturbations is not None and perturbations.get("model"):
             init = _as_variables(perturbations["model"], nnx.Perturbation)

@@ -25,6 +25,10 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 #: What selects modules: True (every submodule's ``__call__``), a module type
 #: or tuple of types, a name pattern or list of them, or a ``ModuleFilter``.
 ModuleSpec = Union[bool, type, tuple, str, Sequence[str], ModuleFilter, None]  # noqa: UP007
+#: ``interceptor(next_fun, args, kwargs, context) -> output``, as
+#: ``flax.linen.intercept_methods`` takes: ``context.module`` and
+#: ``context.method_name`` say which call it is (the NNX adapter passes the same).
+Interceptor = Callable[[Callable[..., Any], tuple, dict, Any], Any]
 
 PERTURBATIONS = "perturbations"
 INTERMEDIATES = "intermediates"
@@ -104,6 +108,8 @@ class Taps:
 
     Attributes:
         collections: ``sow`` collections whose values are returned.
+        optional_collections: ``sow`` collections returned the same way when
+            the model sows into them, never warned about when a scan drops them.
         capture: modules whose outputs ``capture_intermediates`` records.
         perturb: modules whose outputs are perturbed (through
             ``intercept_methods``) to take the loss's gradient with respect to them.
@@ -112,17 +118,27 @@ class Taps:
         split_steps: give each time step of a recurrence (``nn.RNN``, a scan
             whose iterations share parameters) a value of its own, instead of
             one value over every time step.
+        intercept: method interceptors wrapped around the module calls of
+            the instrumented call only (e.g. to sow what a module computes
+            inside, as ``Diagnose`` does with attention logits).
     """
 
     collections: tuple[str, ...] = ()
+    optional_collections: tuple[str, ...] = ()
     capture: ModuleFilter | None = None
     perturb: ModuleFilter | None = None
     model_perturbations: bool = False
     split_steps: bool = False
+    intercept: tuple[Interceptor, ...] = ()
+
+    @property
+    def sown_collections(self) -> tuple[str, ...]:
+        """The ``sow`` collections asked for, required or optional."""
+        return tuple(dict.fromkeys(self.collections + self.optional_collections))
 
     @property
     def activation_collections(self) -> tuple[str, ...]:
-        names = list(dict.fromkeys(self.collections))
+        names = list(self.sown_collections)
         if self.capture is not None and INTERMEDIATES not in names:
             names.append(INTERMEDIATES)
         return tuple(names)
@@ -139,16 +155,18 @@ class Taps:
             return self.model_perturbations
         if tap.origin is not None:
             return self.capture is not None and self.capture(*tap.origin)
-        return tap.collection in self.collections
+        return tap.collection in self.sown_collections
 
     def merge(self, other: Taps) -> Taps:
         """What both need."""
         return Taps(
             collections=tuple(dict.fromkeys(self.collections + other.collections)),
+            optional_collections=tuple(dict.fromkeys(self.optional_collections + other.optional_collections)),
             capture=_either(self.capture, other.capture),
             perturb=_either(self.perturb, other.perturb),
             model_perturbations=self.model_perturbations or other.model_perturbations,
             split_steps=self.split_steps or other.split_steps,
+            intercept=tuple(dict.fromkeys(self.intercept + other.intercept)),
         )
 
 

@@ -280,12 +280,16 @@ def test_the_non_finite_guard_names_the_layer(caplog):
             return self.head(jnp.log(self.encode(x) - 1e6))  # NaN from the log on
 
     run = trainer(Diverging(nnx.Rngs(0)))  # no statistics callback: the guard every Trainer has
-    with caplog.at_level(logging.ERROR, logger="flaxhooks"), pytest.raises(flaxhooks.NonFiniteError):
+    with caplog.at_level(logging.ERROR, logger="flaxhooks"), pytest.raises(flaxhooks.NonFiniteError) as error:
         run.fit(batches(vectors(64), 16), epochs=1)
     assert int(run.state.step) == 0  # the state from before the step
-    message = caplog.records[0].getMessage()
-    assert message.startswith("the loss is nan at step 1: the first call, in execution order, whose output "
-                              "went non-finite is 'head'")
+    # 'head', a Linear, cannot make a NaN from finite inputs: the parent's own code (the log) made it.
+    assert str(error.value).startswith(
+        "the loss is nan at step 1: the first call, in execution order, whose output went non-finite is "
+        "'head' (a Linear), which makes no NaN or infinity from finite inputs and parameters: its input "
+        "already was, made by the code of the model (not a submodule), after 'encode' (a Linear) returned")
+    assert caplog.records[0].getMessage().startswith(
+        "the loss is nan at step 1; first non-finite: the code of the model, before 'head' (a Linear)")
 
 
 def test_scan_stacks_warn_that_their_layers_are_seen_through_the_stack():
