@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from flaxhooks.callbacks._contributor import InstrumentedCallback
+from flaxhooks.callbacks._spike_source import Source, spike_source
 from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
@@ -28,10 +29,12 @@ from flaxhooks.diagnose import (
     LOG_Z_MAXED,
     AttentionFigures,
     AttentionThresholds,
+    GradNormWatch,
     Heatmaps,
     LayerFigures,
     LossThresholds,
     LossWatch,
+    SpikeThresholds,
     Thresholds,
     Window,
     add_windows,
@@ -70,6 +73,7 @@ _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
     "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
     "output_logit_drift",
+    "grad_norm_spike",
 })
 
 
@@ -132,6 +136,8 @@ class Diagnose(InstrumentedCallback):
             :func:`flaxhooks.diagnose.record_attention`.
         loss: when the loss is a problem (:class:`flaxhooks.diagnose.LossThresholds`).
         label_key: the batch key of class labels, to recognize a classifier.
+        spikes: when a gradient norm is a spike, and a layer's gradient spiked with it
+            (:class:`flaxhooks.diagnose.SpikeThresholds`).
         table: print the findings in a table when ``fit`` ends.
         heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
             of layers over steps, in TensorBoard's Images tab at each window
@@ -149,7 +155,8 @@ class Diagnose(InstrumentedCallback):
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
                  attention: AttentionThresholds | None = None,
                  label_key: str = "label", table: bool = True, heatmaps: bool = True,
-                 report_dir: str | Path | None = None, console: Console | None = None):
+                 report_dir: str | Path | None = None, console: Console | None = None,
+                 spikes: SpikeThresholds | None = None):
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
         self.every = as_every(every)
@@ -162,6 +169,7 @@ class Diagnose(InstrumentedCallback):
         self.attention_thresholds = attention or AttentionThresholds()
         self.thresholds = thresholds or Thresholds()
         self.loss_thresholds = loss or LossThresholds()
+        self.spike_thresholds = spikes or SpikeThresholds()
         self.label_key = label_key
         self.table, self.heatmaps = table, heatmaps
         self.report_dir = None if report_dir is None else Path(report_dir)
@@ -210,6 +218,13 @@ class Diagnose(InstrumentedCallback):
         self._early_end = step + early if 0 < early < self.window else None
         # Each recent step's batch, by its epoch and place in it (as many as the guard's losses).
         self._positions: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
+        self._norm_watch = GradNormWatch(self.spike_thresholds)
+        self._norms_seen = step
+        # The batches (references) of the steps whose loss and gradient norm are not yet read, and
+        # of the last one read: a spike's batch and the one before it, replayed to name its layer.
+        # Bounded: with the guard off no loss is read, and none would ever be dropped.
+        self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=_HELD_BATCHES)
+        self._sources: dict[int, Source] = {}  # by step: a loss and a norm spike at one step share a replay
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
         self._fit_start = step + 1
         self._checked = _Checked()
@@ -230,6 +245,7 @@ class Diagnose(InstrumentedCallback):
                                        "entropy": [e if np.isfinite(e) else None for e in f.entropy]}
                                 for name, f in self._first_attention.items()},
             "first_log_z": self._first_log_z,
+            "grad_norm": self._norm_watch.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -251,6 +267,8 @@ class Diagnose(InstrumentedCallback):
                                    tuple(math.nan if e is None else e for e in f["entropy"]))
             for name, f in state.get("first_attention", {}).items()}
         self._first_log_z = state.get("first_log_z")
+        if "grad_norm" in state:  # absent from a checkpoint written before gradient-norm spikes
+            self._norm_watch.load_state_dict(state["grad_norm"])
 
     def check_fit(self, plan: FitPlan) -> None:
         super().check_fit(plan)
@@ -334,7 +352,11 @@ class Diagnose(InstrumentedCallback):
         if loop.should_stop and loop.diverged is not None:
             return
         self._positions.append((loop.step, loop.epoch, loop.epoch_step - 1))
+        if loop.batch is not None:
+            self._batches.append((loop.step, loop.batch))
         self._read_losses(loop)
+        self._read_grad_norms(loop)
+        self._forget_batches()
         if loop.step == self._early_end and self._sums is not None:
             # The window goes on: its sums so far are judged apart.
             self._pending.append(_Pending(self._start, loop.step, self._sums, early=True))
@@ -367,12 +389,52 @@ class Diagnose(InstrumentedCallback):
                     else:
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, self._located(finding))
+                self._say(loop, self._located(self._sourced(loop, finding)))
         self._losses_seen = new[0][0]
+
+    def _read_grad_norms(self, loop: Loop) -> None:
+        """Takes the gradient norms the guard read since the last step (host floats: no read here)."""
+        norms = loop.published.get("grad_norms")
+        if not norms or norms[-1][0] <= self._norms_seen:
+            return
+        new = []
+        for step, value in reversed(norms):
+            if step <= self._norms_seen:
+                break
+            new.append((step, value))
+        for step, value in reversed(new):
+            for finding in self._norm_watch.add(step, value):
+                self._say(loop, self._located(self._sourced(loop, finding)))
+        self._norms_seen = new[0][0]
+
+    def _forget_batches(self) -> None:
+        """Drops the batches no spike can need: all but the last whose loss and norm were read."""
+        read = min(self._losses_seen, self._norms_seen) if self._norm_watch_fed else self._losses_seen
+        while len(self._batches) > 1 and self._batches[1][0] <= read:
+            self._batches.popleft()
+
+    @property
+    def _norm_watch_fed(self) -> bool:
+        return self._norms_seen > self._fit_start - 1
+
+    def _sourced(self, loop: Loop, finding: Finding) -> Finding:
+        """A spike with the first layer whose gradient spiked at it (two replays, at a spike only)."""
+        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
+            return finding
+        step = finding.since
+        try:
+            if step not in self._sources:
+                self._sources[step] = spike_source(loop, step, dict(self._batches), self.taps,
+                                                   self.spike_thresholds.layer_factor)
+            return self._sources[step].added_to(finding)
+        except Exception as error:  # a replay that fails (memory) must not lose the spike
+            _log.debug("replaying the spike of step %s failed", finding.since, exc_info=True)
+            return dataclasses.replace(finding, evidence=f"{finding.evidence}; the replay that names the "
+                                       f"layer failed ({type(error).__name__}: {error})")
 
     def _located(self, finding: Finding) -> Finding:
         """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
-        if finding.kind != "loss_spike" or finding.since is None:
+        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
             return finding
         place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
                       if step == finding.since), None)
@@ -386,6 +448,8 @@ class Diagnose(InstrumentedCallback):
 
     def on_fit_end(self, loop: Loop) -> None:
         self._read_losses(loop)
+        self._read_grad_norms(loop)
+        self._batches.clear()
         if loop.exception is None and loop.diverged is None:
             # A last part-window is judged if it is at least half a window.
             if loop.step - self._start + 1 >= self.window / 2:
@@ -588,6 +652,9 @@ class Diagnose(InstrumentedCallback):
         self._entry = entry = entry.with_(findings, note)
         loop.writers.text(FINDINGS_TAG, entry.markdown(), at)
 
+
+#: The most batches Diagnose holds for a spike's replay (the steps in flight are far fewer).
+_HELD_BATCHES = 64
 
 #: The group of Diagnose's scalars in TensorBoard: ``health/<kind>`` counts the
 #: active findings of each kind found in the run.

@@ -11,8 +11,8 @@ from typing import Any
 KINDS: tuple[str, ...] = (
     "nonfinite", "not_learning", "exploding_gradients", "attention_logits", "output_logit_drift",
     "dead_units", "unused_layer", "dormant_units", "saturation", "attention_entropy", "vanishing_gradients",
-    "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "loss_plateau", "initial_loss",
-    "dropout_in_eval", "rng_streams",
+    "update_ratio_high", "update_ratio_low", "frozen_params", "loss_spike", "grad_norm_spike",
+    "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams",
 )
 
 

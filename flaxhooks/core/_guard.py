@@ -152,6 +152,9 @@ class NonFiniteGuard(Callback):
         #: ``(step, loss)`` of the latest steps checked, finite floats read on the
         #: host, published as ``loop.published["losses"]`` (what a loss watch reads).
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
+        #: ``(step, gradient norm)`` of the same steps, where the step reports one, published
+        #: as ``loop.published["grad_norms"]`` (what a gradient-norm spike watch reads).
+        self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
         # ``(step, loss, gradient norm or None)`` of the latest finite steps: growth before a NaN.
         self._history: collections.deque[tuple[int, float, float | None]] = collections.deque(maxlen=HISTORY)
         #: The finding of this fit's non-finite step, once there was one.
@@ -179,9 +182,11 @@ class NonFiniteGuard(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._unchecked.clear()
         self.losses.clear()
+        self.grad_norms.clear()
         self._history.clear()
         # Off, no loss is read: a reader of the losses is told so, once, the first time it looks.
         loop.publish("losses", self.losses if self.mode != "off" else _Unread())
+        loop.publish("grad_norms", self.grad_norms)  # off: none read, left empty
         self._warned, self.finding = False, None
 
     def on_step_end(self, loop: Loop) -> None:
@@ -207,6 +212,8 @@ class NonFiniteGuard(Callback):
             norm = _host_float(grad_norm) if grad_norm is not None else None
             if np.isfinite(value) and (norm is None or np.isfinite(norm)):
                 self.losses.append((step, value))
+                if norm is not None:
+                    self.grad_norms.append((step, norm))
                 self._history.append((step, value, norm))
                 continue
             what = f"the loss is {value}" if not np.isfinite(value) else f"the gradient norm is {norm}"

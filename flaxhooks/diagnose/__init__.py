@@ -69,6 +69,11 @@ from flaxhooks.diagnose._setup import (
     rng_streams,
     setup_findings,
 )
+from flaxhooks.diagnose._spikes import (
+    GradNormWatch,
+    SpikeThresholds,
+    first_spiked_layer,
+)
 from flaxhooks.writers import (
     encode_png,
 )
@@ -76,6 +81,7 @@ from flaxhooks.writers import (
 __all__ = [
     "AttentionThresholds",
     "LossThresholds",
+    "SpikeThresholds",
     "Thresholds",
     "record_attention",
 ]
