@@ -402,6 +402,7 @@ class Diagnose(InstrumentedCallback):
             if step <= self._norms_seen:
                 break
             new.append((step, value))
+        self._checked.grad_norms += len(new)
         for step, value in reversed(new):
             for finding in self._norm_watch.add(step, value):
                 self._say(loop, self._located(self._sourced(loop, finding)))
@@ -534,6 +535,8 @@ class Diagnose(InstrumentedCallback):
         """Attention logit growth and entropy collapse per layer, and output log Z drift."""
         attention, log_z = self.transformer_figures(packed)
         self.attention_figures, self.output_log_z = attention, log_z
+        self._checked.attention = max(self._checked.attention, len(attention))
+        self._checked.log_z = self._checked.log_z or bool(log_z)
         for f in attention:
             self._first_attention.setdefault(f.name, f)
         if log_z and self._first_log_z is None:
@@ -705,6 +708,9 @@ class _Checked:
     windows: int = 0  # windows of layer statistics judged
     layers: int = 0
     modules: int = 0
+    attention: int = 0  # attention layers judged
+    log_z: bool = False  # a sequence model's output log Z judged
+    grad_norms: int = 0  # steps' gradient norms watched
 
     def no_finding(self, first: int, last: int) -> str:
         """The Text tab's entry of a fit that found nothing (steps ``first`` to ``last``)."""
@@ -713,10 +719,18 @@ class _Checked:
             looked.append(
                 f"{self.windows} window{'s' * (self.windows != 1)} of layer statistics ({self.layers} "
                 f"layers, {self.modules} modules: dead, dormant and saturated units, vanishing and exploding "
-                "gradients, update ratios, frozen parameters)")
+                "gradients, update ratios, frozen parameters, layers the loss does not reach)")
+        if self.attention:
+            looked.append(f"{self.attention} attention layer{'s' * (self.attention != 1)} (logit growth, "
+                          "entropy collapse)")
+        if self.log_z:
+            looked.append("the output's log Z (drift)")
         if self.losses:
-            looked.append(f"the loss of {self.losses} step{'s' * (self.losses != 1)} (spikes, plateaus"
-                          f"{', the initial loss against log(classes)' if self.initial else ''})")
+            initial = ", not learning, the initial loss against log(classes)" if self.initial else ""
+            looked.append(f"the loss of {self.losses} step{'s' * (self.losses != 1)} (spikes, plateaus{initial})")
+        if self.grad_norms:
+            steps = f"{self.grad_norms} step{'s' * (self.grad_norms != 1)}"
+            looked.append(f"the gradient norm of {steps} (spikes)")
         if self.setup:
             looked.append("the set-up (dropout in evaluation, RNG streams)")
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
