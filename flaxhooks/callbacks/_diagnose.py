@@ -727,7 +727,8 @@ class _Checked:
             looked.append("the output's log Z (drift)")
         if self.losses:
             initial = ", not learning, the initial loss against log(classes)" if self.initial else ""
-            looked.append(f"the loss of {self.losses} step{'s' * (self.losses != 1)} (spikes, plateaus{initial})")
+            steps = f"{self.losses} step{'s' * (self.losses != 1)}"
+            looked.append(f"the loss of {steps} (spikes, plateaus{initial})")
         if self.grad_norms:
             steps = f"{self.grad_norms} step{'s' * (self.grad_norms != 1)}"
             looked.append(f"the gradient norm of {steps} (spikes)")
