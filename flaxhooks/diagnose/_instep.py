@@ -97,6 +97,23 @@ class Window:
 MAX_ROWS = 1024
 
 
+def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """Each ``[rows, units]`` feature's sum over its rows, in one pass.
+
+    One variadic reduction reads the layer's entries once and keeps every
+    feature's per-unit sum, where a sum per feature (or one over the stacked
+    features, which XLA on CPU writes out first) reads them once per feature:
+    on the recipe Transformer's 2-device CPU step, 14 ms instead of 80.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [s.tolist() for s in _sum_rows([jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.ones((2, 2))])]
+        [[4.0, 6.0], [2.0, 2.0]]
+    """
+    return tuple(jax.lax.reduce(tuple(features), tuple(jnp.float32(0) for _ in features),
+                                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (0,)))
+
+
 def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One layer's sums over one step's batch: ``(row, reached, fired, mass)``.
 
@@ -118,15 +135,16 @@ def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
         stride = z.shape[0] // MAX_ROWS
         z, g = z[::stride][:MAX_ROWS], g[::stride][:MAX_ROWS]
     # Floats throughout (XLA sums them far faster than booleans), and every
-    # per-unit sum in one reduction: on CPU each reduction is a kernel of its own.
+    # per-unit sum in one variadic reduction (:func:`_sum_rows`).
     abs_z, abs_g = jnp.abs(z), jnp.abs(g)
     nonpositive = (z <= 0).astype(jnp.float32)
     above = [(abs_z >= edge).astype(jnp.float32) for edge in SLOPE_BINS]
-    features = jnp.stack([
-        jnp.ones_like(z), z, z * z, g * g, nonpositive, nonpositive * (abs_g > 0).astype(jnp.float32),
+    features = _sum_rows([
+        z, z * z, g * g, nonpositive, nonpositive * (abs_g > 0).astype(jnp.float32),
         *above, abs_g, *(a * abs_g for a in above), jnp.maximum(z, 0.0), (z > 0).astype(jnp.float32),
     ])
-    per_unit = jnp.sum(features, axis=1)  # [features, units]
+    rows = jnp.full_like(features[0], z.shape[0])  # every entry counts: the per-unit count is the rows
+    per_unit = jnp.stack([rows, *features])  # [features, units]
     sums = jnp.sum(per_unit, axis=1)
     edges = len(SLOPE_BINS)
     # Entries with |z| at least 0 (all) and at least each edge, and their |g|: a bin is a difference.
