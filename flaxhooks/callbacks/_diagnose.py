@@ -370,17 +370,12 @@ class Diagnose(InstrumentedCallback):
 
     def _read_losses(self, loop: Loop) -> None:
         """Takes the losses the guard read since the last step (host floats: no read here)."""
-        losses = loop.published.get("losses")
-        if not losses or losses[-1][0] <= self._losses_seen:
+        new = _after(loop.published.get("losses"), self._losses_seen)
+        if not new:
             return
-        new = []
-        for step, value in reversed(losses):
-            if step <= self._losses_seen:
-                break
-            new.append((step, value))
         self._checked.losses += len(new)
         self._watch.num_classes = self.num_classes
-        for step, value in reversed(new):
+        for step, value in new:
             if step == 1:  # the loss before any update, on a fresh run
                 self._checked.initial = self.num_classes is not None
                 for finding in self._watch.initial(step, value, self.num_classes):
@@ -390,23 +385,18 @@ class Diagnose(InstrumentedCallback):
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
                 self._say(loop, self._located(self._sourced(loop, finding)))
-        self._losses_seen = new[0][0]
+        self._losses_seen = new[-1][0]
 
     def _read_grad_norms(self, loop: Loop) -> None:
         """Takes the gradient norms the guard read since the last step (host floats: no read here)."""
-        norms = loop.published.get("grad_norms")
-        if not norms or norms[-1][0] <= self._norms_seen:
+        new = _after(loop.published.get("grad_norms"), self._norms_seen)
+        if not new:
             return
-        new = []
-        for step, value in reversed(norms):
-            if step <= self._norms_seen:
-                break
-            new.append((step, value))
         self._checked.grad_norms += len(new)
-        for step, value in reversed(new):
+        for step, value in new:
             for finding in self._norm_watch.add(step, value):
                 self._say(loop, self._located(self._sourced(loop, finding)))
-        self._norms_seen = new[0][0]
+        self._norms_seen = new[-1][0]
 
     def _forget_batches(self) -> None:
         """Drops the batches no spike can need: all but the last whose loss and norm were read."""
@@ -736,6 +726,19 @@ class _Checked:
             looked.append("the set-up (dropout in evaluation, RNG streams)")
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
+
+
+def _after(readings: Sequence[tuple[int, float]] | None, seen: int) -> list[tuple[int, float]]:
+    """The ``(step, value)`` readings the guard published after step ``seen``, in step order
+    (read from the newest back: the published window holds up to 1,024)."""
+    if not readings or readings[-1][0] <= seen:
+        return []
+    new = []
+    for step, value in reversed(readings):
+        if step <= seen:
+            break
+        new.append((step, value))
+    return new[::-1]
 
 
 def _conclusive(finding: Finding) -> bool:
