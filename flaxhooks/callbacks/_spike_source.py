@@ -70,7 +70,7 @@ def spike_source(loop: Loop, step: int, batches: dict[int, Any], taps: Taps, fac
     """The first layer whose gradient spiked at ``step``, or why none is named.
 
     Replays the spike's batch and the batch of the step before it at the current
-    parameters (one compile and run each, at a spike only) and names the first
+    parameters (one compile, two runs, at a spike only) and names the first
     layer, in call order, whose gradient norm is at least ``factor`` times larger.
     """
     spiked, before = batches.get(step), batches.get(step - 1)

@@ -6,6 +6,7 @@ of steps. Pure functions, traced into the step."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,51 +90,113 @@ class Window:
         return np.concatenate([table, reached, fired, mass, params, steps])
 
 
-#: The most rows (entries of every unit) of a layer's pre-activations that a
-#: step reduces: larger layers (convolutions: batch x height x width rows) are
-#: read at evenly spaced rows, so every example of the batch is seen. XLA on
-#: CPU runs each reduction as a pass of its own: over all rows of the recipe
-#: CNN's first convolution they cost 100 ms a step, over 4096 rows well under 1.
+#: The most entries (rows x units) of a layer's pre-activations that a step
+#: reduces: a larger layer is read at evenly spaced rows, between
+#: :data:`MIN_ROWS` and :data:`MAX_ROWS` of them. XLA on CPU sums a layer's
+#: entries at scalar speed, 20 times over (its 16 sums and their inputs),
+#: where its matrix product reads each entry once per input unit, vectorized:
+#: over every row of a 128-wide Transformer layer the sums cost more than the
+#: layer itself.
+MAX_ENTRIES = 16384
+#: The fewest rows of a layer read a step, however wide the layer.
+MIN_ROWS = 64
+#: The most rows of a layer read a step, however narrow the layer.
 MAX_ROWS = 1024
 
 
+def rows_read(rows: int, units: int) -> int:
+    """How many of a layer's ``rows`` (of ``units`` units each) a step reads at most.
+
+    Example:
+        >>> rows_read(704, 128), rows_read(704, 512), rows_read(50176, 8), rows_read(32, 4096)
+        (128, 64, 1024, 32)
+    """
+    return min(rows, max(MIN_ROWS, min(MAX_ROWS, MAX_ENTRIES // max(units, 1))))
+
+
+#: The most groups a layer's batch is summed in on the devices (see
+#: :func:`_groups`); the examples read are spaced so that they divide evenly
+#: among any power of two of groups up to this.
+_MAX_GROUPS = 64
+
+
+def _groups(examples: int) -> int:
+    """In how many groups a layer's ``examples`` are summed before the devices
+    add their groups up: as many as divide both them and the mesh's devices
+    (at most :data:`_MAX_GROUPS`), so that a group never spans two devices'
+    shares of the batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.gcd(examples, 1 if mesh.empty else mesh.size, _MAX_GROUPS)
+
+
+def chosen_rows(examples: int, positions: int, units: int) -> np.ndarray:
+    """The rows a step reads of a layer of ``examples x positions`` rows (the
+    leading axis, and every axis between it and the units), as flat indices.
+
+    Every example is read while the budget (:func:`rows_read`) allows, else
+    evenly spaced ones; each at the same number of evenly spaced positions,
+    shifted by one from one example to the next, so that every position is
+    read, not the same few of every example. The choice depends on the
+    layer's shape alone, never on the mesh: one device and a sharded batch
+    read the same entries.
+
+    Example:
+        >>> rows = chosen_rows(8, 16, 2048)  # 8 of 16 positions of each of 8 examples
+        >>> len(rows), rows[:8].tolist(), rows[8:16].tolist()
+        (64, [0, 2, 4, 6, 8, 10, 12, 14], [17, 19, 21, 23, 25, 27, 29, 31])
+    """
+    rows, read = examples * positions, rows_read(examples * positions, units)
+    if read >= rows:
+        return np.arange(rows)
+    spacing = 1  # between the examples read: a power of two dividing their groups
+    while examples // (2 * spacing) >= read and examples % (2 * spacing * _MAX_GROUPS) == 0:
+        spacing *= 2
+    picked = np.arange(0, examples, spacing)
+    per_example = max(1, min(positions, read // len(picked)))
+    step = positions // per_example
+    offsets = (np.arange(len(picked))[:, None] + step * np.arange(per_example)[None, :]) % positions
+    return (picked[:, None] * positions + offsets).reshape(-1)
+
+
 def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """Each ``[rows, units]`` feature's sum over its rows, in one pass.
+    """Each ``[groups, rows, units]`` feature's sum over its rows, in one pass.
 
     One variadic reduction reads the layer's entries once and keeps every
     feature's per-unit sum, where a sum per feature (or one over the stacked
-    features, which XLA on CPU writes out first) reads them once per feature:
-    on the recipe Transformer's 2-device CPU step, 14 ms instead of 80.
+    features, which XLA on CPU writes out first) reads them once per feature.
 
     Example:
         >>> import jax.numpy as jnp
-        >>> [s.tolist() for s in _sum_rows([jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.ones((2, 2))])]
-        [[4.0, 6.0], [2.0, 2.0]]
+        >>> [s.tolist() for s in _sum_rows([jnp.array([[[1.0, 2.0], [3.0, 4.0]]]), jnp.ones((1, 2, 2))])]
+        [[[4.0, 6.0]], [[2.0, 2.0]]]
     """
     return tuple(jax.lax.reduce(tuple(features), tuple(jnp.float32(0) for _ in features),
-                                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (0,)))
+                                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (1,)))
 
 
-def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One layer's sums over one step's batch: ``(row, reached, fired, mass)``.
+def layer_partials(z: jax.Array, g: jax.Array) -> tuple[jax.Array, int]:
+    """One layer's per-unit sums over one step's batch, still in groups of
+    the batch: float32 ``[16, groups, units]``, and the rows each unit was read at.
 
     ``z`` is the layer's pre-activation, ``g`` the loss's gradient with
     respect to it (same shape); units are the last axis, every other axis is
-    rows, of which at most :data:`MAX_ROWS` evenly spaced ones are read.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> row, reached, fired, mass = layer_sums(jnp.array([[1.0, -2.0], [3.0, -1.0]]),
-        ...                                        jnp.array([[0.5, 0.0], [0.5, 0.0]]))
-        >>> [float(v) for v in row[:6]], reached.tolist(), fired.tolist(), mass.tolist()
-        ([4.0, 1.0, 15.0, 0.5, 2.0, 0.0], [1.0, 0.0], [1.0, 0.0], [4.0, 0.0])
+    rows, of which evenly spaced ones are read (:func:`rows_read`). The
+    groups (:func:`_groups`) keep every device's sums on the device: the
+    devices add them up once for every layer (:func:`step_window`), not once
+    per layer and sum.
     """
     units = z.shape[-1] if z.ndim else 1
-    z = z.astype(jnp.float32).reshape(-1, units)
+    examples = z.shape[0] if z.ndim > 1 else 1
+    positions = math.prod(z.shape[1:-1]) if z.ndim > 2 else 1
+    groups = _groups(examples)
+    z = z.astype(jnp.float32).reshape(groups, -1, units)
     g = g.astype(jnp.float32).reshape(z.shape)
-    if z.shape[0] > MAX_ROWS:
-        stride = z.shape[0] // MAX_ROWS
-        z, g = z[::stride][:MAX_ROWS], g[::stride][:MAX_ROWS]
+    rows = chosen_rows(examples, positions, units)
+    if len(rows) < groups * z.shape[1]:
+        # Each group's rows among them (as many in each), read where the group lives.
+        local = rows.reshape(groups, -1) - (np.arange(groups) * z.shape[1])[:, None]
+        index = jnp.asarray(local[:, :, None], jnp.int32)
+        z, g = jnp.take_along_axis(z, index, axis=1), jnp.take_along_axis(g, index, axis=1)
     # Floats throughout (XLA sums them far faster than booleans), and every
     # per-unit sum in one variadic reduction (:func:`_sum_rows`).
     abs_z, abs_g = jnp.abs(z), jnp.abs(g)
@@ -143,8 +206,13 @@ def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
         z, z * z, g * g, nonpositive, nonpositive * (abs_g > 0).astype(jnp.float32),
         *above, abs_g, *(a * abs_g for a in above), jnp.maximum(z, 0.0), (z > 0).astype(jnp.float32),
     ])
-    rows = jnp.full_like(features[0], z.shape[0])  # every entry counts: the per-unit count is the rows
-    per_unit = jnp.stack([rows, *features])  # [features, units]
+    return jnp.stack(features), groups * z.shape[1]
+
+
+def _layer_row(features: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A layer's ``(row, reached, fired, mass)`` from its per-unit sums ``[16, units]``
+    over ``rows`` rows (see :func:`layer_sums`)."""
+    per_unit = jnp.concatenate([jnp.full_like(features[:1], rows), features])  # every entry counts
     sums = jnp.sum(per_unit, axis=1)
     edges = len(SLOPE_BINS)
     # Entries with |z| at least 0 (all) and at least each edge, and their |g|: a bin is a difference.
@@ -155,6 +223,24 @@ def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     row = jnp.concatenate([sums[:6], counts, slopes]).astype(jnp.float32)
     reached = (per_unit[6 + edges] > 0).astype(jnp.float32)
     return row, reached, (per_unit[-1] > 0).astype(jnp.float32), per_unit[-2]
+
+
+def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One layer's sums over one step's batch: ``(row, reached, fired, mass)``.
+
+    ``z`` is the layer's pre-activation, ``g`` the loss's gradient with
+    respect to it (same shape); units are the last axis, every other axis is
+    rows, of which evenly spaced ones are read (:func:`rows_read`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> row, reached, fired, mass = layer_sums(jnp.array([[1.0, -2.0], [3.0, -1.0]]),
+        ...                                        jnp.array([[0.5, 0.0], [0.5, 0.0]]))
+        >>> [float(v) for v in row[:6]], reached.tolist(), fired.tolist(), mass.tolist()
+        ([4.0, 1.0, 15.0, 0.5, 2.0, 0.0], [1.0, 0.0], [1.0, 0.0], [4.0, 0.0])
+    """
+    partials, rows = layer_partials(z, g)
+    return _layer_row(jnp.sum(partials, axis=1), rows)
 
 
 #: The most entries of a parameter leaf an update ratio reads a step: two
@@ -198,8 +284,19 @@ def update_ratios(params: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array
 def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array) -> Window:
     """One step's :class:`Window` from each layer's ``(z, g)`` and each
     module's update ratio (:func:`update_ratios`)."""
-    rows, reached, fired, mass = (zip(*(layer_sums(z, g) for z, g in pairs), strict=True) if pairs
-                                  else ((), (), (), ()))
+    partials = [layer_partials(z, g) for z, g in pairs]
+    # Layers summed in as many groups are added up over the groups together: on a
+    # mesh, one exchange between the devices for all of them (one per layer and
+    # sum cost the Transformer recipe's 2-device CPU step a third of its time).
+    totals: list[Any] = [None] * len(partials)
+    for groups in sorted({p.shape[1] for p, _ in partials}):
+        members = [i for i, (p, _) in enumerate(partials) if p.shape[1] == groups]
+        summed = jnp.sum(jnp.concatenate([partials[i][0] for i in members], axis=2), axis=1)
+        bounds = np.cumsum([partials[i][0].shape[2] for i in members])[:-1]
+        for i, part in zip(members, jnp.split(summed, bounds, axis=1), strict=True):
+            totals[i] = part
+    sums = [_layer_row(total, rows) for total, (_, rows) in zip(totals, partials, strict=True)]
+    rows, reached, fired, mass = zip(*sums, strict=True) if sums else ((), (), (), ())
     layers = jnp.stack(rows) if rows else jnp.zeros((0, len(COLUMNS)), jnp.float32)
     flat = (lambda parts: jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.float32))
     params = jnp.stack([ratio, jnp.zeros_like(ratio), (ratio == 0).astype(jnp.float32), ratio], axis=1)
