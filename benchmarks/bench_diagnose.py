@@ -90,8 +90,10 @@ def make_trainer(every: int | None, model: str = "cnn") -> flaxhooks.Trainer:
 
         transformer = Transformer(vocab_size=16, length=addition_data.sequence_length(3) - 1)
         loss = functools.partial(batch_loss, pad=addition_data.PAD)
+        # Data-parallel: the batch over the devices, every parameter and other activation axis whole.
+        rules = [(name, "data" if name == "batch" else None) for name, _ in AXIS_RULES]
         return flaxhooks.Trainer(transformer, optax.adamw(2e-3), loss, input_keys=("tokens",), label_key=None,
-                                 callbacks=callbacks, axis_rules=[(name, "data" if name == "batch" else None) for name, _ in AXIS_RULES])
+                                 callbacks=callbacks, axis_rules=rules)
     return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
 
 

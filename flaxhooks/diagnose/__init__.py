@@ -40,10 +40,15 @@ from flaxhooks.diagnose._heatmap import (
 )
 from flaxhooks.diagnose._instep import (
     COLUMNS,
+    MAX_ENTRIES,
+    MAX_ROWS,
+    MIN_ROWS,
     SLOPE_BINS,
     Window,
     add_windows,
+    chosen_rows,
     layer_sums,
+    rows_read,
     step_window,
     update_ratios,
 )

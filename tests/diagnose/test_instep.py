@@ -8,8 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxhooks.diagnose import Window
-from flaxhooks.diagnose._instep import (
+from flaxhooks.diagnose import (
     COLUMNS,
     MAX_ENTRIES,
     MAX_ROWS,
