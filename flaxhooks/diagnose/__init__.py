@@ -41,6 +41,7 @@ from flaxhooks.diagnose._heatmap import (
 from flaxhooks.diagnose._instep import (
     COLUMNS,
     MAX_ENTRIES,
+    MAX_PARAM_SAMPLES,
     MAX_ROWS,
     MIN_ROWS,
     SLOPE_BINS,

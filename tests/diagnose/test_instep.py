@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from flaxhooks.diagnose import (
     COLUMNS,
     MAX_ENTRIES,
+    MAX_PARAM_SAMPLES,
     MAX_ROWS,
     MIN_ROWS,
     SLOPE_BINS,
@@ -112,3 +113,16 @@ def test_a_batch_sharded_over_eight_devices_gives_one_devices_sums():
     # The devices add up their sums once for every layer, not once per layer and sum.
     assert text.count("all-reduce(") + text.count("all-gather(") == 1
     np.testing.assert_allclose(np.asarray(step(sharded)), one, rtol=1e-5, atol=1e-3)
+
+
+def test_the_readme_states_the_budget_the_code_keeps():
+    import pathlib
+    import re
+
+    text = " ".join((pathlib.Path(__file__).parents[2] / "README.md").read_text().split())
+    stated = re.search(r"a big layer is read at ([\d,]+) of its entries a step \(([\d,]+) rows at least, "
+                       r"([\d,]+) at most\)", text)
+    assert stated, "the README's sentence on the rows Diagnose reads"
+    assert [int(n.replace(",", "")) for n in stated.groups()] == [MAX_ENTRIES, MIN_ROWS, MAX_ROWS]
+    assert "A parameter leaf is read at 1,024 evenly spaced entries" in text
+    assert MAX_PARAM_SAMPLES == 1024
