@@ -161,6 +161,9 @@ def test_read_idx_roundtrip(tmp_path: Path) -> None:
         # Bit rot in the first deflate byte: zlib itself fails, not just the CRC.
         _flip_byte(gzip.compress(b"\x00\x00\x08\x01" + struct.pack(">I", 3) + b"abc"), 10),
     ],
+    # Named by place: the payloads' gzip headers hold the time they were made.
+    ids=["bad-magic", "unknown-type", "too-few-bytes", "too-many-bytes", "header-cut-short", "no-header",
+         "not-gzipped", "cut-gzip", "bit-rot"],
 )
 def test_read_idx_rejects_malformed(tmp_path: Path, payload: bytes) -> None:
     (tmp_path / "bad.gz").write_bytes(payload)
