@@ -51,6 +51,7 @@ from flaxhooks.diagnose import (
     output_logits,
     param_findings,
     setup_findings,
+    step_entries,
     step_window,
     update_ratios,
 )
@@ -299,10 +300,17 @@ class Diagnose(InstrumentedCallback):
         logits = output_logits(tapped.outputs, tapped.batch, self.label_key)
         heads = tuple((name, int(stats.shape[0])) for name, stats in attention)
         layout = _WindowLayout(tuple(names), tuple(units), modules, classes, heads, logits is not None)
-        parts = [step_window(pairs, ratios).pack(), *(stats.reshape(-1) for _, stats in attention)]
+        parts = [step_window(pairs, ratios, step_entries(self._sampled_per_window())).pack(),
+                 *(stats.reshape(-1) for _, stats in attention)]
         if logits is not None:
             parts.append(log_z_stats(logits))
         return WithLayout(jnp.concatenate([p.astype(jnp.float32) for p in parts]), layout)
+
+    def _sampled_per_window(self) -> int | None:
+        """The steps a window samples (None where the schedule is by time)."""
+        if self.every.seconds is not None or not self.every.steps:
+            return None
+        return -(-self.window // self.every.steps)
 
     def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
         """The window's sums so far and this step's, as one (in the step: the runner

@@ -26,6 +26,7 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from flaxhooks.core import Finding
+from flaxhooks.diagnose._instep import _groups, chosen_rows
 
 #: The collection (Linen) and variable type name (NNX) attention statistics are sown into.
 ATTENTION = "attention_stats"
@@ -59,6 +60,43 @@ def _valid(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(mask).astype(jnp.bool_), logits.shape)
 
 
+#: The most logits of an attention layer whose entropies a step computes:
+#: a larger layer's are computed at evenly spaced queries (chosen as a layer's
+#: rows are, :func:`~flaxhooks.diagnose.chosen_rows`), its largest logit over
+#: all of them. Entropy is a mean, added up over the window's steps.
+MAX_ENTROPY_LOGITS = 4096
+
+
+def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The queries ``[examples, heads, queries, keys]`` logits (and their
+    validity) whose entropies a step computes: all of them within
+    :data:`MAX_ENTROPY_LOGITS`, else the rows :func:`chosen_rows` picks of
+    ``examples x queries`` rows of ``heads x keys`` logits, gathered where each
+    device's share of the batch lives.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.arange(64 * 4 * 11 * 11, dtype=jnp.float32).reshape(64, 4, 11, 11)
+        >>> entropy_queries(logits, logits > 0)[0].shape  # one query of each example
+        (64, 4, 1, 11)
+    """
+    examples, heads, queries, keys = logits.shape
+    rows = chosen_rows(examples, queries, heads * keys, MAX_ENTROPY_LOGITS)
+    if len(rows) == examples * queries:
+        return logits, valid
+    picked = rows.reshape(-1, len(rows) // len(np.unique(rows // queries)))
+    spacing = examples // picked.shape[0]
+    if spacing > 1:  # evenly spaced examples, as many in each group (on one device each)
+        groups = _groups(examples)
+
+        def spaced(x: jax.Array) -> jax.Array:
+            return x.reshape(groups, examples // groups, *x.shape[1:])[:, ::spacing].reshape(-1, *x.shape[1:])
+
+        logits, valid = spaced(logits), spaced(valid)
+    index = jnp.asarray((picked % queries)[:, None, :, None], jnp.int32)
+    return jnp.take_along_axis(logits, index, axis=2), jnp.take_along_axis(valid, index, axis=2)
+
+
 def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Per head, float32 ``[heads, len(HEAD_COLUMNS)]``, of pre-softmax
     attention logits ``[batch..., heads, queries, keys]`` where ``mask``
@@ -75,28 +113,33 @@ def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         >>> [round(float(v), 3) for v in logit_stats(logits, causal)[0]]  # the 2nd query is uniform
         [1.0, 1.0, 1.0]
     """
-    logits = logits.astype(jnp.float32)
+    # Statistics, not part of the loss: nothing to differentiate (and the
+    # variadic reduction below has no derivative rule).
+    logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
     heads = logits.shape[-3]
     valid = _valid(logits, mask).reshape(-1, *logits.shape[-3:])
     return _head_stats(logits.reshape(valid.shape), valid, heads)
 
 
 def _head_stats(logits: jax.Array, valid: jax.Array, heads: int) -> jax.Array:
-    # Few reductions, each over stacked features: on CPU XLA runs each reduction as a pass of its own.
+    # One pass per reduction and nothing stacked: on CPU XLA writes a stack of
+    # features out before summing it (a third of Diagnose's cost on the
+    # Transformer recipe's step), where a variadic reduction keeps every sum.
+    # 0 for a head with no valid key.
+    largest = jnp.max(jnp.where(valid, jnp.abs(logits), 0.0), axis=(0, 2, 3))
+    logits, valid = entropy_queries(logits, valid)
     top = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1)  # [examples, heads, q]
-    low = jnp.min(jnp.where(valid, logits, jnp.inf), axis=-1)
     shifted = jnp.where(valid, logits - jnp.where(jnp.isfinite(top), top, 0.0)[..., None], 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
-    features = jnp.stack([valid.astype(jnp.float32), weights, weights * shifted])
-    keys, total, weighted = jnp.sum(features, axis=-1)
+    keys, total, weighted = jax.lax.reduce(
+        (valid.astype(jnp.float32), weights, weights * shifted), (jnp.float32(0),) * 3,
+        lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (logits.ndim - 1,))
     # H = log Z - E[l - top], over valid keys; 0 for a row of one key.
     safe = jnp.maximum(total, 1e-30)
     counted = keys >= 2
     normalized = jnp.where(counted, (jnp.log(safe) - weighted / safe) / jnp.log(jnp.maximum(keys, 2.0)), 0.0)
-    row_abs = jnp.where(keys > 0, jnp.maximum(jnp.abs(top), jnp.abs(low)), 0.0)
-    sums = jnp.sum(jnp.stack([normalized, counted.astype(jnp.float32)]), axis=(1, 3))  # [2, heads]
-    stats = jnp.stack([jnp.max(row_abs, axis=(0, 2)), sums[0], sums[1]], axis=1)
-    return stats.reshape(heads, len(HEAD_COLUMNS))
+    entropy, queries = jnp.sum(normalized, axis=(0, 2)), jnp.sum(counted.astype(jnp.float32), axis=(0, 2))
+    return jnp.stack([largest, entropy, queries], axis=1).reshape(heads, len(HEAD_COLUMNS))
 
 
 def attention_logits(query: jax.Array, key: jax.Array, bias: jax.Array | None = None,

@@ -98,20 +98,43 @@ class Window:
 #: over every row of a 128-wide Transformer layer the sums cost more than the
 #: layer itself.
 MAX_ENTRIES = 16384
+#: The most entries of a layer a window reads: a window that samples more
+#: steps than the default's 20 (every 10 of 200) reads fewer of them a step
+#: (:func:`step_entries`), so that sampling every step costs little more than
+#: the default, and its window still reads more of each layer.
+WINDOW_ENTRIES = 20 * MAX_ENTRIES
 #: The fewest rows of a layer read a step, however wide the layer.
 MIN_ROWS = 64
 #: The most rows of a layer read a step, however narrow the layer.
 MAX_ROWS = 1024
 
 
-def rows_read(rows: int, units: int) -> int:
-    """How many of a layer's ``rows`` (of ``units`` units each) a step reads at most.
+def step_entries(sampled: int | None) -> int:
+    """The most entries of a layer a step reads when its window samples
+    ``sampled`` steps (None: not known, as with a schedule in seconds):
+    :data:`MAX_ENTRIES`, or :data:`WINDOW_ENTRIES` spread over more than 20
+    sampled steps.
+
+    Example:
+        >>> step_entries(None), step_entries(20), step_entries(200)  # every 10 / 1 of 200 steps
+        (16384, 16384, 1638)
+    """
+    if sampled is None or sampled <= WINDOW_ENTRIES // MAX_ENTRIES:
+        return MAX_ENTRIES
+    return WINDOW_ENTRIES // sampled
+
+
+def rows_read(rows: int, units: int, entries: int = MAX_ENTRIES) -> int:
+    """How many of a layer's ``rows`` (of ``units`` units each) a step reads
+    at most, within ``entries`` (:func:`step_entries`).
 
     Example:
         >>> rows_read(704, 128), rows_read(704, 512), rows_read(50176, 8), rows_read(32, 4096)
         (128, 64, 1024, 32)
+        >>> rows_read(704, 128, step_entries(200))  # sampled every step of a 200-step window
+        64
     """
-    return min(rows, max(MIN_ROWS, min(MAX_ROWS, MAX_ENTRIES // max(units, 1))))
+    return min(rows, max(MIN_ROWS, min(MAX_ROWS, entries // max(units, 1))))
 
 
 #: The most groups a layer's batch is summed in on the devices (see
@@ -129,7 +152,7 @@ def _groups(examples: int) -> int:
     return math.gcd(examples, 1 if mesh.empty else mesh.size, _MAX_GROUPS)
 
 
-def chosen_rows(examples: int, positions: int, units: int) -> np.ndarray:
+def chosen_rows(examples: int, positions: int, units: int, entries: int = MAX_ENTRIES) -> np.ndarray:
     """The rows a step reads of a layer of ``examples x positions`` rows (the
     leading axis, and every axis between it and the units), as flat indices.
 
@@ -145,7 +168,7 @@ def chosen_rows(examples: int, positions: int, units: int) -> np.ndarray:
         >>> len(rows), rows[:8].tolist(), rows[8:16].tolist()
         (64, [0, 2, 4, 6, 8, 10, 12, 14], [17, 19, 21, 23, 25, 27, 29, 31])
     """
-    rows, read = examples * positions, rows_read(examples * positions, units)
+    rows, read = examples * positions, rows_read(examples * positions, units, entries)
     if read >= rows:
         return np.arange(rows)
     spacing = 1  # between the examples read: a power of two dividing their groups
@@ -174,7 +197,7 @@ def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
                                 lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (1,)))
 
 
-def layer_partials(z: jax.Array, g: jax.Array) -> tuple[jax.Array, int]:
+def layer_partials(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES) -> tuple[jax.Array, int]:
     """One layer's per-unit sums over one step's batch, still in groups of
     the batch: float32 ``[16, groups, units]``, and the rows each unit was read at.
 
@@ -191,7 +214,7 @@ def layer_partials(z: jax.Array, g: jax.Array) -> tuple[jax.Array, int]:
     groups = _groups(examples)
     z = z.astype(jnp.float32).reshape(groups, -1, units)
     g = g.astype(jnp.float32).reshape(z.shape)
-    rows = chosen_rows(examples, positions, units)
+    rows = chosen_rows(examples, positions, units, entries)
     if len(rows) < groups * z.shape[1]:
         # Each group's rows among them (as many in each), read where the group lives.
         local = rows.reshape(groups, -1) - (np.arange(groups) * z.shape[1])[:, None]
@@ -225,7 +248,8 @@ def _layer_row(features: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, ja
     return row, reached, (per_unit[-1] > 0).astype(jnp.float32), per_unit[-2]
 
 
-def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def layer_sums(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES,
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One layer's sums over one step's batch: ``(row, reached, fired, mass)``.
 
     ``z`` is the layer's pre-activation, ``g`` the loss's gradient with
@@ -239,7 +263,7 @@ def layer_sums(z: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
         >>> [float(v) for v in row[:6]], reached.tolist(), fired.tolist(), mass.tolist()
         ([4.0, 1.0, 15.0, 0.5, 2.0, 0.0], [1.0, 0.0], [1.0, 0.0], [4.0, 0.0])
     """
-    partials, rows = layer_partials(z, g)
+    partials, rows = layer_partials(z, g, entries)
     return _layer_row(jnp.sum(partials, axis=1), rows)
 
 
@@ -281,10 +305,12 @@ def update_ratios(params: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array
     return tuple(name for name, _ in modules), update_norm / jnp.where(param_norm > 0, param_norm, jnp.inf)
 
 
-def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array) -> Window:
-    """One step's :class:`Window` from each layer's ``(z, g)`` and each
-    module's update ratio (:func:`update_ratios`)."""
-    partials = [layer_partials(z, g) for z, g in pairs]
+def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array,
+                entries: int = MAX_ENTRIES) -> Window:
+    """One step's :class:`Window` from each layer's ``(z, g)``, of which at
+    most ``entries`` are read (:func:`step_entries`), and each module's
+    update ratio (:func:`update_ratios`)."""
+    partials = [layer_partials(z, g, entries) for z, g in pairs]
     # Layers summed in as many groups are added up over the groups together: on a
     # mesh, one exchange between the devices for all of them (one per layer and
     # sum cost the Transformer recipe's 2-device CPU step a third of its time).

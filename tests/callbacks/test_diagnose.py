@@ -100,6 +100,26 @@ def test_every_n_steps_runs_the_lean_step_between_and_compiles_each_once():
     assert trainer.runner.traces == {"train_step": 1, "instrumented_step": 1}
 
 
+def test_sampling_every_step_spreads_a_windows_budget_over_its_steps():
+    from flaxhooks.diagnose import chosen_rows, step_entries
+
+    # 512 examples a step: all of them read while a window samples 10 steps, fewer when it samples 40.
+    read = {}
+    for every in (4, 1):
+        diagnose = flaxhooks.Diagnose(every=every, window=40, table=False, heatmaps=False)
+        trainer = flaxhooks.Trainer(Healthy(), optax.adam(1e-2), cross_entropy, callbacks=[diagnose])
+        trainer.fit(data(batch_size=512), steps=8)
+        window = diagnose.sums_of(diagnose.carry)
+        assert float(window.steps) == 8 // every
+        units = np.array(diagnose.carry.layout.units)
+        read[every] = np.asarray(window.layers[:, 0]) / float(window.steps) / units  # rows a step
+    np.testing.assert_array_equal(read[4], [512, 512, 512])
+    assert step_entries(10) == step_entries(None) and step_entries(40) < step_entries(10)
+    expected = [len(chosen_rows(512, 1, units, step_entries(40))) for units in (32, 32, 3)]
+    np.testing.assert_array_equal(read[1], expected)
+    assert read[1][0] == 256  # 327,680 entries over 40 steps: 256 rows of 32, every other example
+
+
 class Sigmoids(nn.Module):
     depth: int = 10
 

@@ -14,15 +14,19 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxhooks
 from flaxhooks.diagnose import (
     ATTENTION,
+    MAX_ENTROPY_LOGITS,
     SOWN_NAME,
     AttentionFigures,
     AttentionThresholds,
     attention_findings,
     attention_interceptor,
+    chosen_rows,
     log_z_figures,
     log_z_findings,
     logit_stats,
@@ -33,9 +37,11 @@ from flaxhooks.step import NNXModel, Taps
 VOCAB, LENGTH, WIDTH, HEADS = 16, 8, 32, 2
 
 
-def reference_stats(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, bias=None) -> np.ndarray:
+def reference_stats(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, bias=None,
+                    rows=None) -> np.ndarray:
     """Per head: largest |logit| over valid keys, summed entropy / log(valid keys) over
-    queries with two or more, and their count; numpy float64, by loops over rows."""
+    queries with two or more (among ``rows``, flat ``example * queries + query``
+    indices, if given), and their count; numpy float64, by loops over rows."""
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
     logits = np.einsum("bqhd,bkhd->bhqk", q / np.sqrt(q.shape[-1]), k)
     if bias is not None:
@@ -50,7 +56,7 @@ def reference_stats(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, bias=
                 if row.size == 0:
                     continue
                 out[h, 0] = max(out[h, 0], np.abs(row).max())
-                if row.size < 2:
+                if row.size < 2 or (rows is not None and b * logits.shape[2] + i not in rows):
                     continue
                 p = np.exp(row - row.max())
                 p /= p.sum()
@@ -87,6 +93,31 @@ def test_the_hook_statistics_match_numpy_with_a_causal_and_padding_mask():
                                rtol=1e-5, atol=1e-5)
     # Not collecting: nothing sown, nothing computed.
     assert Own().apply({}, q, k, mutable=["intermediates"])[1] == {}
+
+
+def test_a_large_batchs_entropy_is_read_at_chosen_queries_and_its_largest_logit_everywhere():
+    # 64 examples of 11 queries, 4 heads: above MAX_ENTROPY_LOGITS, so a query of each example.
+    q, k = _qkv(3, shape=(64, 11, 4, 8))
+    padded = np.ones((64, 1, 1, 11), bool)
+    padded[::3, ..., 7:] = False
+    mask = np.tril(np.ones((11, 11), bool)) & padded
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q / jnp.sqrt(8.0), k)
+    rows = chosen_rows(64, 11, 4 * 11, MAX_ENTROPY_LOGITS)
+    assert len(rows) == 64 and len(np.unique(rows % 11)) == 11, "every query position is read"
+    expected = reference_stats(q, k, mask, rows=set(rows.tolist()))
+    np.testing.assert_allclose(logit_stats(logits, mask), expected, rtol=1e-5, atol=1e-5)
+    assert expected[:, 2].max() < 64 < 64 * 10, "entropy over the queries chosen, not all"
+    if jax.local_device_count() >= 8:  # the batch sharded: the same figures, gathered on each device
+        mesh = Mesh(np.array(jax.local_devices()[:8]), ("data",))
+
+        def stats(values):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return logit_stats(values, mask)
+
+        sharded = jax.device_put(logits, NamedSharding(mesh, P("data")))
+        text = jax.jit(stats).lower(sharded).compile().as_text()
+        assert "all-gather(" not in text and "all-to-all(" not in text
+        np.testing.assert_allclose(jax.jit(stats)(sharded), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_linen_multi_head_attention_is_recorded_through_its_attention_fn_unchanged():

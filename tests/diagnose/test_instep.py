@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import flaxhooks
 from flaxhooks.diagnose import (
     COLUMNS,
     MAX_ENTRIES,
@@ -15,8 +16,10 @@ from flaxhooks.diagnose import (
     MAX_ROWS,
     MIN_ROWS,
     SLOPE_BINS,
+    WINDOW_ENTRIES,
     chosen_rows,
     rows_read,
+    step_entries,
     step_window,
 )
 
@@ -124,5 +127,12 @@ def test_the_readme_states_the_budget_the_code_keeps():
                        r"([\d,]+) at most\)", text)
     assert stated, "the README's sentence on the rows Diagnose reads"
     assert [int(n.replace(",", "")) for n in stated.groups()] == [MAX_ENTRIES, MIN_ROWS, MAX_ROWS]
+    spread = re.search(r"a window that samples more than (\d+) steps reads ([\d,]+) of them spread over its "
+                       r"steps \(every step of a (\d+)-step window: ([\d,]+) a step\)", text)
+    assert spread, "the README's sentence on a window's budget"
+    more_than, window_entries, window, per_step = (int(n.replace(",", "")) for n in spread.groups())
+    assert window_entries == WINDOW_ENTRIES and more_than == WINDOW_ENTRIES // MAX_ENTRIES
+    assert step_entries(more_than) == MAX_ENTRIES > step_entries(more_than + 1)
+    assert per_step == step_entries(window) and window == flaxhooks.Diagnose().window
     assert "A parameter leaf is read at 1,024 evenly spaced entries" in text
     assert MAX_PARAM_SAMPLES == 1024
