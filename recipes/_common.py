@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import textwrap
 from collections.abc import Collection, Mapping, Sequence
@@ -153,9 +154,41 @@ def viewing(logdir: str, runs: Path) -> str:
     return f"view this run: {command}{every}"
 
 
+#: The variables a launcher sets that ``jax.distributed.initialize()``, with
+#: no arguments, reads the coordinator, process count and index from; and the
+#: one among them that holds the count.
+_LAUNCHERS = {
+    "SLURM": (("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+              "SLURM_NTASKS"),
+    "Open MPI": (("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+                 "OMPI_COMM_WORLD_SIZE"),
+}
+
+
+def launched_processes(environ: dict[str, str] | None = None) -> tuple[str, int] | None:
+    """The launcher that started this process among others (``srun``,
+    ``mpirun``) and how many processes it started, as JAX's own cluster
+    detection reads them; None where none did, or it started one.
+
+    Example:
+        >>> launched_processes({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]",
+        ...                     "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"})
+        ('SLURM', 2)
+        >>> launched_processes({}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    for launcher, (names, count) in _LAUNCHERS.items():
+        if all(name in environ for name in names) and int(environ[count]) > 1:
+            return launcher, int(environ[count])
+    return None
+
+
 def remove_if_empty(directory: Path) -> None:
-    """Removes ``directory`` if it holds no file, only (empty) directories."""
-    if directory.is_dir() and not any(path.is_file() for path in directory.rglob("*")):
+    """Removes ``directory`` if it holds no file but the run's options
+    (:data:`OPTIONS`), only (empty) directories: a run that never started."""
+    if directory.is_dir() and all(path == directory / OPTIONS for path in directory.rglob("*")
+                                  if path.is_file()):
         shutil.rmtree(directory, ignore_errors=True)
 
 

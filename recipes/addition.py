@@ -323,11 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"to go on from step {interrupted.step}:\n  {_PROG} --workdir {run} --resume", flush=True)
         return 128 + interrupted.signal  # as a shell reports a signal
     except Exception as error:
+        if new:  # a run that never started leaves no directory to resume, whatever stopped it
+            _common.remove_if_empty(run)
         message = refusal(error, run, config)
         if message is None:
             raise
-        if new:
-            _common.remove_if_empty(run)  # a run that never started leaves no directory to resume
         print(f"{_PROG}: error: {message}", file=sys.stderr, flush=True)
         return 2
     return 0

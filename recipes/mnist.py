@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
@@ -94,7 +95,8 @@ _HELP = {
               "checkpoint; a new run if there is none",
     "coordinator": "several processes: the address (host:port) of process 0, where JAX's coordination "
                    "service runs, with --num-processes and --process-id; or 'auto' to let JAX detect "
-                   "all three (SLURM, Cloud TPU, ...)",
+                   "all three (Cloud TPU, Kubernetes, ...); none of them under srun or mpirun, "
+                   "which JAX reads itself",
     "num_processes": "several processes: how many take part",
     "process_id": "several processes: this one's index, from 0",
 }
@@ -282,7 +284,10 @@ _at_least = _common.at_least
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     """Builds the Config and workdir (None: a new run directory) from command-line arguments."""
-    args = vars(_parser().parse_args(argv))
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    if args["loader"] == "grain" and importlib.util.find_spec("grain") is None:
+        parser.error("--loader grain needs grain: pip install 'flaxhooks[grain]' (Python 3.11 or later)")
     workdir = args.pop("workdir")
     return Config(**args), workdir
 
@@ -308,10 +313,9 @@ def _join_processes(config: Config) -> None:
     # CPU devices of several processes reduce over TCP (gloo); GPUs and TPUs
     # use their own interconnect and ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if config.coordinator == "auto":
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
+    # What is not given, JAX detects from the cluster (SLURM, Open MPI, Cloud TPU, Kubernetes).
+    coordinator = None if config.coordinator == "auto" else config.coordinator
+    jax.distributed.initialize(coordinator, config.num_processes, config.process_id)
 
 
 def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | None:
@@ -354,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import flaxhooks  # JAX's backends start only when first used, after this
     from flaxhooks.core import latest_run
 
-    several = bool(config.coordinator or config.num_processes or config.process_id is not None)
+    several = (bool(config.coordinator or config.num_processes or config.process_id is not None)
+               or _common.launched_processes() is not None)
     flaxhooks.use_cpu_devices(config.cpu_devices, across_processes=several)
     if several:
         _join_processes(config)
@@ -372,11 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         return 128 + interrupted.signal  # as a shell reports a signal
     except Exception as error:
+        if new:  # a run that never started leaves no directory to resume, whatever stopped it
+            _remove_if_empty(run)
         message = refusal(error, run, config)
         if message is None:
             raise
-        if new:
-            _remove_if_empty(run)  # a run that never started leaves no directory to resume
         print(f"python -m recipes.mnist: error: {message}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -110,6 +110,30 @@ def test_usage_errors_are_argparse_errors():
             "usage: python -m recipes.mnist [options] (see --help)", f"{ERROR}argument {args[0]}: {message}"]
 
 
+def test_a_start_that_fails_leaves_no_run_directory_behind(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "grain" else find(name))
+    # grain missing: a usage error, before any directory is made.
+    with pytest.raises(SystemExit) as exited:
+        mnist.main(["--loader", "grain", "--no-download"])
+    assert exited.value.code == 2
+    assert "--loader grain needs grain: pip install 'flaxhooks[grain]'" in capsys.readouterr().err
+    assert not (tmp_path / mnist.RUNS).exists()
+
+    # A fault once the run's directory holds its options: raised as it is, the directory removed.
+    def fails(config, workdir):
+        (Path(workdir) / "options.json").write_text("{}")
+        raise RuntimeError("out of memory while compiling")
+
+    monkeypatch.setattr(mnist, "train_and_evaluate", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        mnist.main(["--no-download"])  # in this process: its devices as they are
+    assert list((tmp_path / mnist.RUNS).iterdir()) == []
+
+
 def test_help_lists_every_option():
     result = _run_recipe("--help")
     assert result.returncode == 0, result.stderr
@@ -245,36 +269,73 @@ def test_sigterm_saves_and_says_how_to_resume(tmp_path):
     assert "held-out accuracy" in result.stdout
 
 
-@pytest.mark.slow
-def test_fsdp_on_two_processes_saves_each_process_part(tmp_path):
-    """--fsdp on 2 processes of 1 CPU device each splits the state across
-    them: each writes its part of the checkpoint, which reads back whole."""
-    import socket
-
-    import flaxhooks
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _two_processes(tmp_path, args, process):
+    """Runs the recipe as 2 processes of 1 CPU device each, each under a hard
+    kill (``process(i)``: process i's own arguments and variables); their outputs."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
-    workdir = tmp_path / "run"
-    args = [*QUICK[:-1], "1", "--fsdp", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-            "--workdir", str(workdir)]
     logs = [tmp_path / f"p{i}.txt" for i in range(2)]
     processes = []
     for i, log in enumerate(logs):  # into files: a full pipe would stall a process, and so both
+        own_args, own_env = process(i)
         with open(log, "w") as out:
             processes.append(subprocess.Popen(
-                ["timeout", "-s", "KILL", "240", sys.executable, "-m", "recipes.mnist", *args,
-                 "--process-id", str(i)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+                ["timeout", "-s", "KILL", "240", sys.executable, "-m", "recipes.mnist", *QUICK[:-1], "1",
+                 *args, *own_args], cwd=ROOT, env={**env, **own_env}, stdout=out, stderr=subprocess.STDOUT))
     for process in processes:
         process.wait()
     outputs = [log.read_text() for log in logs]
     assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "P('data', None)" in outputs[0]  # Dense_0's kernel split over both processes' devices
+    return outputs
+
+
+def _each_process_wrote_its_part(workdir):
+    import flaxhooks
+
     state = workdir / "checkpoints" / "7" / "state"
     assert all(any((state / f"ocdbt.process_{i}" / "d").iterdir()) for i in range(2))
     restored = flaxhooks.Checkpoint(workdir / "checkpoints").restore_latest()
     assert restored is not None and restored.step == 7
     assert json.loads((workdir / "checkpoints" / "7" / "meta" / "metadata").read_text())["format"] == 2
+
+
+def _free_port(low=0, high=0):
+    import socket
+
+    for port in range(low, high + 1) if low else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise AssertionError(f"no free port in {low}-{high}")
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_saves_each_process_part(tmp_path):
+    """--fsdp on 2 processes of 1 CPU device each splits the state across
+    them: each writes its part of the checkpoint, which reads back whole."""
+    workdir = tmp_path / "run"
+    args = ["--fsdp", "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            "--workdir", str(workdir)]
+    outputs = _two_processes(tmp_path, args, lambda i: (["--process-id", str(i)], {}))
+    assert "P('data', None)" in outputs[0]  # Dense_0's kernel split over both processes' devices
+    _each_process_wrote_its_part(workdir)
+
+
+@pytest.mark.slow
+def test_two_processes_launched_as_srun_launches_them_train_together(tmp_path):
+    """Only the variables srun sets, no --coordinator, --num-processes or
+    --process-id: JAX's cluster detection joins the two processes."""
+    # JAX's SLURM coordinator port: 61440 + the job's id modulo 4096.
+    job = _free_port(61440, 65535) - 61440
+    workdir = tmp_path / "run"
+
+    def srun(i):
+        return [], {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
+                    "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+
+    outputs = _two_processes(tmp_path, ["--fsdp", "--workdir", str(workdir)], srun)
+    assert "P('data', None)" in outputs[0]
+    _each_process_wrote_its_part(workdir)
