@@ -123,9 +123,9 @@ def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
 
 def _head_stats(logits: jax.Array, valid: jax.Array, heads: int) -> jax.Array:
     # One pass per reduction and nothing stacked: on CPU XLA writes a stack of
-    # features out before summing it (a third of Diagnose's cost on the
-    # Transformer recipe's step), where a variadic reduction keeps every sum.
-    # 0 for a head with no valid key.
+    # features out before summing it (1.9 ms of op time a step on the
+    # Transformer benchmark's 2 devices), where a variadic reduction keeps every sum.
+    # The largest logit over every query (0 for a head with no valid key), entropy at some.
     largest = jnp.max(jnp.where(valid, jnp.abs(logits), 0.0), axis=(0, 2, 3))
     logits, valid = entropy_queries(logits, valid)
     top = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1)  # [examples, heads, q]
