@@ -184,7 +184,7 @@ def launched_processes(environ: dict[str, str] | None = None) -> tuple[str, int]
     return None
 
 
-def remove_if_empty(directory: Path) -> None:
+def remove_if_unstarted(directory: Path) -> None:
     """Removes ``directory`` if it holds no file but the run's options
     (:data:`OPTIONS`), only (empty) directories: a run that never started."""
     if directory.is_dir() and all(path == directory / OPTIONS for path in directory.rglob("*")

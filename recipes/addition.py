@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + interrupted.signal  # as a shell reports a signal
     except Exception as error:
         if new:  # a run that never started leaves no directory to resume, whatever stopped it
-            _common.remove_if_empty(run)
+            _common.remove_if_unstarted(run)
         message = refusal(error, run, config)
         if message is None:
             raise

@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + interrupted.signal  # as a shell reports a signal
     except Exception as error:
         if new:  # a run that never started leaves no directory to resume, whatever stopped it
-            _remove_if_empty(run)
+            _common.remove_if_unstarted(run)
         message = refusal(error, run, config)
         if message is None:
             raise
@@ -386,8 +386,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return 0
 
-
-_remove_if_empty = _common.remove_if_empty
 
 
 if __name__ == "__main__":
