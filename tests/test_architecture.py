@@ -172,6 +172,17 @@ def test_flaxhooks_uses_only_public_tensorboardx_names():
             assert not TENSORBOARDX_PRIVATE.search(line), f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
 
 
+
+def test_flaxhooks_uses_only_jaxs_public_api_and_never_reads_an_errors_text():
+    """JAX's coordination service is reached without ``jax._src``, and a
+    timeout is told from a lost service by asking the service, not by
+    matching the status words of its error."""
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        assert "jax._src" not in text, path.relative_to(ROOT)
+        for words in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "NOT_FOUND", "ALREADY_EXISTS"):
+            assert words not in text, (path.relative_to(ROOT), words)
+
 def test_every_exception_is_shown_and_pickled_by_the_path_users_import_it_from():
     import importlib
     import pickle

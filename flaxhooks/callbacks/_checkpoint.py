@@ -1,18 +1,21 @@
-"""Checkpoints with orbax: atomic, the last K kept, checksummed, with every callback's state."""
+"""Checkpoints on orbax's ``CheckpointManager``: saved asynchronously and
+atomically by every process (each its own shards and data position), the
+latest and the best kept, read back straight into the resuming run's shardings."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
+import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -21,11 +24,10 @@ import numpy as np
 
 from flaxhooks.callbacks._data_positions import (
     DATA_ITEM,
-    gather_positions,
-    loader_states_args,
-    post_position,
+    data_item_args,
+    own_files,
+    read_legacy_positions,
     read_positions,
-    split_positions,
 )
 from flaxhooks.core import (
     WAIT_NOTE_SECONDS,
@@ -35,7 +37,6 @@ from flaxhooks.core import (
     PeerLost,
     ProcessError,
     as_every,
-    distributed_client,
     peer_gone,
 )
 from flaxhooks.data import DataPosition, device0_copy
@@ -43,22 +44,17 @@ from flaxhooks.writers import check_writable
 
 if TYPE_CHECKING:
     from flaxhooks.core import FitPlan
+    from flaxhooks.eval import EvalResult
     from flaxhooks.step import TrainState
 
 _log = logging.getLogger("flaxhooks")
 
-#: Bumped when the layout of what is saved changes. A state whole on process
-#: 0 is saved in format 1: each leaf whole, with one CRC32.
-FORMAT = 1
-#: A state split across processes is saved in format 2: every process writes
-#: its parts of each leaf, and each part has its own CRC32 (``"parts"``:
-#: ``{"index": [[start, stop], ...], "crc32": ...}``, together covering the
-#: leaf once).
-FORMAT_PARTS = 2
-
-#: Numbers each fit's saves on several processes; every process runs the
-#: same callbacks' ``fit_start`` in the same order, so the numbers agree.
-_exchanges = itertools.count()
+#: The layout written: orbax's items ``state`` (the train state's leaves by
+#: index), ``meta`` (JSON: position, callbacks' states, each leaf's path,
+#: shape, dtype and fingerprint) and ``data`` (each process's position).
+FORMAT = 3
+#: Formats of 0.7 and 0.8 (each leaf or part with a CRC32), still read.
+LEGACY_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -133,39 +129,113 @@ def _shown(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
-def _checksum(array: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+# -- checks computed on the devices --------------------------------------------
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """``x``'s bits as uint32, one word per element (wider types folded)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _words(x.real) ^ (_words(x.imag) * np.uint32(0x9E3779B1))
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    if bits == 64:
+        pair = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return pair[..., 0] ^ (pair[..., 1] * np.uint32(0x9E3779B1))
+    unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """A uint32 sum of every element's bits times an odd weight of its place.
+
+    It does not depend on how ``x`` is sharded (integer sums are exact in
+    any order, and the weights come from global indices, no reshape), so a
+    state saved on one mesh is checked on another; any single changed word
+    changes it.
+    """
+    words = _words(x)
+    place = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        place = place + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    weight = place * np.uint32(2654435761) + np.uint32(1) | np.uint32(1)
+    return jnp.sum(words * weight, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checks(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Per leaf: whether it is finite, and its fingerprint. One reduction that
+    every process computes over the same global arrays, so every process
+    decides the same without asking the others."""
+    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+              for x in leaves]
+    prints = [_fingerprint(x) if x.size else jnp.uint32(0) for x in leaves]
+    return jnp.stack(finite), jnp.stack(prints)
+
+
+def _checked(leaves: Sequence[Any]) -> tuple[list[bool], list[int]]:
+    finite, prints = jax.device_get(_checks(list(leaves))) if leaves else ([], [])
+    return [bool(f) for f in finite], [int(p) for p in prints]
+
+
+# -- reading -----------------------------------------------------------------
+
+
+def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """What a checkpoint lacks and holds beyond a train state, a few of each."""
+    def few(paths: Sequence[str]) -> str:
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        return ", ".join(paths[:3]) + more
+
+    parts = ([f"this train state has {few(missing)}, which it lacks"] if missing else []) + (
+        [f"it holds {few(unexpected)}, which this train state lacks"] if unexpected else [])
+    return "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """A checkpoint read back and verified, not yet tied to a model.
+    """A checkpoint found good, not yet tied to a model: its arrays are read
+    by :meth:`train_state`, straight onto the shardings asked for.
 
     Attributes:
         step: the optimizer steps the saved state had taken.
         position: ``(epoch, batches into it)`` where training goes on.
-        leaves: the state's arrays by key path (see :func:`state_leaves`).
+        leaves: the state's arrays by key path (see :func:`state_leaves`), as
+            shapes and dtypes.
         callbacks: each callback's saved state, by :func:`callback_keys` name.
         path: the checkpoint's directory.
         stop_reason: why the saved run had decided to stop, if it had.
         data: every process's data position at the save, loader states
             included, in process order (None: a checkpoint of 0.7 or older).
+        fingerprints: each leaf's fingerprint as saved, by key path (None:
+            format 1 or 2, whose CRC32s are checked as they are read).
     """
 
     step: int
     position: tuple[int, int]
-    leaves: Mapping[str, np.ndarray]
+    leaves: Mapping[str, jax.ShapeDtypeStruct]
     callbacks: Mapping[str, Any]
     path: str
     stop_reason: str | None = None
     data: tuple[DataPosition, ...] | None = None
+    fingerprints: Mapping[str, int] | None = None
+    read: Callable[[Sequence[str], Sequence[Any]], list[Any]] = dataclasses.field(
+        default=lambda paths, targets: [], repr=False, compare=False)
 
     def train_state(self, like: TrainState) -> TrainState:
-        """The saved arrays in the structure of ``like`` (abstract or concrete).
+        """The saved arrays in the structure of ``like`` (abstract or concrete),
+        each read straight onto the sharding of ``like``'s leaf: a process
+        reads only the shards its devices hold.
 
         Raises:
-            CheckpointError: the model or optimizer state has other leaves,
-                shapes or dtypes than the saved one.
+            CheckpointMismatchError: the model or optimizer state has other
+                leaves, shapes or dtypes than the saved one (checked before
+                anything is read).
+            CheckpointError: the arrays cannot be read back.
         """
         flat, treedef = jax.tree_util.tree_flatten_with_path(like)
         paths = [jax.tree_util.keystr(path) for path, _ in flat]
@@ -179,7 +249,17 @@ class Restored:
                 raise CheckpointMismatchError(self.path, (
                     f"{path} is {saved.dtype}{list(saved.shape)} there and "
                     f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))} here"))
-        return jax.tree_util.tree_unflatten(treedef, [self.leaves[p] for p in paths])
+        try:
+            arrays = self.read(paths, [leaf for _, leaf in flat])
+        except (CheckpointError, ProcessError):
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever orbax or tensorstore raised, said in one line
+            raise CheckpointError(
+                f"the checkpoint at step {self.step} cannot be read ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}): move {self.path!r} aside to resume "
+                "from the one before it"
+            ) from error
+        return jax.tree_util.tree_unflatten(treedef, arrays)
 
     def load_callbacks(self, callbacks: Sequence[Callback]) -> None:
         """Gives each callback its saved state (``load_state_dict``)."""
@@ -197,178 +277,152 @@ class Restored:
                 ) from error
 
 
-def _whole_on_process_0(leaf: Any) -> bool:
-    """Whether process 0's devices hold every part of ``leaf`` (replicated, or
-    split only over devices that process 0 has a copy on)."""
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None or sharding.is_fully_replicated or sharding.is_fully_addressable:
-        return True
-    where = sharding.devices_indices_map(tuple(leaf.shape))
-
-    def part(index: tuple[slice, ...]) -> tuple[Any, ...]:
-        return tuple((s.start, s.stop) for s in index)
-
-    return {part(i) for i in where.values()} <= {part(i) for d, i in where.items() if d.process_index == 0}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Parts:
-    """A leaf split over devices, as copies of the parts this process holds."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    parts: tuple[tuple[tuple[slice, ...], jax.Array], ...]
-
-    def host(self) -> np.ndarray:
-        whole = np.empty(self.shape, self.dtype)
-        for index, data in self.parts:
-            whole[index] = np.asarray(data)
-        return whole
-
-
-def _snapshot(x: jax.Array) -> Any:
-    """A copy of a state leaf that process 0 alone can take and read, with no
-    collective: a replicated leaf's local copy, else the parts its devices hold."""
-    if x.is_fully_replicated:
-        return jnp.copy(device0_copy(x))
-    if jax.process_count() == 1:
-        return jnp.copy(x)
-    seen: dict[Any, tuple[slice, ...]] = {}
-    for shard in x.addressable_shards:
-        seen.setdefault(tuple((s.start, s.stop) for s in shard.index), shard)
-    return _Parts(tuple(x.shape), x.dtype, tuple((s.index, jnp.copy(s.data)) for s in seen.values()))
-
-
-def _global_snapshot(x: jax.Array) -> jax.Array:
-    """A copy of a state leaf that every process takes of its own devices, with
-    no collective: a replicated leaf's local copy, else the same global array
-    made of copies of this process's shards (every process must take its own)."""
-    if x.is_fully_replicated:
-        return jnp.copy(device0_copy(x))
-    copies = [jnp.copy(shard.data) for shard in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
-
-
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
-    """A shard's index as ``[[start, stop], ...]``, one pair per dimension."""
-    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
-
-
-def _host(x: Any) -> np.ndarray:
-    return x.host() if isinstance(x, _Parts) else np.asarray(jax.device_get(x))
-
-
-def _verified(array: np.ndarray, info: Mapping[str, Any], format: int) -> bool:
-    """Whether ``array`` has the CRC32 saved with it: whole (format 1), or of
-    each part, the parts covering it once (format 2)."""
-    if format == FORMAT:
-        return _checksum(array) == info["crc32"]
-    covered = 0
-    for part in info["parts"]:
-        index = tuple(slice(start, stop) for start, stop in part["index"])
-        covered += int(np.prod([stop - start for start, stop in part["index"]]))
-        if len(index) != array.ndim or _checksum(array[index]) != part["crc32"]:
-            return False
-    return covered == array.size
-
-
-def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
-    """What a checkpoint lacks and holds beyond a train state, a few of each."""
-    def few(paths: Sequence[str]) -> str:
-        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-        return ", ".join(paths[:3]) + more
-
-    parts = ([f"this train state has {few(missing)}, which it lacks"] if missing else []) + (
-        [f"it holds {few(unexpected)}, which this train state lacks"] if unexpected else [])
-    return "; ".join(parts)
-
-
 def _this_process_only() -> Any:
-    """orbax options under which this process reads or writes alone: no
-    orbax barrier, which would wait for (and time out on) slower processes."""
+    """orbax options under which this process reads alone: no orbax barrier,
+    which would wait for (and time out on) slower processes."""
     import orbax.checkpoint as ocp
 
     index = jax.process_index()
     return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
 
 
-def _every_process(prefix: str) -> Any:
-    """orbax options under which every process writes its part and process 0
-    commits. Naming the processes makes each orbax barrier a wait in JAX's
-    key-value store with a timeout (``get_barrier_sync_fn``), never
-    ``sync_global_devices``, a compiled collective that a background thread
-    could interleave with the train step's (a deadlock)."""
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _read_arrays(path: str, indices: Mapping[str, int], paths: Sequence[str], targets: Sequence[Any],
+                 ) -> list[Any]:
+    """Format 3: each leaf read onto its target's sharding; empty ones made."""
     import orbax.checkpoint as ocp
 
-    return ocp.options.MultiprocessingOptions(
-        primary_host=0, active_processes=set(range(jax.process_count())), barrier_sync_key_prefix=prefix,
-    )
+    wanted = {str(indices[p]): jax.ShapeDtypeStruct(jnp.shape(t), jnp.result_type(t),
+                                                    sharding=_sharding_of(t))
+              for p, t in zip(paths, targets, strict=True) if math.prod(jnp.shape(t))}
+    alone = _this_process_only()
+    handler = ocp.StandardCheckpointHandler(multiprocessing_options=alone)
+    with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
+        read = checkpointer.restore(os.path.join(path, "state"), args=ocp.args.StandardRestore(wanted)) \
+            if wanted else {}
+    return [read[str(indices[p])] if str(indices[p]) in read else
+            jax.device_put(np.zeros(jnp.shape(t), jnp.result_type(t)), _sharding_of(t))
+            for p, t in zip(paths, targets, strict=True)]
 
 
-def _writer(directory: str, keep: int, every_process: str | None = None) -> Any:
-    """orbax's manager of ``directory``: process 0 alone writes, or with
-    ``every_process`` (a barrier prefix the processes agree on) every process
-    writes its part."""
+def _checksum(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+def _read_legacy(path: str, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Formats 1 and 2: every leaf whole on the host, its CRC32s checked
+    (whole, or of each part, the parts covering it once)."""
     import orbax.checkpoint as ocp
 
+    alone = _this_process_only()
+    as_numpy = {str(i): ocp.RestoreArgs(restore_type=np.ndarray)
+                for i, info in enumerate(meta["leaves"]) if np.prod(info["shape"])}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
+                          multiprocessing_options=alone) as checkpointer:
+        arrays = checkpointer.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
+            restore_args=as_numpy)) if as_numpy else {}
+    leaves = {}
+    for index, info in enumerate(meta["leaves"]):
+        shape, dtype = tuple(info["shape"]), jnp.dtype(info["dtype"])
+        array = np.asarray(arrays[str(index)]) if np.prod(shape) else np.zeros(shape, dtype)
+        parts = [info] if meta["format"] == 1 else info["parts"]
+        covered = 0
+        for part in parts:
+            index_ = tuple(slice(a, b) for a, b in part.get("index", [[0, n] for n in shape]))
+            covered += int(np.prod([s.stop - s.start for s in index_]))
+            if len(index_) != array.ndim or _checksum(array[index_]) != part["crc32"]:
+                covered = -1
+                break
+        if array.shape != shape or array.dtype != dtype or covered != array.size:
+            raise CheckpointError(
+                f"{info['path']} does not match the shape, dtype and checksum saved with it")
+        leaves[info["path"]] = array
+    return leaves
+
+
+def read_checkpoint(path: str, step: int) -> Restored:
+    """The checkpoint in ``path`` (of ``step``) found good: its metadata, each
+    process's data position, and its arrays' shapes as orbax recorded them
+    (read, not its arrays).
+
+    Raises:
+        CheckpointError, ValueError, OSError, KeyError: it cannot be used.
+    """
+    with open(os.path.join(path, "meta", "metadata")) as file:
+        meta = json.load(file)
+    if meta.get("format") not in (FORMAT, *LEGACY_FORMATS) or meta.get("step") != step:
+        raise CheckpointError(f"{path!r} is not a flaxhooks checkpoint for step {step}")
+    leaves = {info["path"]: jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]))
+              for info in meta["leaves"]}
+    common = dict(step=step, position=(meta["epoch"], meta["epoch_step"]), leaves=leaves,
+                  callbacks=meta["callbacks"], path=path, stop_reason=meta["stop_reason"])
+    if meta["format"] in LEGACY_FORMATS:
+        arrays = _read_legacy(path, meta)
+        return Restored(**common, data=read_legacy_positions(path, meta.get("data")),
+                        read=lambda paths, targets: [arrays[p] for p in paths])
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    recorded = ocp.StandardCheckpointHandler(multiprocessing_options=_this_process_only()).metadata(
+        epath.Path(path) / "state").tree if any(math.prod(s.shape) for s in leaves.values()) else {}
+    indices = {info["path"]: i for i, info in enumerate(meta["leaves"])}
+    for info in meta["leaves"]:
+        if math.prod(info["shape"]) and (str(indices[info["path"]]) not in recorded or tuple(
+                recorded[str(indices[info["path"]])].shape) != tuple(info["shape"])):
+            raise CheckpointError(
+                f"{info['path']} is missing from the saved arrays or has another shape there")
+    return Restored(**common, data=read_positions(os.path.join(path, DATA_ITEM)),
+                    fingerprints={info["path"]: info["fingerprint"] for info in meta["leaves"]},
+                    read=functools.partial(_read_arrays, path, indices))
+
+
+# -- writing -----------------------------------------------------------------
+
+
+def _manager(directory: str, keep: int, best: tuple[str, str] | None, keep_best: int, barrier: str,
+             committed: Callable[[], None]) -> Any:
+    """orbax's manager of ``directory``: saves asynchronously, every process
+    writing its part, the latest ``keep`` and the best ``keep_best`` kept;
+    ``committed()`` is called on orbax's thread once each save is in place."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    keeping: list[Any] = [policies.LatestN(keep)]
+    metric_fn = None
+    if best is not None:
+        name, mode = best
+        metric_fn = lambda metrics: metrics[name]  # noqa: E731
+        keeping.append(policies.BestN(get_metric_fn=metric_fn, reverse=mode == "min", n=keep_best,
+                                      keep_checkpoints_without_metrics=False))
+    several = jax.process_count() > 1
     options = ocp.CheckpointManagerOptions(
-        # The step's temporary directories are made by process 0 between two
-        # of orbax's key-value barriers (``atomicity.create_all``), never
-        # "asynchronously": then the other processes would wait for a signal
-        # keyed by orbax's per-process count of saves
-        # (``awaitable_signals_contract_<n>``), and that count differs between
-        # processes once process 0 saved alone (format 1, an earlier fit): a
-        # process could read a stale signal and write its part before the
-        # directory exists, or into one process 0 then replaces. orbax 0.12.8
-        # already turns this off without async checkpointing; said here so
-        # that it stays off.
-        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
-        max_to_keep=keep,
+        # Directories made between orbax's barriers, never asynchronously:
+        # the processes then wait on signals keyed by orbax's own count of
+        # saves, which differs between processes that saved in other fits.
+        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False,
+                                               post_finalization_callback=committed),
+        preservation_policy=policies.AnyPreservationPolicy(keeping),
+        best_fn=metric_fn, best_mode=best[1] if best else "max",
         create=False,  # made (and checked) by Checkpoint itself
         # A save killed halfway leaves a temporary directory that was never
-        # renamed into place; it is removed when the next writer opens.
+        # renamed into place; removed when the next manager opens.
         cleanup_tmp_directories=True,
-        enable_async_checkpointing=False,  # saves already run on their own thread
-        multiprocessing_options=(
-            _this_process_only() if every_process is None else _every_process(every_process)),
+        enable_async_checkpointing=True,
+        # Naming every process makes each of orbax's barriers a wait in
+        # JAX's key-value store with a timeout, never a compiled collective
+        # that orbax's background thread could interleave with the train step's.
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes=set(range(jax.process_count())),
+            barrier_sync_key_prefix=barrier) if several else ocp.options.MultiprocessingOptions(),
     )
     return ocp.CheckpointManager(directory, options=options)
 
 
-class _Background:
-    """``fn(*args)`` running on a daemon thread of its own.
-
-    A thread pool's threads are joined before the interpreter exits, so one
-    stuck reading a state that can never be computed (a lost process) would
-    keep the process alive. A daemon thread must instead be joined once done:
-    one still unwinding orbax's native state when the interpreter exits
-    aborts the process.
-    """
-
-    def __init__(self, fn: Any, *args: Any):
-        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                self._future.set_result(fn(*args))
-            except BaseException as error:
-                self._future.set_exception(error)
-
-        self._thread = threading.Thread(target=run, name="flaxhooks-checkpoint", daemon=True)
-        self._thread.start()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> bool:
-        """Waits up to ``timeout``; False if still running, else its result (or error)."""
-        try:
-            self._future.exception(timeout)
-        except concurrent.futures.TimeoutError:
-            return False
-        self._thread.join()
-        self._future.result()
-        return True
+_managers = iter(range(1 << 62))
 
 
 class Checkpoint(Callback):
@@ -376,10 +430,12 @@ class Checkpoint(Callback):
     the latest good checkpoint for ``Trainer.fit(..., resume=True)`` (it is the
     fit's :class:`~flaxhooks.core.Restorer`).
 
-    Saves are atomic, checksummed, never of a non-finite state, and written on a
-    background thread; on several processes the directory must be shared. The
-    README ("Checkpoints, resuming, and interruption", "Several hosts") has the
-    details.
+    Saves are atomic and asynchronous: the loop waits only while this process's
+    shards are copied to the host. A non-finite state is never saved; each
+    leaf's fingerprint is checked when a run resumes. On several processes the
+    directory must be shared: every process writes its own shards and data
+    position. The README ("Checkpoints, resuming, and interruption", "Several
+    hosts") has the details.
 
     Args:
         directory: where checkpoints go (one subdirectory per step); checked
@@ -388,12 +444,18 @@ class Checkpoint(Callback):
             epoch ends and at the end.
         at_epoch_end: save when an epoch's data runs out.
         keep: how many of the latest checkpoints to keep.
+        best: ``(metric, "max" or "min")``, e.g. ``("eval/accuracy", "max")``:
+            also keep the best ``keep_best`` checkpoints by an evaluation's
+            metric (``<Evaluate name>/<metric>``). A step whose evaluation
+            ranks among them is saved, with the metric.
+        keep_best: how many of the best to keep.
 
     Example:
         >>> import tempfile, flaxhooks
-        >>> checkpoint = flaxhooks.Checkpoint(tempfile.mkdtemp(), every=500, keep=3)
-        >>> checkpoint.saved_steps()
-        []
+        >>> checkpoint = flaxhooks.Checkpoint(tempfile.mkdtemp(), every=500, keep=3,
+        ...                                   best=("eval/accuracy", "max"))
+        >>> checkpoint.saved_steps(), checkpoint.best_step()
+        ([], None)
     """
 
     def __init__(
@@ -403,30 +465,33 @@ class Checkpoint(Callback):
         every: Every | int | None = None,
         at_epoch_end: bool = True,
         keep: int = 3,
+        best: tuple[str, str] | None = None,
+        keep_best: int = 1,
     ):
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        if keep < 1 or keep_best < 1:
+            raise ValueError(f"keep and keep_best must be at least 1, got {keep} and {keep_best}")
+        if best is not None and (len(best) != 2 or "/" not in best[0] or best[1] not in ("max", "min")):
+            raise ValueError(f'best is (an evaluation\'s "<name>/<metric>", "max" or "min"), got {best!r}')
         self.directory = os.path.abspath(os.fspath(directory))
         check_writable(self.directory, "checkpoints", CheckpointError)
         self.every = None if every is None else as_every(every)
         self.at_epoch_end = at_epoch_end
-        self.keep = keep
+        self.keep, self.best, self.keep_best = keep, best, keep_best
         #: Steps whose state was not saved because it was not finite.
         self.skipped_steps: list[int] = []
-        self._writer: Any = None
-        self._across = False  # the fit's state is split across processes: every process writes
-        self._exchange = ""  # where this fit's processes agree on each save (JAX's key-value store)
-        self._saving: _Background | None = None
-        # The step of the save in progress, and whose part it waits for (as
-        # its thread last said): for a main thread that waits for it.
-        self._saving_step: int | None = None
-        self._waiting_for = "the other processes' parts"
+        self._manager: Any = None
         self._due = False
         self._saved_step: int | None = None
         self._boundary: int | None = None  # the last step whose events all ran
+        self._metric: tuple[int, float] | None = None  # (step, value) of the latest evaluation of ``best``
+        self._scores: list[float] = []  # ``best``'s values of the checkpoints kept
+        self._unreadable: list[int] = []  # steps the last restore found unusable
+        self._restored: Restored | None = None
+        self._verify: Restored | None = None  # the checkpoint this fit resumed from, checked at its start
 
     def __repr__(self) -> str:
-        return f"Checkpoint({self.directory!r}, every={self.every!r}, keep={self.keep})"
+        best = "" if self.best is None else f", best={self.best!r}, keep_best={self.keep_best}"
+        return f"Checkpoint({self.directory!r}, every={self.every!r}, keep={self.keep}{best})"
 
     # -- reading -------------------------------------------------------------
 
@@ -445,6 +510,47 @@ class Checkpoint(Callback):
         directory = self.directory
         return sorted(int(name) for name in names if name.isdigit() and os.path.isdir(f"{directory}/{name}"))
 
+    def best_step(self) -> int | None:
+        """The step of the best checkpoint on disk by ``best`` (None: none has the metric)."""
+        if self.best is None:
+            return None
+        name, mode = self.best
+        scored = [(metrics[name], step) for step in self.saved_steps()
+                  if (metrics := self._metrics(step)) and name in metrics]
+        if not scored:
+            return None
+        return (max if mode == "max" else min)(scored)[1]
+
+    def _metrics(self, step: int) -> dict[str, float] | None:
+        try:
+            with open(os.path.join(self.directory, str(step), "metrics", "metrics")) as file:
+                return json.load(file)
+        except (OSError, ValueError):
+            return None
+
+    def restore(self, step: int | None = None, *, best: bool = False) -> Restored:
+        """Reads the checkpoint of ``step`` (default: the latest; with ``best``,
+        the best by ``best``), e.g. to evaluate it::
+
+            state = checkpoint.restore(best=True).train_state(trainer.state)
+
+        Raises:
+            CheckpointError: there is no such checkpoint, or it cannot be read.
+        """
+        if best:
+            step = self.best_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint in {self.directory!r} holds {self.best!r}")
+        elif step is None:
+            step = max(self.saved_steps(), default=None)
+        if step is None or step not in self.saved_steps():
+            raise CheckpointError(f"{self.directory!r} holds no checkpoint of step {step}")
+        try:
+            return read_checkpoint(os.path.join(self.directory, str(step)), step)
+        except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
+            raise CheckpointError(f"the checkpoint at step {step} in {self.directory!r} cannot be read: "
+                                  f"{type(error).__name__}: {error}") from error
+
     def restore_latest(self) -> Restored | None:
         """Reads the newest checkpoint that reads back and verifies.
 
@@ -455,17 +561,20 @@ class Checkpoint(Callback):
             CheckpointError: there are checkpoints, but none can be read.
         """
         steps = self.saved_steps()
+        self._unreadable, self._restored = [], None
         if not steps:
             return None
         failures = []
         for step in reversed(steps):
             try:
-                return self._read(step)
+                self._restored = read_checkpoint(os.path.join(self.directory, str(step)), step)
+                return self._restored
             except (TimeoutError, jax.errors.JaxRuntimeError):
                 raise  # waiting or the runtime failed: the checkpoint itself may be fine
             except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
                 # Corrupted, truncated, or not ours. (Anything else is a fault
                 # of the reader, never a reason to set a checkpoint aside.)
+                self._unreadable.append(step)
                 failures.append(f"step {step}: {type(error).__name__}: {error}")
                 warnings.warn(
                     f"the checkpoint at step {step} in {self.directory!r} cannot be restored "
@@ -475,41 +584,6 @@ class Checkpoint(Callback):
         raise CheckpointError(
             f"no checkpoint in {self.directory!r} can be restored:\n  " + "\n  ".join(failures)
         )
-
-    def _read(self, step: int) -> Restored:
-        import orbax.checkpoint as ocp
-
-        path = os.path.join(self.directory, str(step))
-        # Every process reads on its own: a slower process (one that starts
-        # late) never makes another's read time out. Each leaf is read whole,
-        # as host numpy, whoever wrote its parts (format 2): onto any mesh.
-        alone = _this_process_only()
-        handler = ocp.CompositeCheckpointHandler(
-            state=ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
-            meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone),
-        )
-        with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
-            meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            if meta.get("format") not in (FORMAT, FORMAT_PARTS) or meta.get("step") != step:
-                raise CheckpointError(
-                    f"{path!r} is not a flaxhooks checkpoint of format {FORMAT} or {FORMAT_PARTS} for "
-                    f"step {step}"
-                )
-            as_numpy = {str(i): ocp.RestoreArgs(restore_type=np.ndarray)
-                        for i, info in enumerate(meta["leaves"]) if np.prod(info["shape"])}
-            arrays = checkpointer.restore(path, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(restore_args=as_numpy))).state if as_numpy else {}
-        leaves = {}
-        for index, info in enumerate(meta["leaves"]):
-            shape, dtype = tuple(info["shape"]), jnp.dtype(info["dtype"])
-            array = np.asarray(arrays[str(index)]) if np.prod(shape) else np.zeros(shape, dtype)
-            if array.shape != shape or array.dtype != dtype or not _verified(array, info, meta["format"]):
-                raise CheckpointError(
-                    f"{info['path']} does not match the shape, dtype and checksum saved with it"
-                )
-            leaves[info["path"]] = array
-        return Restored(step, (meta["epoch"], meta["epoch_step"]), leaves, meta["callbacks"], path,
-                        meta["stop_reason"], read_positions(path, meta.get("data")))
 
     # -- writing -------------------------------------------------------------
 
@@ -522,30 +596,63 @@ class Checkpoint(Callback):
         later = [s for s in self.saved_steps() if s > plan.step]
         if later and plan.resumed_from != plan.step:
             raise CheckpointConflictError(self.directory, later, plan.step)
+        restored = self._restored
+        self._verify = restored if restored is not None and plan.resumed_from == restored.step else None
 
     def on_fit_start(self, loop: Loop) -> None:
         self._due = False
-        # A state that process 0 does not hold whole: every process writes its part.
-        self._across = jax.process_count() > 1 and not all(
-            _whole_on_process_0(leaf) for _, leaf in state_leaves(loop.state))
-        self._exchange = f"flaxhooks/checkpoint-{next(_exchanges)}"
+        self._metric = None
+        name = self.best[0] if self.best else ""
+        self._scores = [m[name] for step in self.saved_steps() if (m := self._metrics(step)) and name in m]
         self._boundary = loop.step
         self._set_aside_unreadable(loop.step)
         self._saved_step = loop.step if loop.step in self.saved_steps() else None
-        self._writer = None  # opened afresh: its list of steps may be stale
+        self._manager = None  # opened afresh: its list of steps may be stale
+        verify, self._verify = self._verify, None
+        if verify is not None and verify.fingerprints is not None:
+            self._check_fingerprints(verify, loop.state)
+
+    def _check_fingerprints(self, restored: Restored, state: Any) -> None:
+        """The resumed state reads back as it was saved, on every process alike
+        (one reduction over the global arrays, whatever mesh they are on now)."""
+        assert restored.fingerprints is not None
+        paths, leaves = zip(*state_leaves(state), strict=True)
+        _, prints = _checked(leaves)
+        changed = [p for p, got in zip(paths, prints, strict=True) if restored.fingerprints.get(p) != got]
+        if changed:
+            before = [s for s in self.saved_steps() if s < restored.step]
+            raise CheckpointError(
+                f"the checkpoint at step {restored.step} in {self.directory!r} reads back other than it was "
+                f"saved in {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} (its files "
+                f"changed on disk): move {restored.path!r} aside to resume from "
+                + (f"step {before[-1]}" if before else "the start")
+            )
 
     def _set_aside_unreadable(self, step: int) -> None:
-        """Checkpoints after a resumed run's start are ones the resume could not
-        read (:meth:`check_fit` refused any other): set aside as ``unreadable-<step>``."""
+        """Checkpoints after a resumed run's start that the resume could not
+        read are set aside as ``unreadable-<step>``."""
+        unreadable, self._unreadable = [s for s in self._unreadable if s > step], []
         if jax.process_index() != 0:
             return
-        for unreadable in [s for s in self.saved_steps() if s > step]:
-            aside = os.path.join(self.directory, f"unreadable-{unreadable}-{time.time_ns()}")
-            os.replace(os.path.join(self.directory, str(unreadable)), aside)
-            _log.warning("set the unreadable checkpoint at step %d aside as %s", unreadable, aside)
+        for found in unreadable:
+            aside = os.path.join(self.directory, f"unreadable-{found}-{time.time_ns()}")
+            os.replace(os.path.join(self.directory, str(found)), aside)
+            _log.warning("set the unreadable checkpoint at step %d aside as %s", found, aside)
 
     def on_step_start(self, loop: Loop) -> None:
-        self._raise_failed_save()
+        if self._manager is not None and not self._manager.is_saving_in_progress():
+            self._failed_save(self._manager.check_for_errors)
+
+    def on_eval_end(self, loop: Loop) -> None:
+        result: EvalResult = loop.payload
+        if self.best is None or not self.best[0].startswith(f"{result.name}/"):
+            return
+        metric = self.best[0][len(result.name) + 1:]
+        if metric not in result.metrics:
+            raise KeyError(f"Checkpoint keeps the best {self.best[0]!r}; {result.name!r} has "
+                           f"{sorted(result.metrics)}")
+        value = float(result.metrics[metric])
+        self._metric = None if math.isnan(value) else (result.step, value)
 
     # Saves happen once every handler of the event has run (loop.after), so
     # the saved callbacks' state matches the saved parameters, whatever the
@@ -556,7 +663,7 @@ class Checkpoint(Callback):
         loop.after(self, lambda loop: self._step_done(loop, due))
 
     def _step_done(self, loop: Loop, due: bool) -> None:
-        self._due = self._due or due
+        self._due = self._due or due or self._among_best(loop.step)
         if loop.epoch_step == loop.steps_per_epoch:
             return  # an epoch's last step is done once its epoch_end is
         self._boundary = loop.step
@@ -569,15 +676,26 @@ class Checkpoint(Callback):
 
     def _epoch_done(self, loop: Loop) -> None:
         self._boundary = loop.step
-        if self._due or (self.at_epoch_end and loop.epoch_done):
+        if self._due or self._among_best(loop.step) or (self.at_epoch_end and loop.epoch_done):
             self._save(loop)
 
+    def _among_best(self, step: int) -> bool:
+        """Whether ``step`` was evaluated and ranks among the best ``keep_best``
+        kept: those on disk when the fit started and those it saved since
+        (never the disk's view now, which may lag a save in flight differently
+        on each process)."""
+        if self.best is None or self._metric is None or self._metric[0] != step:
+            return False
+        mode = self.best[1]
+        kept = sorted(self._scores, reverse=mode == "max")
+        value = self._metric[1]
+        return len(kept) < self.keep_best or (value > kept[self.keep_best - 1] if mode == "max" else
+                                              value < kept[self.keep_best - 1])
+
     #: Seconds to wait for a save in progress at the end of a failed fit:
-    #: the state it copies may come from a step that never finishes (a lost
-    #: process), and the checkpoints before it stay intact.
+    #: the checkpoints before it stay intact.
     FAILING_WAIT_SECONDS = 30.0
-    #: The same after a lost process: its state is never coming, and the
-    #: process must exit soon (``flaxhooks.PeerLost``).
+    #: The same after a lost process, whose part is never coming.
     LOST_PEER_WAIT_SECONDS = 1.0
 
     def on_fit_end(self, loop: Loop) -> None:
@@ -600,18 +718,15 @@ class Checkpoint(Callback):
         # Failing already: a peer lost meanwhile ends the wait, and the error
         # that ends the fit stays the first one.
         if self._wait(wait, step=loop.step, raise_lost=loop.exception is None):
-            self._close_writer()  # each fit opens its own: nothing left behind between fits
+            manager, self._manager = self._manager, None
+            if manager is not None:  # each fit opens its own: nothing left behind between fits
+                manager.close()
         else:
             _log.warning(
                 "the checkpoint save in progress did not finish %s; the checkpoints %s are intact",
                 "before a process was lost" if wait is None else f"within {wait:g} s of the failure",
                 self.saved_steps(),
             )
-
-    def _close_writer(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for the save in progress, if any.
@@ -624,127 +739,142 @@ class Checkpoint(Callback):
 
         Raises:
             CheckpointError: it failed.
-            ProcessError: during a fit whose state is split across
-                processes, a peer was lost (:class:`~flaxhooks.PeerLost`) or
-                left the run while this process waited for its part.
+            ProcessError: on several processes, a peer was lost
+                (:class:`~flaxhooks.PeerLost`) or left the run while this
+                process waited for its part.
         """
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None, step: int | None = None, raise_lost: bool = True) -> bool:
         """:meth:`wait`; with ``raise_lost`` False a lost peer ends the wait
         (False) instead of raising. ``step``: where the loop is, for the error."""
-        saving = self._saving
-        if saving is None:
+        manager = self._manager
+        if manager is None:
             return True
-        try:
-            if not self._finished(saving, timeout, step, raise_lost):
+        if not self._poll(manager.is_saving_in_progress, timeout, step, raise_lost, "to commit"):
+            return False
+        self._failed_save(manager.wait_until_finished)
+        return True
+
+    def _poll(self, busy: Callable[[], bool], timeout: float | None, step: int | None, raise_lost: bool,
+              what: str) -> bool:
+        """Waits while ``busy()``, up to ``timeout``; whether it ended. On
+        several processes a peer lost meanwhile ends the wait with the loop's
+        own :class:`~flaxhooks.PeerLost` (orbax's barriers would wait
+        minutes), and a long wait is logged."""
+        start = noted = time.monotonic()
+        while busy():
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
                 return False
-        except ProcessError:
-            raise
+            if jax.process_count() > 1:
+                gone = peer_gone(step)
+                if gone is not None:
+                    if raise_lost:
+                        raise gone
+                    return False
+                if time.monotonic() - noted >= WAIT_NOTE_SECONDS:
+                    noted = time.monotonic()
+                    _log.warning("process %d is waiting for the checkpoint of step %s %s (%.0f s so far)",
+                                 jax.process_index(), self._saved_step, what, waited)
+            time.sleep(0.005)
+        return True
+
+    def _start_save(self, save: Callable[[], Any], step: int) -> None:
+        """Runs orbax's ``save`` (it returns once this process's shards are on
+        the host) on a daemon thread while this one waits for it: orbax's
+        commit thread, started from there, is then a daemon too, so a commit
+        stuck waiting for a lost process never holds this process's exit, and
+        the wait here notices a lost peer."""
+        outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                save()
+                outcome.set_result(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                outcome.set_exception(error)
+
+        threading.Thread(target=run, name="flaxhooks-checkpoint-save", daemon=True).start()
+        self._poll(lambda: not outcome.done(), None, step, True, "to reach the host")
+        if outcome.exception() is not None:
+            self._manager = None  # in no known state: the next save opens another
+        self._failed_save(outcome.result)
+
+    def _failed_save(self, check: Callable[[], Any]) -> None:
+        try:
+            check()
         except Exception as error:
             raise CheckpointError(
                 f"saving a checkpoint to {self.directory!r} failed: {type(error).__name__}: {error}; "
                 f"the earlier checkpoints {self.saved_steps()} are intact"
             ) from error
-        finally:
-            if saving.done():
-                self._saving = None
-        return True
-
-    def _finished(
-        self, saving: _Background, timeout: float | None, step: int | None, raise_lost: bool
-    ) -> bool:
-        """Waits up to ``timeout`` for ``saving``; whether it finished.
-
-        A save of a state split across processes waits for the others (for
-        their word, and at orbax's barriers, which time out only after
-        minutes): the main thread then polls, so that a peer lost meanwhile
-        ends the wait with the loop's own :class:`~flaxhooks.PeerLost` (not
-        the process's end, seconds later, for being stuck), and says whom it
-        waits for when that takes long.
-        """
-        if jax.process_count() == 1:  # waits for no other process
-            return saving.result(timeout)
-        start = noted = time.monotonic()
-        while True:
-            left = None if timeout is None else timeout - (time.monotonic() - start)
-            if saving.result(0.1 if left is None else max(0.0, min(0.1, left))):
-                return True
-            if left is not None and left <= 0.1:
-                return False
-            gone = peer_gone(step)
-            if gone is not None:
-                if raise_lost:
-                    raise gone
-                return False
-            now = time.monotonic()
-            if now - noted >= WAIT_NOTE_SECONDS:
-                noted = now
-                _log.warning(
-                    "process %d is waiting for %s of the checkpoint at step %s (%.0f s so far)",
-                    jax.process_index(), self._waiting_for, self._saving_step, now - start,
-                )
-
-    def _raise_failed_save(self) -> None:
-        if self._saving is not None and self._saving.done():
-            self.wait()
 
     def _save(self, loop: Loop) -> None:
         self._due = False
-        state, (epoch, epoch_step), step = loop.state, loop.position, loop.step
-        if jax.process_index() != 0:  # process 0 writes every process's data position
-            post_position(distributed_client(), self._exchange, step, loop.data_position)
-            if not self._across:
-                return
+        step = loop.step
         if step == self._saved_step:
-            return  # saved (or being saved) already: never declined after the others agreed to save it
-        if loop.diverged is not None:
+            return  # saved (or being saved, or skipped) already
+        if loop.diverged is not None:  # the same on every process: the guard sees the global loss
             # The guard kept the state from before the non-finite step: it is not this step's.
             _log.info("not saving step %d: training diverged at step %d", step, loop.diverged)
-            self._decline(step, f"training diverged at step {loop.diverged}")
             return
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+        if loop.exception is not None and (jax.process_count() > 1 or not self._at_boundary(loop)):
+            # Several processes save only where they agreed to stop; one
+            # interrupted inside a step's work cannot be resumed exactly.
+            return
+        paths, leaves = zip(*state_leaves(loop.state), strict=True)
+        if any(leaf.is_deleted() for leaf in leaves if isinstance(leaf, jax.Array)):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", step)
-            self._decline(step, "its state was consumed by an interrupted step")
             return
-        if loop.exception is not None and not self._at_boundary(loop):
-            self._decline(step, "it was interrupted inside a step")
+        finite, prints = _checked(leaves)
+        nonfinite = [p for p, ok in zip(paths, finite, strict=True) if not ok]
+        if nonfinite:
+            self._saved_step = step  # decided: not again at the fit's end
+            self.skipped_steps.append(step)
+            warnings.warn(
+                f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
+                f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
+            )
             return
+        epoch, epoch_step = loop.position
         meta = {
-            "format": FORMAT,
-            "step": step,
-            "epoch": epoch,
-            "epoch_step": epoch_step,
-            "time": time.time(),
+            "format": FORMAT, "step": step, "epoch": epoch, "epoch_step": epoch_step, "time": time.time(),
             # A run that decided to stop (early stopping) stays stopped on resume.
             "stop_reason": loop.stop_reason if loop.interrupted is None else None,
             "callbacks": self._callback_states(loop),
+            "leaves": [{"path": p, "shape": list(jnp.shape(x)), "dtype": str(jnp.result_type(x)),
+                        "fingerprint": f} for p, x, f in zip(paths, leaves, prints, strict=True)],
         }
+        import orbax.checkpoint as ocp
+
         self._wait(None, step=step)  # one save at a time
-        # The next step donates the original. Split across processes, every
-        # process copies its own shards, at the same step as the others.
-        copy = jax.tree.map(_global_snapshot if self._across else _snapshot, state)
+        if self._manager is None:
+            self._manager = _manager(self.directory, self.keep, self.best, self.keep_best,
+                                     f"flaxhooks/checkpoint-{next(_managers)}", self._committed)
+        metrics = None
+        if self.best is not None and self._metric is not None and self._metric[0] == step:
+            metrics = {self.best[0]: self._metric[1]}
+            self._scores.append(self._metric[1])
         # The TensorBoard logs up to this step reach the disk before the
         # checkpoint commits: a resumed run re-logs only what comes after it.
-        logs_synced = loop.writers.sync_point()
-        # Where the processes agree on this save (None: process 0 alone), fixed now.
-        exchange = self._exchange if self._across else None
-        self._saving_step, self._waiting_for = step, "the other processes' parts"
-        self._saving = _Background(self._write, step, copy, meta, logs_synced, exchange, loop.data_position)
+        # By index (orbax names files after keys); orbax refuses empty arrays.
+        arrays = {str(i): x for i, x in enumerate(leaves) if math.prod(jnp.shape(x))}
+        items = {
+            "state": ocp.args.StandardSave(arrays),
+            "meta": ocp.args.JsonSave(meta),
+            DATA_ITEM: data_item_args()(own_files(loop.data_position), loop.writers.sync_point()),
+        }
+        # Returns once this process's shards are on the host; orbax writes
+        # and commits them on its own thread.
+        manager = self._manager
         self._saved_step = step
+        self._start_save(lambda: manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
+                                              force=True), step)
 
-    def _decline(self, step: int, why: str) -> None:
-        """Split across processes: tells the others this process does not save
-        ``step`` (none commits it), so that none waits for its part."""
-        if self._across:
-            index, base = jax.process_index(), f"{self._exchange}/{step}"
-            report = json.dumps({"declined": f"process {index}: {why}"})
-            # Overwriting: a step can be declined twice (at the interrupted
-            # step's end and at the fit's); never one this process saves.
-            client = distributed_client()
-            client.key_value_set(f"{base}/report/{index}", report, allow_overwrite=True)
-            if index == 0:
-                client.key_value_set(f"{base}/decision", report, allow_overwrite=True)
+    def _committed(self) -> None:
+        """On orbax's thread, once the save in flight is in place."""
+        _log.info("saved checkpoint at step %d to %s", self._saved_step, _shown(self.directory))
 
     def _at_boundary(self, loop: Loop) -> bool:
         """Whether a KeyboardInterrupt raised anywhere left a state that can
@@ -772,157 +902,3 @@ class Checkpoint(Callback):
                     f"{callback!r}.state_dict() is not JSON-serializable: {error}"
                 ) from error
         return states
-
-    def _write(
-        self, step: int, state: Any, meta: dict[str, Any], logs_synced: Any, exchange: str | None,
-        data: DataPosition | None,
-    ) -> None:
-        import orbax.checkpoint as ocp
-
-        paths, leaves = zip(*state_leaves(state), strict=True)
-        arrays = (self._whole(step, paths, leaves, meta) if exchange is None else
-                  self._parts(step, paths, leaves, meta, exchange))
-        if arrays is None:
-            return
-        files: dict[str, str] = {}
-        if jax.process_index() == 0:
-            deadline = time.monotonic() + self.PEER_WAIT_SECONDS
-            gathered = gather_positions(
-                data, lambda key, whose: self._read_posted(key, whose, step, deadline), self._exchange, step)
-            meta["data"], files = split_positions(gathered)
-        items = {"state": ocp.args.StandardSave(arrays), "meta": ocp.args.JsonSave(meta)}
-        if data is not None and data.state is not None:  # the same on every process that writes
-            items[DATA_ITEM] = loader_states_args()(files)
-        if not logs_synced.wait(timeout=300):
-            _log.warning("TensorBoard logs did not reach the disk before checkpoint %d", step)
-        if self._writer is None:
-            self._writer = _writer(self.directory, self.keep, exchange)
-        self._writer.save(step, args=ocp.args.Composite(**items), force=True)
-        self._writer.wait_until_finished()
-        _log.info("saved checkpoint at step %d to %s", step, _shown(self.directory))
-
-    def _skip(self, step: int, nonfinite: Sequence[str]) -> None:
-        self.skipped_steps.append(step)
-        warnings.warn(
-            f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
-            f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
-        )
-
-    def _whole(
-        self, step: int, paths: Sequence[str], leaves: Sequence[Any], meta: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """Format 1, process 0 alone: each leaf whole on the host, checked and
-        checksummed; None if one is not finite (the save is skipped)."""
-        host = [_host(x) for x in leaves]
-        nonfinite = [
-            path for path, x in zip(paths, host, strict=True)
-            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all()
-        ]
-        if nonfinite:
-            self._skip(step, nonfinite)
-            return None
-        meta["leaves"] = [
-            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype), "crc32": _checksum(x)}
-            for path, x in zip(paths, host, strict=True)
-        ]
-        return {str(i): x for i, x in enumerate(host) if x.size}  # orbax refuses empty arrays
-
-    def _parts(
-        self, step: int, paths: Sequence[str], leaves: Sequence[Any], meta: dict[str, Any], exchange: str
-    ) -> dict[str, Any] | None:
-        """Format 2, a state split across processes: this process checks and
-        checksums the parts it writes (the shards of which it holds replica 0;
-        process 0 also the replicated leaves), and every process agrees through
-        JAX's key-value store, never a collective, whether to save. None if a
-        process found a part not finite, or declined (none saves).
-
-        Returns what orbax saves: the split leaves as global arrays (each
-        process writes its parts), the replicated ones on the host (process 0
-        writes them).
-        """
-        index = jax.process_index()
-        arrays: dict[str, Any] = {}
-        nonfinite: list[str] = []
-        parts: dict[str, list[dict[str, Any]]] = {}
-        for i, (path, x) in enumerate(zip(paths, leaves, strict=True)):
-            if x.is_fully_replicated:
-                whole = np.asarray(jax.device_get(x))
-                if whole.size:
-                    arrays[str(i)] = whole  # orbax refuses empty arrays
-                pieces: Any = [([[0, n] for n in whole.shape], whole)] if index == 0 else []
-            else:
-                if x.size:  # orbax refuses empty arrays; restore makes them zeros
-                    arrays[str(i)] = x
-                pieces = (  # one part at a time on the host
-                    (_bounds(shard.index, x.shape), np.asarray(shard.data))
-                    for shard in x.addressable_shards if shard.replica_id == 0)
-            for bounds, data in pieces:
-                if jnp.issubdtype(data.dtype, jnp.inexact) and not np.isfinite(data).all():
-                    nonfinite += [path] if path not in nonfinite else []
-                parts.setdefault(str(i), []).append({"index": bounds, "crc32": _checksum(data)})
-        decision = self._agree(exchange, step, {"nonfinite": nonfinite, "parts": parts})
-        if decision.get("declined"):
-            _log.warning("not saving step %d: %s", step, decision["declined"])
-            return None
-        if decision["nonfinite"]:
-            self._skip(step, decision["nonfinite"])
-            return None
-        meta["format"] = FORMAT_PARTS
-        meta["leaves"] = [
-            {"path": path, "shape": list(x.shape), "dtype": str(x.dtype),
-             "parts": sorted(decision.get("parts", {}).get(str(i), []), key=lambda p: p["index"])}
-            for i, (path, x) in enumerate(zip(paths, leaves, strict=True))
-        ]  # written by process 0, which has every process's parts
-        return arrays
-
-    #: Seconds a process waits for another's part of a save (orbax's own
-    #: barriers wait 300 s) before the save fails with a ``CheckpointError``.
-    PEER_WAIT_SECONDS = 300.0
-
-    def _agree(self, exchange: str, step: int, report: dict[str, Any]) -> dict[str, Any]:
-        """Every process's word on saving ``step``: process 0 reads every
-        report and posts the decision, with every part's checksum; the others
-        read it. Through JAX's key-value store, with a timeout."""
-        client, index = distributed_client(), jax.process_index()
-        base = f"{exchange}/{step}"
-        client.key_value_set(f"{base}/report/{index}", json.dumps(report))
-        deadline = time.monotonic() + self.PEER_WAIT_SECONDS
-
-        def read(key: str, whose: str) -> dict[str, Any]:
-            return json.loads(self._read_posted(key, whose, step, deadline))
-
-        if index != 0:
-            decision = read(f"{base}/decision", "process 0's decision")
-        else:
-            decision = self._decide(client, base, [
-                read(f"{base}/report/{p}", f"process {p}'s part") for p in range(jax.process_count())])
-        others = [p for p in range(jax.process_count()) if p != index]
-        self._waiting_for = f"process{'es' if len(others) > 1 else ''} {', '.join(map(str, others))}'s part"
-        return decision
-
-    def _read_posted(self, key: str, whose: str, step: int, deadline: float) -> str:
-        """What another process posted under ``key``, waiting until ``deadline``."""
-        self._waiting_for = whose
-        try:
-            return distributed_client().blocking_key_value_get(
-                key, max(1, int(1000 * (deadline - time.monotonic()))))
-        except jax.errors.JaxRuntimeError as error:
-            raise CheckpointError(
-                f"process {jax.process_index()} waited {self.PEER_WAIT_SECONDS:g} s for {whose} of the "
-                f"checkpoint at step {step}: {error}"
-            ) from error
-
-    @staticmethod
-    def _decide(client: Any, base: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        """Process 0: the decision from every process's report, posted for the others."""
-        for p in range(jax.process_count()):
-            client.key_value_delete(f"{base}/report/{p}")
-        declined = "; ".join(r["declined"] for r in reports if "declined" in r)
-        nonfinite = [path for r in reports for path in r.get("nonfinite", [])]
-        parts: dict[str, list[Any]] = {}
-        for r in reports:
-            for leaf, pieces in r.get("parts", {}).items():
-                parts.setdefault(leaf, []).extend(pieces)
-        # The others need only the verdict; the checksums go into process 0's meta.
-        client.key_value_set(f"{base}/decision", json.dumps({"declined": declined, "nonfinite": nonfinite}))
-        return {"declined": declined, "nonfinite": nonfinite, "parts": parts}

@@ -1,90 +1,100 @@
-"""Where each process's data stood at a checkpoint: saved with it, read back
-for the resume.
+"""Where each process's data stood at a checkpoint: written with it by that
+process, read back for the resume.
 
-Every process's :class:`~flaxhooks.data.DataPosition` goes into the
-checkpoint's ``meta`` (epoch, batch, fingerprint); a loader's own state goes
-into its ``data`` item, one file per process in grain's layout
-(``process_<i>-of-<n>.json``, what ``grain.checkpoint.CheckpointHandler``
-reads for that process). grain's handler writes only the calling process's
-file, and a checkpoint of a replicated state is written by process 0 alone,
-so process 0 gathers every process's position (through JAX's key-value
-store, off the training thread) and writes them all, in one atomic commit
-with the train state.
+The checkpoint's ``data`` item holds, per process ``i`` of ``n``:
+``position_<i>-of-<n>.json`` (epoch, batch, fingerprint) and, for a loader
+with a state of its own, ``process_<i>-of-<n>.json``: grain's layout, what
+``grain.checkpoint.CheckpointHandler`` reads for that process. Each process
+writes its own files inside orbax's save, so nothing passes between
+processes; the files commit with the train state, after the TensorBoard logs
+up to the checkpoint's step reach the disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import os
-from collections.abc import Callable, Sequence
+import re
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from flaxhooks.data import DataPosition
 
-#: The checkpoint item that holds the loaders' states.
+#: The checkpoint item that holds the data positions and loaders' states.
 DATA_ITEM = "data"
+#: The longest a checkpoint's commit waits for the logs up to its step.
+LOGS_WAIT_SECONDS = 300.0
+
+_log = logging.getLogger("flaxhooks")
+
+_POSITION = re.compile(r"position_(\d+)-of-(\d+)\.json")
 
 
-def file_name(index: int, count: int) -> str:
-    """A process's file in the ``data`` item, named as grain names it."""
+def state_file(index: int, count: int) -> str:
+    """A process's loader state in the ``data`` item, named as grain names it."""
     return f"process_{index}-of-{count}.json"
 
 
-def key(exchange: str, step: int, index: int) -> str:
-    """Where process ``index`` posts its position at ``step`` for process 0."""
-    return f"{exchange}/{step}/data/{index}"
+def own_files(position: DataPosition | None) -> dict[str, str]:
+    """This process's files for the ``data`` item (none before its first batch)."""
+    if position is None:
+        return {}
+    index, count = jax.process_index(), jax.process_count()
+    value = position.to_json()
+    state = value.pop("state")
+    files = {}
+    if state is not None:
+        as_bytes = isinstance(state, dict) and state.keys() == {"bytes"}
+        # grain's DataLoader state is JSON text already; a dataset iterator's a dict.
+        files[state_file(index, count)] = state["bytes"] if as_bytes else json.dumps(state, indent=4)
+        value["state_kind"] = "bytes" if as_bytes else "json"
+    files[f"position_{index}-of-{count}.json"] = json.dumps(value)
+    return files
 
 
-def post_position(client: Any, exchange: str, step: int, position: DataPosition | None) -> None:
-    """Posts this process's position at ``step`` (never waits)."""
-    value = json.dumps(None if position is None else position.to_json())
-    client.key_value_set(key(exchange, step, jax.process_index()), value, allow_overwrite=True)
+def read_positions(directory: str) -> tuple[DataPosition, ...] | None:
+    """Every process's position, loader state included, from a ``data`` item
+    (None: a process had none).
+
+    Raises:
+        ValueError: the item is incomplete.
+    """
+    found = {}
+    for name in os.listdir(directory):
+        match = _POSITION.fullmatch(name)
+        if match:
+            found[int(match[1])] = int(match[2])
+    counts = set(found.values())
+    if not found:
+        return None
+    if len(counts) != 1 or sorted(found) != list(range(next(iter(counts)))):
+        raise ValueError(
+            f"{directory!r} holds data positions of processes {sorted(found)} of {sorted(counts)}")
+    count = counts.pop()
+    positions = []
+    for index in range(count):
+        with open(os.path.join(directory, f"position_{index}-of-{count}.json")) as file:
+            value = json.load(file)
+        kind = value.pop("state_kind", None)
+        value["state"] = None
+        if kind is not None:
+            with open(os.path.join(directory, state_file(index, count))) as file:
+                text = file.read()
+            value["state"] = {"bytes": text} if kind == "bytes" else json.loads(text)
+        positions.append(DataPosition.from_json(value))
+    return tuple(positions)
 
 
-def gather_positions(
-    own: DataPosition | None, read: Callable[[str, str], str | None], exchange: str, step: int
-) -> list[dict[str, Any] | None]:
-    """Every process's position at ``step`` as JSON values, in process order:
-    this one's, and the others' as posted (``read(key, whose)``, which waits)."""
-    positions: list[dict[str, Any] | None] = []
-    for index in range(jax.process_count()):
-        if index == jax.process_index():
-            positions.append(None if own is None else own.to_json())
-        else:
-            text = read(key(exchange, step, index), f"process {index}'s data position")
-            positions.append(None if text is None else json.loads(text))
-    return positions
-
-
-def split_positions(
-    positions: Sequence[dict[str, Any] | None],
-) -> tuple[dict[str, Any] | None, dict[str, str]]:
-    """What ``meta`` holds (None when a process has no position yet) and the
-    ``data`` item's files (the loaders' states, grain's layout)."""
-    if not positions or any(p is None for p in positions):
-        return None, {}
-    count, files, kept = len(positions), {}, []
-    for index, position in enumerate(positions):
-        assert position is not None
-        position = dict(position)
-        state = position.pop("state")
-        if state is not None:
-            name = file_name(index, count)
-            as_bytes = isinstance(state, dict) and state.keys() == {"bytes"}
-            # grain's DataLoader state is JSON text already; a dataset iterator's a dict.
-            files[name] = state["bytes"] if as_bytes else json.dumps(state, indent=4)
-            position["state_file"], position["state_kind"] = name, "bytes" if as_bytes else "json"
-        kept.append(position)
-    return {"processes": count, "positions": kept}, files
-
-
-def read_positions(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition, ...] | None:
-    """Every process's position, loader states included, from a checkpoint's
-    ``meta["data"]`` and ``data`` item (None: it holds none)."""
+def read_legacy_positions(path: str, meta: Mapping[str, Any] | None) -> tuple[DataPosition, ...] | None:
+    """The same from a checkpoint of 0.8 or older: positions in ``meta["data"]``
+    (written by process 0 for all), loader states in the ``data`` item."""
     if not meta:
         return None
     positions = []
@@ -100,17 +110,29 @@ def read_positions(path: str, meta: dict[str, Any] | None) -> tuple[DataPosition
 
 
 @functools.cache
-def loader_states_args() -> Callable[[dict[str, str]], Any]:
-    """orbax's save arguments for the ``data`` item: ``{file name: text}``,
-    written by process 0 (made once: orbax registers them globally)."""
+def data_item_args() -> Callable[[dict[str, str], threading.Event], Any]:
+    """orbax's save arguments for the ``data`` item: this process's files, and
+    an event set once the logs up to the checkpoint are on disk (made once:
+    orbax registers them globally)."""
     import orbax.checkpoint as ocp
 
-    class LoaderStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
-        """Writes the given files into the item's directory."""
+    class DataFilesHandler(ocp.AsyncCheckpointHandler):  # type: ignore[misc]
+        """Writes this process's files off the training thread, once the logs are on disk."""
+
+        async def async_save(self, directory: Any, args: Any) -> list[Any]:
+            async def write() -> None:
+                if not args.logs_synced.wait(timeout=LOGS_WAIT_SECONDS):
+                    _log.warning("the TensorBoard logs did not reach the disk within %g s of a checkpoint's "
+                                 "save: it commits without them", LOGS_WAIT_SECONDS)
+                for name, text in args.files.items():
+                    (directory / name).write_text(text)
+
+            future = ocp.future.CommitFutureAwaitingContractedSignals(write(), name="flaxhooks-data")
+            return [future]
 
         def save(self, directory: Any, args: Any) -> None:
-            for name, text in args.files.items():
-                (directory / name).write_text(text)
+            for future in asyncio.run(self.async_save(directory, args)):
+                future.result()
 
         def restore(self, directory: Any, args: Any = None) -> dict[str, str]:
             return {p.name: p.read_text() for p in directory.iterdir()}
@@ -124,10 +146,10 @@ def loader_states_args() -> Callable[[dict[str, str]], Any]:
         def close(self) -> None:
             pass
 
-    @ocp.args.register_with_handler(LoaderStatesHandler, for_save=True, for_restore=True)
+    @ocp.args.register_with_handler(DataFilesHandler, for_save=True, for_restore=True)
     @dataclasses.dataclass
-    class LoaderStates(ocp.args.CheckpointArgs):  # type: ignore[misc]
+    class DataFiles(ocp.args.CheckpointArgs):  # type: ignore[misc]
         files: dict[str, str]
+        logs_synced: threading.Event
 
-    return LoaderStates
-
+    return DataFiles

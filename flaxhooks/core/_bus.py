@@ -117,16 +117,18 @@ class HookBus:
         record.event, record.payload, record.after = event, payload, []
         try:
             if failing:
-                for callback, handler in handlers:
-                    record.handling = callback
-                    try:
-                        handler(loop)
-                    except Exception:
-                        _log.exception("%r raised in %s while training was already ending",
-                                       callback, event.handler)
+                self._call_logging(handlers, event, loop, "while training was already ending")
                 return
             if self._defer is not None or event in ALWAYS_RUN:
-                self._emit_to_all(event, loop, handlers)
+                try:
+                    self._emit_to_all(event, loop, handlers)
+                except Exception:
+                    if self._defer is not None:
+                        # Several processes: what handlers asked for still runs (a
+                        # checkpoint's save), so that every process takes part in the
+                        # same saves; the error is agreed on at the stop it asks for.
+                        self._call_logging(record.after, event, loop, "after an earlier handler failed")
+                    raise
             else:
                 for callback, handler in handlers:
                     record.handling = callback
@@ -145,6 +147,18 @@ class HookBus:
             self._defer(loop, error)
         finally:
             record.event, record.payload, record.after, record.handling = outer
+
+    @staticmethod
+    def _call_logging(handlers: Iterable[tuple[Callback, Handler]], event: Event, loop: Loop,
+                      when: str) -> None:
+        """Calls every handler; their errors are logged (raised ``when``), not raised."""
+        record = record_of(loop)
+        for callback, handler in handlers:
+            record.handling = callback
+            try:
+                handler(loop)
+            except Exception:
+                _log.exception("%r raised in %s %s", callback, event.handler, when)
 
     @staticmethod
     def _call(callback: Callback, handler: Handler, event: Event, loop: Loop) -> None:

@@ -81,20 +81,38 @@ def describe(error: BaseException) -> str:
 
 
 def distributed_client() -> Any:
-    """JAX's distributed client: the key-value store the processes agree through."""
-    from jax._src import distributed
+    """JAX's distributed client: the key-value store the processes agree through
+    (reached as orbax reaches it; JAX has no public accessor)."""
+    from orbax.checkpoint import multihost
 
-    client = distributed.global_state.client
-    if client is None:
+    if not multihost.is_jax_distributed_client_initialized():
         raise RuntimeError(
             "several JAX processes but no distributed client: call jax.distributed.initialize first"
         )
-    return client
+    return multihost.get_jax_distributed_client()
 
 
-def timed_out(error: Exception) -> bool:
-    """Whether a key-value store call failed only for its deadline (the value is not there yet)."""
-    return "DEADLINE_EXCEEDED" in str(error)
+def posted(client: Any, key: str) -> str | None:
+    """The value posted under ``key``, or None if there is none yet (never waits)."""
+    for found, value in client.key_value_dir_get(key.rsplit("/", 1)[0] + "/"):
+        if found == key:
+            return value
+    return None
+
+
+def wait_posted(client: Any, key: str, timeout: float) -> str | None:
+    """The value posted under ``key``, waiting up to ``timeout`` seconds for
+    it; None if none came.
+
+    Raises:
+        jax.errors.JaxRuntimeError: the coordination service cannot be reached.
+    """
+    try:
+        return client.blocking_key_value_get(key, max(1, int(1000 * timeout)))
+    except jax.errors.JaxRuntimeError:
+        # The deadline passed, or the service is gone: a read that does not
+        # wait tells them apart (it raises only in the second case).
+        return posted(client, key)
 
 
 #: Set when a process leaves its peers inside a collective they can never
@@ -175,17 +193,15 @@ class Peers:
                         "processes)", [process],
                     )
                 try:
-                    raw = self.client.blocking_key_value_get(
-                        self.key(name, process), int(1000 * min(1.0, self.timeout - waited)) or 1
-                    )
+                    raw = wait_posted(self.client, self.key(name, process), min(1.0, self.timeout - waited))
+                except jax.errors.JaxRuntimeError as error:
+                    raise PeerLost(
+                        f"process {self.index} cannot reach JAX's coordination service (it runs in "
+                        f"process 0) while waiting for {what}: {error}", [0],
+                    ) from error
+                if raw is not None:
                     values.append(json.loads(raw))
                     break
-                except jax.errors.JaxRuntimeError as error:
-                    if not timed_out(error):
-                        raise PeerLost(
-                            f"process {self.index} cannot reach JAX's coordination service (it runs in "
-                            f"process 0) while waiting for {what}: {error}", [0],
-                        ) from error
                 self.check(process, what)
                 now = time.monotonic()
                 if now - noted >= WAIT_NOTE_SECONDS:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from flaxhooks.core._peers import ProcessError, distributed_client
+from flaxhooks.core._peers import ProcessError, distributed_client, wait_posted
 
 #: A run directory's name: the local time it was made, and a count after a
 #: second run made in the same second.
@@ -59,12 +59,14 @@ def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout
         client.key_value_set(key, str(chosen))
         return chosen
     try:
-        return Path(client.blocking_key_value_get(key, int(timeout * 1000)))
+        chosen = wait_posted(client, key, timeout)
     except jax.errors.JaxRuntimeError as error:
-        raise ProcessError(
-            f"process {jax.process_index()} waited {timeout:g} s for process 0 to choose the run's "
-            f"directory under {str(root)!r}: {error}", [0],
-        ) from error
+        raise ProcessError(f"process {jax.process_index()} cannot reach JAX's coordination service (it runs "
+                           f"in process 0) to learn the run's directory: {error}", [0]) from error
+    if chosen is None:
+        raise ProcessError(f"process {jax.process_index()} waited {timeout:g} s for process 0 to choose the "
+                           f"run's directory under {str(root)!r}", [0])
+    return Path(chosen)
 
 
 def latest_run(root: str | os.PathLike[str]) -> Path | None:

@@ -94,7 +94,7 @@ from flaxhooks.core._peers import (
     from_the_runtime,
     gone_error,
     mark_abandoned,
-    timed_out,
+    wait_posted,
     warn_of_a_small_cpu_pool,
 )
 
@@ -595,12 +595,10 @@ class AgreedStops(LocalStops):
                     self._advanced.wait(HEARTBEAT_SECONDS)
                     self._advanced.clear()
                     continue
-                self.peers.client.blocking_key_value_get(
-                    f"{self.peers.prefix}/round-{current.number}/trigger", int(1000 * HEARTBEAT_SECONDS)
-                )
-            except jax.errors.JaxRuntimeError as error:
-                if timed_out(error):
+                if wait_posted(self.peers.client, f"{self.peers.prefix}/round-{current.number}/trigger",
+                               HEARTBEAT_SECONDS) is None:
                     continue
+            except jax.errors.JaxRuntimeError as error:
                 _log.debug("the watcher lost the coordination service: %s", error)
                 return
             if self._closed:

@@ -249,7 +249,9 @@ class Trainer:
         elif start.state is not None and start.state is not self._state:  # the caller's stay whole
             # Every leaf that was a device array is copied: device_put onto a sharding that
             # includes its device may alias the caller's buffer, which the step donates.
-            given = [isinstance(x, jax.Array) for x in jax.tree.leaves(start.state)]
+            # (A restored state's arrays are this fit's own.)
+            given = [isinstance(x, jax.Array) and start.restored is None
+                     for x in jax.tree.leaves(start.state)]
             moved = placed(start.state, plan.shardings)
             leaves, treedef = jax.tree.flatten(moved)
             self._state = jax.tree.unflatten(

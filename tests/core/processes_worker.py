@@ -493,29 +493,58 @@ def split_checkpoint(index: int, count: int, out: str, workdir: str) -> dict[str
 
 @scenario
 def lost_while_saving(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
-    """A state split across the processes; process 1 dies (SIGKILL) at step 2's
+    """A state split across the processes; process 1 dies (SIGKILL) in step 2's
     save once it has written its part, before orbax's commit barrier."""
     from jax.sharding import AxisType
-    from orbax.checkpoint._src.multihost import multihost
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
 
     import flaxhooks
     from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
 
-    barrier = multihost.sync_global_processes
+    commit = async_checkpointer._background_wait_for_commit_futures
 
-    def dying(name: str, **kwargs: Any) -> None:
-        if index == 1 and name.endswith("Checkpointer:save"):
+    def dying(directory: Any, commit_futures: Any, *args: Any, **kwargs: Any) -> None:
+        if index == 1:
+            for written in commit_futures:
+                written.result()
             say("killing myself at the commit barrier")
             os.kill(os.getpid(), signal.SIGKILL)
-        barrier(name, **kwargs)
+        commit(directory, commit_futures, *args, **kwargs)
 
-    multihost.sync_global_processes = dying
+    async_checkpointer._background_wait_for_commit_futures = dying
     mesh = jax.make_mesh((count, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     trainer = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("data", min_size=16), callbacks=[
         flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=2)])
     loader = flaxhooks.ArrayLoader(make_arrays(1024), batch_size=16 // count, seed=1)
     outcome = _outcome(lambda: trainer.fit(loader, epochs=1))
     say(f"LOST: {outcome['error']}: {outcome['message']}")
+    return outcome
+
+
+@scenario
+def error_while_saving(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+    """A state split across the processes, saved every 2 steps; a callback
+    raises on process 1 at step 4, a checkpoint step, with a save in flight."""
+    from jax.sharding import AxisType
+
+    import flaxhooks
+    from tests.helpers import BatchNormNet, make_arrays, sgd_trainer
+
+    raised: dict[str, float] = {}
+
+    class Boom(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            if index == 1 and loop.step == 4:
+                raised["at"] = time.time()
+                raise ValueError("boom at a checkpoint step")
+
+    mesh = jax.make_mesh((count, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=2)
+    trainer = sgd_trainer(BatchNormNet(), mesh=mesh, shard=flaxhooks.FSDP("data", min_size=16),
+                          callbacks=[Boom(), checkpoint])
+    loader = flaxhooks.ArrayLoader(make_arrays(1024), batch_size=16 // count, seed=1)
+    outcome = _outcome(lambda: trainer.fit(loader, epochs=1))
+    outcome.update(ended=time.time(), raised=raised.get("at"), saved=checkpoint.saved_steps())
     return outcome
 
 

@@ -281,6 +281,28 @@ def test_work_after_an_event_does_not_run_when_a_handler_fails():
     assert ran == []
 
 
+
+def test_with_errors_deferred_work_after_an_event_still_runs_when_a_handler_fails():
+    """On several processes errors are deferred to an agreed stop: what the
+    event's handlers asked for still runs on the process that failed (a
+    checkpoint's save, which every process must take part in), and the
+    error is deferred once, after it."""
+    happened = []
+
+    class Then(Callback):
+        def on_step_end(self, loop):
+            loop.after(self, lambda loop: happened.append("after"))
+
+    class Fails(Callback):
+        order = 1
+
+        def on_step_end(self, loop):
+            raise RuntimeError("no")
+
+    bus = HookBus([Then(), Fails()], defer=lambda loop, error: happened.append(type(error).__name__))
+    bus.emit(Event.STEP_END, flaxhooks.Loop(state=None))
+    assert happened == ["after", "CallbackError"]
+
 def test_a_peer_lost_while_an_end_hook_waits_is_the_loops_failure_not_the_callbacks():
     """A fit_end handler that waited for a lost peer (a checkpoint's save of a
     state split across processes) fails the fit as a lost peer anywhere in

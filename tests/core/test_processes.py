@@ -156,9 +156,12 @@ def test_a_state_split_within_or_across_processes_is_saved_and_resumes_on_one_pr
             assert any((state_dir / f"ocdbt.process_{process}" / "d").iterdir()), sorted(state_dir.iterdir())
     assert not [name for name in os.listdir(run / "across") if "tmp" in name], os.listdir(run / "across")
     meta = json.loads((run / "across" / "8" / "meta" / "metadata").read_text())
-    assert meta["format"] == 2
+    assert meta["format"] == 3
     kernel = next(leaf for leaf in meta["leaves"] if leaf["path"] == ".params['Dense_0']['kernel']")
-    assert [part["index"] for part in kernel["parts"]] == [[[0, 5], [0, 4]], [[0, 5], [4, 8]]]
+    assert kernel["shape"] == [5, 8] and isinstance(kernel["fingerprint"], int)
+    # Each process wrote its own data position.
+    assert sorted(os.listdir(run / "across" / "8" / "data")) == [
+        "commit_success.txt", "position_0-of-2.json", "position_1-of-2.json"]
     assert not any(name.startswith("12") for name in os.listdir(run / "across"))
 
     for directory, expected in (("within", first["leaves"]), ("across", first["across_leaves"])):
@@ -280,6 +283,21 @@ def test_stops_and_faults_on_one_process_are_agreed_by_every_process(tmp_path):
     assert zero["healthy_after_all"]["error"] is None and zero["healthy_after_all"]["step"] == 16
     assert zero["healthy_params"] == one["healthy_params"]
 
+
+def test_an_error_on_one_process_at_a_checkpoint_step_stops_every_process_within_2_s(tmp_path):
+    """The save at that step goes on on every process (what handlers asked
+    for runs even after another handler raised), so no process waits for a
+    part that never comes; the agreed stop then ends the fit everywhere."""
+    workers = Workers("error_while_saving", tmp_path, str(tmp_path / "run"), limit=90)
+    assert workers.finish() == [0, 0], workers.output()
+    raised = workers.result(1)["raised"]
+    for i in range(2):
+        got = workers.result(i)
+        assert got["error"] == "ProcessError" and got["processes"] == [1], got
+        assert "process 1:" in got["message"] and "boom at a checkpoint step" in got["message"], got
+        print(f"process {i}: fit ended {got['ended'] - raised:.2f} s after process 1 raised at step 4")
+        assert got["ended"] - raised < 2, got
+    assert workers.result(0)["saved"][:2] == [2, 4], workers.result(0)
 
 @pytest.mark.parametrize(
     "signum, target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)], ids=["SIGTERM-to-1", "SIGINT-to-0"])

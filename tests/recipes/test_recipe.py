@@ -296,7 +296,9 @@ def _each_process_wrote_its_part(workdir):
     assert all(any((state / f"ocdbt.process_{i}" / "d").iterdir()) for i in range(2))
     restored = flaxhooks.Checkpoint(workdir / "checkpoints").restore_latest()
     assert restored is not None and restored.step == 7
-    assert json.loads((workdir / "checkpoints" / "7" / "meta" / "metadata").read_text())["format"] == 2
+    assert json.loads((workdir / "checkpoints" / "7" / "meta" / "metadata").read_text())["format"] == 3
+    positions = {"position_0-of-2.json", "position_1-of-2.json"}  # each process wrote its own
+    assert positions <= set(os.listdir(workdir / "checkpoints" / "7" / "data"))
 
 
 def _free_port(low=0, high=0):
