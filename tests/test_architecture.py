@@ -183,6 +183,19 @@ def test_flaxhooks_uses_only_jaxs_public_api_and_never_reads_an_errors_text():
         for words in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "NOT_FOUND", "ALREADY_EXISTS"):
             assert words not in text, (path.relative_to(ROOT), words)
 
+
+def test_only_the_peers_module_talks_to_jaxs_key_value_store():
+    """Everything processes say to each other goes through
+    ``flaxhooks/core/_peers.py``; checkpoints and loader positions go
+    through orbax, which needs no word between processes of flaxhooks'."""
+    talking = set()
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if re.search(r"\.(key_value_\w+|blocking_key_value_get|wait_at_barrier)\(", text):
+            talking.add(path.relative_to(PACKAGE).as_posix())
+    assert talking == {"core/_peers.py"}, talking
+
+
 def test_every_exception_is_shown_and_pickled_by_the_path_users_import_it_from():
     import importlib
     import pickle

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -115,6 +115,30 @@ def wait_posted(client: Any, key: str, timeout: float) -> str | None:
         return posted(client, key)
 
 
+def from_process_zero(name: str, choose: Callable[[], str], timeout: float, what: str) -> str:
+    """Process 0's ``choose()`` on every process (posted under ``name``), the
+    others waiting up to ``timeout`` seconds for it.
+
+    Raises:
+        ProcessError: process 0 gave none in time, or cannot be reached.
+    """
+    client = distributed_client()
+    key = f"flaxhooks/{name}"
+    if jax.process_index() == 0:
+        chosen = choose()
+        client.key_value_set(key, chosen)
+        return chosen
+    try:
+        chosen = wait_posted(client, key, timeout)
+    except jax.errors.JaxRuntimeError as error:
+        raise ProcessError(f"process {jax.process_index()} cannot reach JAX's coordination service (it runs "
+                           f"in process 0) to learn {what}: {error}", [0]) from error
+    if chosen is None:
+        raise ProcessError(
+            f"process {jax.process_index()} waited {timeout:g} s for process 0 to choose {what}", [0])
+    return chosen
+
+
 #: Set when a process leaves its peers inside a collective they can never
 #: finish (it was lost, or it abandoned them): JAX's shutdown barrier at exit
 #: would then wait for them until its own timeout.
@@ -131,8 +155,9 @@ def exit_without_shutdown_barrier() -> None:
         except Exception:  # noqa: BLE001, S110 - nothing left to report to
             pass
     logging.shutdown()
-    # jax.distributed.shutdown() would wait for every process at a barrier;
-    # a lost or abandoned peer never arrives there.
+    # jax.distributed.shutdown() would wait for every process at a barrier
+    # that a lost or abandoned peer never reaches, then abort this process
+    # (SIGABRT); JAX's public API offers no exit between the two.
     os._exit(1)
 
 
@@ -218,6 +243,22 @@ class Peers:
         error = gone_error(*self.gone(), where)
         if error is not None:
             raise error
+
+    def ring(self, name: str, value: str = "1") -> None:
+        """Posts ``name`` for every process's watcher to wake on (the first
+        post stands; one the coordination service refuses is dropped)."""
+        try:
+            self.client.key_value_set(f"{self.prefix}/{name}", value)
+        except jax.errors.JaxRuntimeError:
+            pass
+
+    def rung(self, name: str, timeout: float) -> bool:
+        """Whether ``name`` was rung, waiting up to ``timeout`` seconds for it.
+
+        Raises:
+            jax.errors.JaxRuntimeError: the coordination service cannot be reached.
+        """
+        return wait_posted(self.client, f"{self.prefix}/{name}", timeout) is not None
 
     def beat(self, count: int) -> None:
         """Posts this process's heartbeat number ``count``."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from flaxhooks.core._peers import ProcessError, distributed_client, wait_posted
+from flaxhooks.core._peers import from_process_zero
 
 #: A run directory's name: the local time it was made, and a count after a
 #: second run made in the same second.
@@ -52,20 +52,8 @@ def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout
     root = Path(root)
     if jax.process_count() == 1:
         return _pick(root, resume)
-    client = distributed_client()
-    key = f"flaxhooks/run_directory/{next(_calls)}"
-    if jax.process_index() == 0:
-        chosen = _pick(root, resume)
-        client.key_value_set(key, str(chosen))
-        return chosen
-    try:
-        chosen = wait_posted(client, key, timeout)
-    except jax.errors.JaxRuntimeError as error:
-        raise ProcessError(f"process {jax.process_index()} cannot reach JAX's coordination service (it runs "
-                           f"in process 0) to learn the run's directory: {error}", [0]) from error
-    if chosen is None:
-        raise ProcessError(f"process {jax.process_index()} waited {timeout:g} s for process 0 to choose the "
-                           f"run's directory under {str(root)!r}", [0])
+    chosen = from_process_zero(f"run_directory/{next(_calls)}", lambda: str(_pick(root, resume)), timeout,
+                               f"the run's directory under {str(root)!r}")
     return Path(chosen)
 
 

@@ -30,9 +30,13 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def stop_on_signals(loop: Loop) -> Iterator[None]:
-    """SIGINT and SIGTERM ask the loop to stop at the next step boundary; a
-    second signal raises KeyboardInterrupt at once.
+def stop_on_signals(loop: Loop, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """``signums`` (SIGINT and SIGTERM) ask the loop to stop at the next step
+    boundary; a second signal raises KeyboardInterrupt at once.
+
+    Under ``jax.distributed`` SIGTERM is left to JAX's preemption notifier
+    (``signums`` is SIGINT alone): the stop then comes from JAX's preemption
+    sync point (see :mod:`flaxhooks.core._stops`).
 
     On several processes a signal sent to all of them reaches each at its
     own time, and a late one may come after they agreed to stop for the
@@ -61,7 +65,6 @@ def stop_on_signals(loop: Loop) -> Iterator[None]:
         _log.warning("%s: stopping at the next step boundary (%s to stop at once)",
                      signal.Signals(signum).name, again)
 
-    signums = (signal.SIGINT, signal.SIGTERM)
     previous = {signum: _before_late(signum, signal.signal(signum, handle)) for signum in signums}
     try:
         yield

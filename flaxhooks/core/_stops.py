@@ -46,6 +46,15 @@ lock and a few attribute reads per step on the main thread):
    goes on with zeros (:meth:`AgreedStops.batches`) to the target, and
    training fails there on every process.
 
+SIGTERM, the preemption notice of Kubernetes, SLURM and Cloud TPU, is left
+to JAX's preemption service, which ``jax.distributed.initialize`` starts:
+its notifier catches the signal on any process and agrees a sync point
+with every other. Each process asks for it at every step boundary
+(``multihost_utils.reached_preemption_sync_point``); they all reach it at
+the same step, and stop there as for a signal of their own (the Checkpoint
+saves; the Trainer raises ``TrainingInterrupted``). With the service off,
+flaxhooks catches SIGTERM itself and agrees the stop in a round.
+
 Data of the same known length everywhere ends every epoch at the same step
 without a round. At the end of the loop (:meth:`AgreedStops.finish`) each
 process answers the round under way and concludes it; after the end hooks
@@ -94,7 +103,6 @@ from flaxhooks.core._peers import (
     from_the_runtime,
     gone_error,
     mark_abandoned,
-    wait_posted,
     warn_of_a_small_cpu_pool,
 )
 
@@ -152,9 +160,14 @@ class _Round:
 
 
 class LocalStops:
-    """One process: a stop takes effect where it is asked for, errors are raised at once."""
+    """One process: a stop takes effect where it is asked for, errors are raised at once.
+
+    Attributes:
+        signals: the signals flaxhooks handles during the fit (see ``stop_on_signals``).
+    """
 
     several = False
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
 
     def start(self, record: Mapping[str, Any], failure: BaseException | None) -> None:
         """Before training: raises ``failure`` (preparing the fit failed), if any."""
@@ -227,6 +240,9 @@ class AgreedStops(LocalStops):
         #: What the watcher found: processes that left the run, and lost ones.
         self.gone: tuple[dict[int, dict[str, Any]], list[int]] | None = None
         self._leaving: float | None = None  # when this process gave up on the others
+        self._preemption = False  # JAX's preemption service runs: it holds SIGTERM
+        self._asked = 0  # the last step JAX's preemption sync point was asked about
+        self._preempted = False  # it answered yes
 
     # -- start and end -------------------------------------------------------
 
@@ -270,7 +286,10 @@ class AgreedStops(LocalStops):
                 "of the global batch, so shard the data by process (grain: ds[jax.process_index()::"
                 "jax.process_count()] or ShardByJaxProcess; ArrayLoader shards itself)", everyone[0]["first"])
         self._known_lengths = all(r["length"] is not None for r in everyone)
-        self._dispatched = record["start"][0]
+        self._dispatched = self._asked = record["start"][0]
+        self._preemption, self._preempted = _ask_preemption_sync_point(self._asked)
+        if self._preemption:
+            self.signals = (signal.SIGINT,)
         self._watcher = threading.Thread(target=self._watch, name="flaxhooks-peers", daemon=True)
         self._watcher.start()
         _watching.append(self)
@@ -309,6 +328,11 @@ class AgreedStops(LocalStops):
             raise self._gone_error(loop)
         if self._decided:
             return True
+        if self._preemption and loop.step > self._asked:
+            self._asked = loop.step
+            self._preempted = _ask_preemption_sync_point(loop.step)[1]
+        if self._preempted and loop.interrupted is None:
+            self._preempt(loop)
         current = self._round
         if current.requested is None and (self.fault is not None or loop.should_stop):
             self._request(self._word(loop))
@@ -472,6 +496,14 @@ class AgreedStops(LocalStops):
             _log.debug("could not tell the other processes", exc_info=True)
         mark_abandoned(describe(error))
 
+    def _preempt(self, loop: Loop) -> None:
+        """Every process reached JAX's preemption sync point at this step: a
+        SIGTERM (a preemption notice) reached some process of the run."""
+        _log.warning("a preemption notice (SIGTERM) reached the run: every process stops at step %d, the "
+                     "step JAX's preemption sync point agreed on", loop.step)
+        record_of(loop).interrupted = signal.SIGTERM
+        loop.stop("interrupted by SIGTERM (JAX's preemption sync point)")
+
     # -- rounds --------------------------------------------------------------
 
     def interrupted(self, loop: Loop) -> int | None:
@@ -496,10 +528,7 @@ class AgreedStops(LocalStops):
             if not current.answered:
                 current.answered = True
                 self._post_answer(current, request)
-        try:  # wakes every watcher; a concurrent request may have raised it first
-            self.peers.client.key_value_set(f"{self.peers.prefix}/round-{current.number}/trigger", "1")
-        except jax.errors.JaxRuntimeError:
-            pass
+        self.peers.ring(f"round-{current.number}/trigger")  # wakes every watcher
 
     def _post_answer(self, current: _Round, record: Mapping[str, Any]) -> None:
         """Where this process stands (called holding the lock): the last step
@@ -570,10 +599,8 @@ class AgreedStops(LocalStops):
             _watching.remove(self)
         if self._watcher is None:
             return
-        try:  # every process is past its loop: waking the watchers is harmless
-            self.peers.client.key_value_set(f"{self.peers.prefix}/round-{self._round.number}/trigger", "end")
-        except jax.errors.JaxRuntimeError:
-            pass
+        # Every process is past its loop: waking the watchers is harmless.
+        self.peers.ring(f"round-{self._round.number}/trigger", "end")
         self._watcher.join(timeout=2 * HEARTBEAT_SECONDS)
         self._watcher = None
 
@@ -595,8 +622,7 @@ class AgreedStops(LocalStops):
                     self._advanced.wait(HEARTBEAT_SECONDS)
                     self._advanced.clear()
                     continue
-                if wait_posted(self.peers.client, f"{self.peers.prefix}/round-{current.number}/trigger",
-                               HEARTBEAT_SECONDS) is None:
+                if not self.peers.rung(f"round-{current.number}/trigger", HEARTBEAT_SECONDS):
                     continue
             except jax.errors.JaxRuntimeError as error:
                 _log.debug("the watcher lost the coordination service: %s", error)
@@ -668,6 +694,24 @@ def _agreed_failure(
         f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step
     )
 
+
+
+def _ask_preemption_sync_point(step: int) -> tuple[bool, bool]:
+    """Whether JAX's preemption service runs, and whether every process
+    reached its sync point at ``step``.
+
+    ``jax.distributed.initialize`` starts the service unless
+    ``jax_enable_preemption_service`` is off. Its notifier holds SIGTERM: a
+    SIGTERM to any process sets a sync point (the step after the furthest
+    any process has reported), which every process reaches at the same
+    step as long as each reports every step, as ``at_boundary`` does.
+    """
+    from jax.experimental import multihost_utils
+
+    try:
+        return True, multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the service is off: flaxhooks handles SIGTERM itself
+        return False, False
 
 
 def stops_for(timeout: float) -> LocalStops:

@@ -262,7 +262,7 @@ class Trainer:
             loop.stop(f"the checkpointed run had stopped: {start.restored.stop_reason}")
         error: BaseException | None = None
         try:
-            with stop_on_signals(loop):
+            with stop_on_signals(loop, stops.signals):
                 fit.run(source, start.batches)
         except BaseException as failed:
             error = failed

@@ -329,14 +329,14 @@ def interrupted(index: int, count: int, out: str, workdir: str) -> dict[str, Any
 
 
 @scenario
-def lost(index: int, count: int, out: str) -> dict[str, Any]:
-    """Process 1 is killed (SIGKILL) at step 4; the others must not hang."""
+def lost(index: int, count: int, out: str, victim: str = "1") -> dict[str, Any]:
+    """Process ``victim`` is killed (SIGKILL) at step 4; the others must not hang."""
     import flaxhooks
     from tests.helpers import make_arrays, sgd_trainer
 
     class Die(flaxhooks.Callback):
         def on_step_end(self, loop):
-            if jax.process_index() == 1 and loop.step == 4:
+            if jax.process_index() == int(victim) and loop.step == 4:
                 say("killing myself")
                 os.kill(os.getpid(), signal.SIGKILL)
 

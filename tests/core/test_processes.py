@@ -39,10 +39,11 @@ class Workers:
     """``count`` processes of one scenario of ``tests/multiprocess_worker.py``,
     each killed after ``limit`` seconds; their output is read as it comes."""
 
-    def __init__(self, scenario: str, out: Path, *args: str, count: int = 2, limit: float = 120):
+    def __init__(self, scenario: str, out: Path, *args: str, count: int = 2, limit: float = 120,
+                 env: dict[str, str] | None = None):
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
         port = str(_free_port())
         self.procs = [
             subprocess.Popen(
@@ -300,9 +301,16 @@ def test_an_error_on_one_process_at_a_checkpoint_step_stops_every_process_within
     assert workers.result(0)["saved"][:2] == [2, 4], workers.result(0)
 
 @pytest.mark.parametrize(
-    "signum, target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)], ids=["SIGTERM-to-1", "SIGINT-to-0"])
-def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path, signum, target):
-    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"))
+    "signum, target, preemption_service",
+    [(signal.SIGTERM, 1, True), (signal.SIGTERM, 1, False), (signal.SIGINT, 0, True)],
+    ids=["SIGTERM-to-1", "SIGTERM-to-1-without-JAX's-preemption-service", "SIGINT-to-0"])
+def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path, signum, target,
+                                                                      preemption_service):
+    """SIGTERM goes to JAX's preemption notifier, and every process stops at
+    the step its sync point agrees on; with the service off (and for Ctrl-C)
+    flaxhooks catches the signal and the processes agree the stop themselves."""
+    env = {} if preemption_service else {"JAX_ENABLE_PREEMPTION_SERVICE": "false"}
+    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"), env=env)
     workers.wait_for(target, "step 3")
     sent = time.monotonic()
     # Not through `timeout`, which would pass the signal on to every child.
@@ -317,7 +325,11 @@ def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path,
     assert len(steps) == 1, workers.output()
     (step,) = steps
     assert f"INTERRUPTED {step} {signal.Signals(signum).name}" in workers.output(1 - target)
-    assert workers.result(0)["saved"] == [step]  # the one final checkpoint, written by process 0
+    assert workers.result(0)["saved"] == [step]  # the one final checkpoint
+    by_sync_point = f"every process stops at step {step}, the step JAX's preemption sync point agreed on"
+    for i in range(2):
+        assert (by_sync_point in workers.output(i)) == (signum == signal.SIGTERM and preemption_service), \
+            workers.output(i)
 
 
 def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
@@ -331,6 +343,23 @@ def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
     assert survivor["error"] == "PeerLost" and "process 1 was lost at step" in survivor["message"]
     assert survivor["seconds"] < 30
     assert "TensorBoard" not in survivor["message"]
+
+
+def test_a_killed_coordinator_ends_every_other_process_with_jaxs_own_message(tmp_path):
+    """Process 0 hosts JAX's coordination service. When it dies, JAX's client
+    in every other process ends that process itself (SIGABRT) before Python
+    runs again, with a fatal message that names the lost leader: jaxlib
+    offers the hook that could replace this only through its private
+    bindings. The README states this; the test checks it still holds."""
+    workers = Workers("lost", tmp_path, "0", limit=90)
+    codes = workers.finish()
+    assert codes[0] in (-signal.SIGKILL, 128 + signal.SIGKILL), workers.output()
+    assert codes[1] in (-signal.SIGABRT, 128 + signal.SIGABRT), workers.output()
+    print(f"kill -9 of process 0: process 1 was ended by JAX {workers.exited[1] - workers.exited[0]:.1f} s "
+          "later")  # type: ignore[operator]
+    assert "Terminating process because the JAX distributed service detected fatal errors" in \
+        workers.output(1), workers.output(1)
+    assert "leader task was preempted/died" in workers.output(1), workers.output(1)
 
 
 def _worker_pid(workers: Workers, i: int) -> int:
