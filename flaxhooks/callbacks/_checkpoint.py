@@ -300,13 +300,40 @@ def _read_arrays(path: str, indices: Mapping[str, int], paths: Sequence[str], ta
                                                     sharding=_sharding_of(t))
               for p, t in zip(paths, targets, strict=True) if math.prod(jnp.shape(t))}
     alone = _this_process_only()
-    handler = ocp.StandardCheckpointHandler(multiprocessing_options=alone)
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone)
+    read: dict[str, Any] = {}
     with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
-        read = checkpointer.restore(os.path.join(path, "state"), args=ocp.args.StandardRestore(wanted)) \
-            if wanted else {}
+        for group in _read_groups(wanted):
+            restore_args = ocp.checkpoint_utils.construct_restore_args(group)
+            read.update(checkpointer.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
+                group, restore_args=restore_args, partial_restore=True)))
     return [read[str(indices[p])] if str(indices[p]) in read else
             jax.device_put(np.zeros(jnp.shape(t), jnp.result_type(t)), _sharding_of(t))
             for p, t in zip(paths, targets, strict=True)]
+
+
+#: The least a group of leaves read together may hold (see ``_read_groups``).
+READ_GROUP_BYTES = 64 << 20
+
+
+def _read_groups(wanted: Mapping[str, jax.ShapeDtypeStruct]) -> list[dict[str, jax.ShapeDtypeStruct]]:
+    """``wanted`` in consecutive groups of at most the largest leaf's bytes
+    (or :data:`READ_GROUP_BYTES`, if more: fewer calls where leaves are small).
+
+    orbax reads the leaves of one restore concurrently, each into a host
+    buffer before it is placed: read in one go, the buffers of a whole state
+    can be alive at once. Group by group, they stay within one leaf's size."""
+    size = {key: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for key, leaf in wanted.items()}
+    budget = max([READ_GROUP_BYTES, *size.values()])
+    groups: list[dict[str, jax.ShapeDtypeStruct]] = []
+    held = budget + 1
+    for key, leaf in wanted.items():
+        if held + size[key] > budget:
+            groups.append({})
+            held = 0
+        groups[-1][key] = leaf
+        held += size[key]
+    return groups
 
 
 def _checksum(array: np.ndarray) -> int:

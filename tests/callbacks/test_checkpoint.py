@@ -322,6 +322,29 @@ def test_keeps_the_last_k_and_saves_only_the_train_state(tmp_path):
         assert got.sharding == like.sharding
 
 
+def test_a_state_is_read_in_groups_of_at_most_the_largest_leaf_and_arrives_whole(tmp_path, monkeypatch):
+    """orbax reads a restore's leaves at once, so a state is read group by
+    group (here one leaf per group, the floor lowered): every leaf arrives
+    as saved, on its sharding."""
+    from flaxhooks.callbacks import _checkpoint
+
+    checkpoint = Checkpoint(tmp_path, every=2)
+    trainer = flaxhooks.Trainer(ResumeNet(), optax.adam(0.01), cross_entropy, callbacks=[checkpoint])
+    trainer.fit(resume_data(), steps=2)
+    wanted = {str(i): jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+              for i, x in enumerate(jax.tree.leaves(trainer.state))}
+    monkeypatch.setattr(_checkpoint, "READ_GROUP_BYTES", 1)
+    largest = max(np.prod(x.shape) * x.dtype.itemsize for x in wanted.values())
+    groups = _checkpoint._read_groups(wanted)
+    assert [k for g in groups for k in g] == list(wanted)  # each leaf once, in order
+    assert all(len(g) == 1 or sum(np.prod(x.shape) * x.dtype.itemsize for x in g.values()) <= largest
+               for g in groups) and len(groups) > 2
+    state = checkpoint.restore_latest().train_state(trainer.state)
+    for got, saved in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+        assert got.sharding == saved.sharding
+
+
 def test_a_nonfinite_state_never_replaces_a_good_checkpoint(tmp_path):
     arrays = make_arrays(96, seed=3)
     arrays["image"][4 * 16] = np.nan  # the fifth batch poisons the parameters
