@@ -218,3 +218,11 @@ def test_every_exception_is_shown_and_pickled_by_the_path_users_import_it_from()
     assert traceback.format_exception_only(flaxhooks.BatchError("bad")) == ["flaxhooks.BatchError: bad\n"]
     copy = pickle.loads(pickle.dumps(flaxhooks.NonFiniteError("nan", 3)))
     assert type(copy) is flaxhooks.NonFiniteError and str(copy) == "nan"
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """CI installs the project and runs the README's test command: the same line in both."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"Run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
+    assert command.startswith('pip install -e ".[test]" && python -m pytest'), command
+    assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == command
