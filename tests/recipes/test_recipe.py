@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,59 @@ def _two_processes(tmp_path, args, process):
     outputs = [log.read_text() for log in logs]
     assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     return outputs
+
+
+@pytest.mark.slow
+def test_a_preempted_srun_job_saves_where_every_process_agrees_and_its_restart_resumes(tmp_path):
+    """SIGTERM to one process of a 2-process job launched as srun launches it,
+    with --resume from the first start, as a job a cluster may restart: JAX's
+    preemption sync point stops both at one step, the checkpoint is saved
+    there, both exit with 128 + SIGTERM, and the same command started again
+    goes on from that step to the end."""
+    import signal
+
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "recipes.mnist", "--no-download", "--epochs", "1", "--batch-size", "64",
+               "--stats-every", "0", "--log-every", "5", "--workdir", str(workdir), "--resume"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
+
+    def launch(attempt):
+        logs = [tmp_path / f"{attempt}-p{i}.txt" for i in range(2)]
+        processes = []
+        job = _free_port(61440, 65535) - 61440  # JAX's SLURM coordinator port: 61440 + the job id
+        for i, log in enumerate(logs):
+            srun = {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
+                    "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+            with open(log, "w") as out:
+                processes.append(subprocess.Popen(command, cwd=ROOT, env={**env, **srun}, stdout=out,
+                                                  stderr=subprocess.STDOUT))
+        return processes, logs
+
+    processes, logs = launch(0)
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(r"^step 10\b", logs[0].read_text(), re.M):
+            assert time.monotonic() < deadline and processes[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        processes[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [128 + signal.SIGTERM] * 2, outputs[0][-3000:] + outputs[1][-3000:]
+    stopped = {int(m) for out in outputs for m in re.findall(r"to go on from step (\d+):", out)}
+    assert len(stopped) == 1, outputs
+    (step,) = stopped
+    assert f"every process stops at step {step}, the step JAX's preemption sync point agreed on" in outputs[0]
+    assert os.listdir(workdir / "checkpoints") == [str(step)]
+
+    processes, logs = launch(1)
+    codes = [p.wait(timeout=240) for p in processes]
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert f"resuming from step {step}" in outputs[0] and "held-out accuracy" in outputs[0], outputs[0]
 
 
 def _each_process_wrote_its_part(workdir):
