@@ -242,6 +242,7 @@ class AgreedStops(LocalStops):
         self._leaving: float | None = None  # when this process gave up on the others
         self._preemption = False  # JAX's preemption service runs: it holds SIGTERM
         self._asked = 0  # the last step JAX's preemption sync point was asked about
+        self._sync_offset = 0  # step + offset: the id JAX's sync point is asked with
         self._preempted = False  # it answered yes
 
     # -- start and end -------------------------------------------------------
@@ -286,8 +287,11 @@ class AgreedStops(LocalStops):
                 "of the global batch, so shard the data by process (grain: ds[jax.process_index()::"
                 "jax.process_count()] or ShardByJaxProcess; ArrayLoader shards itself)", everyone[0]["first"])
         self._known_lengths = all(r["length"] is not None for r in everyone)
-        self._dispatched = self._asked = record["start"][0]
-        self._preemption, self._preempted = _ask_preemption_sync_point(self._asked)
+        self._dispatched = record["start"][0]
+        # JAX's ids must grow across fits; a notice before this fit's first
+        # ask placed the sync point at the next id, so this ask answers it.
+        self._sync_offset = _last_sync_point_id[0] + 1 - self._dispatched
+        self._preemption, self._preempted = self._ask_sync_point(self._dispatched)
         if self._preemption:
             self.signals = (signal.SIGINT,)
         self._watcher = threading.Thread(target=self._watch, name="flaxhooks-peers", daemon=True)
@@ -329,8 +333,7 @@ class AgreedStops(LocalStops):
         if self._decided:
             return True
         if self._preemption and loop.step > self._asked:
-            self._asked = loop.step
-            self._preempted = _ask_preemption_sync_point(loop.step)[1]
+            self._preempted = self._ask_sync_point(loop.step)[1]
         if self._preempted and loop.interrupted is None:
             self._preempt(loop)
         current = self._round
@@ -495,6 +498,11 @@ class AgreedStops(LocalStops):
         except Exception:  # noqa: BLE001 - the coordination service may be gone too
             _log.debug("could not tell the other processes", exc_info=True)
         mark_abandoned(describe(error))
+
+    def _ask_sync_point(self, step: int) -> tuple[bool, bool]:
+        self._asked = step
+        _last_sync_point_id[0] = step + self._sync_offset
+        return _ask_preemption_sync_point(_last_sync_point_id[0])
 
     def _preempt(self, loop: Loop) -> None:
         """Every process reached JAX's preemption sync point at this step: a
@@ -696,9 +704,14 @@ def _agreed_failure(
 
 
 
-def _ask_preemption_sync_point(step: int) -> tuple[bool, bool]:
+#: The last id this process asked JAX's preemption sync point about. Every
+#: process asks the same ids: fits start and stop at agreed steps.
+_last_sync_point_id = [0]
+
+
+def _ask_preemption_sync_point(step_id: int) -> tuple[bool, bool]:
     """Whether JAX's preemption service runs, and whether every process
-    reached its sync point at ``step``.
+    reached its sync point at ``step_id`` (ids grow by one per step).
 
     ``jax.distributed.initialize`` starts the service unless
     ``jax_enable_preemption_service`` is off. Its notifier holds SIGTERM: a
@@ -709,7 +722,7 @@ def _ask_preemption_sync_point(step: int) -> tuple[bool, bool]:
     from jax.experimental import multihost_utils
 
     try:
-        return True, multihost_utils.reached_preemption_sync_point(step)
+        return True, multihost_utils.reached_preemption_sync_point(step_id)
     except RuntimeError:  # the service is off: flaxhooks handles SIGTERM itself
         return False, False
 

@@ -329,6 +329,32 @@ def interrupted(index: int, count: int, out: str, workdir: str) -> dict[str, Any
 
 
 @scenario
+def preempted_before_resuming(index: int, count: int, out: str, workdir: str, phase: str) -> dict[str, Any]:
+    """Phase "train": 4 steps and a checkpoint. Phase "resume": SIGTERM reaches
+    process 1 before the resumed fit (at step 4) asks JAX's sync point at all."""
+    import flaxhooks
+    from tests.helpers import make_arrays, sgd_trainer
+
+    checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=1000, at_epoch_end=False)
+    trainer = sgd_trainer(callbacks=[checkpoint])
+    loader = flaxhooks.ArrayLoader(make_arrays(64), batch_size=16 // count, seed=1)
+    if phase == "train":
+        trainer.fit(loader, steps=4)
+        checkpoint.wait()
+        return {"saved": checkpoint.saved_steps()}
+    if index == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier holds it
+    time.sleep(3)  # JAX's sync protocol places the sync point (about 1 s here)
+    try:
+        trainer.fit(loader, epochs=3, resume=True)
+    except flaxhooks.TrainingInterrupted as interrupted:
+        say(f"INTERRUPTED {interrupted.step} {signal.Signals(interrupted.signal).name}")
+        checkpoint.wait()
+        return {"step": interrupted.step, "saved": checkpoint.saved_steps(), "exit": 128 + interrupted.signal}
+    return {"step": None}
+
+
+@scenario
 def lost(index: int, count: int, out: str, victim: str = "1") -> dict[str, Any]:
     """Process ``victim`` is killed (SIGKILL) at step 4; the others must not hang."""
     import flaxhooks

@@ -332,6 +332,22 @@ def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path,
             workers.output(i)
 
 
+def test_a_preemption_notice_before_a_resumed_fits_first_step_stops_it_at_its_start(tmp_path):
+    """SIGTERM while a resumed run compiles and restores, before its fit
+    asks JAX's sync point at all: the sync point falls on the fit's first
+    ask, so every process stops where it resumed instead of never."""
+    run = str(tmp_path / "run")
+    trained = Workers("preempted_before_resuming", tmp_path / "train", run, "train")
+    assert trained.finish() == [0, 0], trained.output()
+    assert trained.result(0)["saved"] == [4]
+    workers = Workers("preempted_before_resuming", tmp_path / "resume", run, "resume")
+    assert workers.finish() == [128 + signal.SIGTERM] * 2, workers.output()
+    for i in range(2):
+        assert workers.result(i)["step"] == 4, workers.output()
+        assert "every process stops at step 4, the step JAX's preemption sync point agreed on" in \
+            workers.output(i), workers.output(i)
+
+
 def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
     workers = Workers("lost", tmp_path, limit=90)
     codes = workers.finish()
