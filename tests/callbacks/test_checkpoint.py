@@ -345,6 +345,41 @@ def test_a_state_is_read_in_groups_of_at_most_the_largest_leaf_and_arrives_whole
         assert got.sharding == saved.sharding
 
 
+@pytest.mark.parametrize("slice_floor", ["default", "lowered"])
+def test_a_replicated_state_is_written_whole_per_leaf_unless_its_slices_are_large(
+        tmp_path, monkeypatch, slice_floor):
+    """orbax splits each replicated array between its replicas, a dispatch
+    per slice: Checkpoint lets it only for slices of REPLICA_SLICE_BYTES and
+    more. With the floor lowered, the same leaves are split 8 ways (8
+    devices, data parallel). Either way the state reads back as saved."""
+    from flaxhooks.callbacks import _checkpoint
+
+    if slice_floor == "lowered":
+        monkeypatch.setattr(_checkpoint, "REPLICA_SLICE_BYTES", 1)
+    checkpoint = Checkpoint(tmp_path, every=2)
+    trainer = flaxhooks.Trainer(ResumeNet(), optax.adam(0.01), cross_entropy, callbacks=[checkpoint])
+    trainer.fit(resume_data(), steps=2)
+    checkpoint.wait()
+    devices = len(jax.devices())
+    with open(tmp_path / "2" / "state" / "array_metadatas" / "process_0") as file:
+        written = {a["array_metadata"]["param_name"]: a["array_metadata"]["write_shape"]
+                   for a in json.load(file)["array_metadatas"]}
+    leaves = jax.tree.leaves(trainer.state)
+    split = 0
+    for i, leaf in enumerate(leaves):
+        whole = list(np.shape(leaf))
+        divisible = [axis for axis, size in enumerate(whole) if size % devices == 0]
+        expected = list(whole)
+        if slice_floor == "lowered" and divisible:  # split along the first dimension that divides
+            expected[divisible[0]] //= devices
+            split += 1
+        assert written[str(i)] == expected, (i, written[str(i)])
+    assert slice_floor == "default" or split >= 1
+    state = checkpoint.restore_latest().train_state(trainer.state)
+    for got, saved in zip(jax.tree.leaves(state), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+
+
 def test_a_nonfinite_state_never_replaces_a_good_checkpoint(tmp_path):
     arrays = make_arrays(96, seed=3)
     arrays["image"][4 * 16] = np.nan  # the fifth batch poisons the parameters
