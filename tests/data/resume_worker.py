@@ -112,6 +112,15 @@ def main() -> None:
                 while SAVE_EVERY * (KILL_AT // SAVE_EVERY) not in checkpoint.saved_steps():
                     time.sleep(0.05)  # process 0 commits it; every process dies after
                 _write(out, mode, index, taken)
+                if count > 1:
+                    # Every process past orbax's last barrier of the save, then
+                    # the one hosting JAX's coordination service dies last: a
+                    # process that outlives it is aborted by JAX (SIGABRT).
+                    from jax.experimental import multihost_utils
+
+                    multihost_utils.sync_global_devices("resume_worker: before the kill")
+                    if index == 0:
+                        time.sleep(1.0)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(3)])
