@@ -40,7 +40,7 @@ Needs
     Pillow for the palette.
 
 How to run
-    python -m benchmarks.screenshot_diagnose [--out-dir benchmarks] [--steps 300] [--width 110]
+    python -m benchmarks.screenshot_diagnose [--out-dir docs/images] [--steps 300] [--width 110]
         [--settle-s 3] [--timeout-s 60] [--window-size 1400,1000] [--chromium PATH] [--no-browser]
 
     The last line of output is one JSON object naming the files and the findings.
@@ -86,7 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.screenshot_diagnose",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks",
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "images",
                         help="where the SVG and PNGs go (default: benchmarks/)")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
     parser.add_argument("--width", type=int, default=110,

@@ -30,7 +30,7 @@ Needs
     and ``pip install tensorboard``.
 
 How to run
-    python -m benchmarks.screenshot_tensorboard [--logdir DIR | --epochs 2] [--out-dir benchmarks]
+    python -m benchmarks.screenshot_tensorboard [--logdir DIR | --epochs 2] [--out-dir docs/images]
         [--settle-s 3] [--timeout-s 60] [--window-size 1400,1000] [--chromium PATH]
 
     The last line of output is one JSON object naming the screenshots.
@@ -84,7 +84,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="a run's TensorBoard logdir (WORKDIR/tensorboard); default: run a short recipe")
     parser.add_argument("--epochs", type=int, default=2,
                         help="epochs of the recipe run (default: %(default)s)")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks",
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "images",
                         help="where the PNGs go (default: benchmarks/)")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="screenshot once a page has looked the same this long (default: %(default)s)")

@@ -5,9 +5,9 @@ export what users extend: ``core`` (callbacks, the loop's facts and
 requests, schedules), ``step`` (model adapters, step contributors),
 ``data`` (loaders, placement), ``eval`` (metrics), ``callbacks`` (the
 built-in callbacks and their bases), ``writers`` (what callbacks write
-through) and ``diagnose`` (thresholds). README.md, "API", lists them all.
+through) and ``diagnose`` (thresholds). docs/api.md lists them all.
 
-Example:
+Examples:
     >>> import flaxhooks
     >>> flaxhooks.EVENTS[:3]
     ('fit_start', 'epoch_start', 'step_start')

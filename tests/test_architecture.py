@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import flaxhooks
 
@@ -128,12 +132,11 @@ def test_names_moved_from_the_top_level_still_work_for_a_minor_version_with_a_wa
         assert moved is getattr(importlib.import_module(module), name)
 
 
-def test_the_readme_lists_every_public_name_and_no_other():
-    """README.md, "API": one line per module, ``- `module`: `name`, ...``, as its ``__all__``."""
+def test_the_api_page_lists_every_public_name_and_no_other():
+    """docs/api.md: one line per module, ``- `module`: `name`, ...``, as its ``__all__``."""
     import importlib
 
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "api.md").read_text().split("\n## Reference\n", 1)[0]
     listed = {}
     for line in section.splitlines():
         if match := re.match(r"- `(flaxhooks(?:\.\w+)?)`: (.*)", line):
@@ -226,3 +229,11 @@ def test_ci_runs_exactly_the_readmes_test_command():
     command = re.search(r"Run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
     assert command.startswith('pip install -e ".[test]" && python -m pytest'), command
     assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == command
+
+
+def test_the_code_passes_ruff():
+    """The lint rules of pyproject.toml ([tool.ruff]) hold over the whole tree."""
+    pytest.importorskip("ruff")
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:]

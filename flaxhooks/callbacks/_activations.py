@@ -61,7 +61,7 @@ def may_hold_relu_zeros(tap: Tap) -> bool:
     """Whether a value can hold exact zeros from a ReLU-like op: a sown
     value, or the output of a module that is not one of :data:`NOT_RELU_LIKE`.
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> from flaxhooks.step import Tap
         >>> may_hold_relu_zeros(Tap("relu", (), "intermediates", None))
@@ -95,7 +95,7 @@ def stat_tag(prefix: str, stat: str) -> str:
     """The tag of a per-layer statistic in its layer's run, e.g.
     ``stats/activation_grads/log10_rms`` (:data:`LOG_SCALE` statistics as log10).
 
-    Example:
+    Examples:
         >>> stat_tag("activations", "mean"), stat_tag("activation_grads", "rms")
         ('stats/activations/mean', 'stats/activation_grads/log10_rms')
     """
@@ -122,7 +122,7 @@ class TapStats:
             ``min`` and ``max``, or None.
         logged: the statistics each value logs (None: every column).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from flaxhooks.callbacks import TapStats
         >>> stats = TapStats(3, ("relu",), ((),), ("mean", "zero_fraction"), np.array([[0.5, 0.25]]))
@@ -366,8 +366,8 @@ def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]
 class ActivationStats(_LayerStatistics):
     """Logs per-layer statistics of intermediate values every ``every`` steps:
     the model's own ``sow`` values and the outputs of the modules ``capture``
-    selects, a scan's per layer, computed inside the step (see README,
-    "Inside the model"). By default ``mean`` and ``std`` of every value and
+    selects, a scan's per layer, computed inside the step (see
+    docs/guides/inside-the-model.md). By default ``mean`` and ``std`` of every value and
     ``zero_fraction`` where a ReLU-like op can have made zeros; the latest
     figures are :attr:`latest` and ``loop.published[prefix]``.
 
@@ -392,7 +392,7 @@ class ActivationStats(_LayerStatistics):
     Raises:
         ValueError: ``stats`` names an unknown statistic (the message lists them).
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> import flaxhooks
         >>> stats = flaxhooks.ActivationStats(every=100, capture=(nn.Dense, nn.Conv))
@@ -438,8 +438,8 @@ class ActivationGradStats(_LayerStatistics):
     """Logs per-layer statistics of the gradient of the mean loss over the
     whole batch with respect to intermediate values every ``every`` steps:
     at the model's own ``perturb`` sites and the outputs of the modules
-    ``perturb`` selects, from the step's own backward pass (see README,
-    "Inside the model"). By default each value's ``rms``.
+    ``perturb`` selects, from the step's own backward pass (see
+    docs/guides/inside-the-model.md). By default each value's ``rms``.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
@@ -447,7 +447,10 @@ class ActivationGradStats(_LayerStatistics):
             submodule's ``__call__``), module types, name patterns, a
             :func:`select_modules` filter, or None.
         model_perturbations: also log the model's own ``perturb`` sites.
-        histograms, bins, count_nonfinite, if_nonfinite: as for :class:`ActivationStats`.
+        histograms: as for :class:`ActivationStats`.
+        bins: as for :class:`ActivationStats`.
+        count_nonfinite: as for :class:`ActivationStats`.
+        if_nonfinite: as for :class:`ActivationStats`.
         prefix: the tag prefix and published topic.
         split_steps: as for :class:`ActivationStats`.
         stats: None (``rms``), ``"all"``, or statistic names.
@@ -455,7 +458,7 @@ class ActivationGradStats(_LayerStatistics):
     Raises:
         ValueError: ``stats`` names an unknown statistic (the message lists them).
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> import flaxhooks
         >>> grads = flaxhooks.ActivationGradStats(every=100, perturb=nn.Dense)
@@ -495,14 +498,14 @@ class ActivationGradStats(_LayerStatistics):
 class ParamStats(InstrumentedCallback):
     """Logs, per module (the leaves that share a path but the last name),
     the norm of the loss's gradient and the ratio of the optimizer's update
-    to the parameters, every ``every`` steps (see README, "Inside the
-    model"); the latest figures are :attr:`latest`, a :class:`TapStats`.
+    to the parameters, every ``every`` steps (see
+    docs/guides/inside-the-model.md); the latest figures are :attr:`latest`, a :class:`TapStats`.
 
     Args:
         every: when to log (steps, or an :class:`Every`).
         prefix: the tag prefix and published topic.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> flaxhooks.ParamStats(every=50)
         ParamStats(every=Every(steps=50))

@@ -487,8 +487,8 @@ class Checkpoint(Callback):
     shards are copied to the host. A non-finite state is never saved; each
     leaf's fingerprint is checked when a run resumes. On several processes the
     directory must be shared: every process writes its own shards and data
-    position. The README ("Checkpoints, resuming, and interruption", "Several
-    hosts") has the details.
+    position. docs/guides/checkpoints.md and
+    docs/guides/several-hosts.md have the details.
 
     Args:
         directory: where checkpoints go (one subdirectory per step); checked
@@ -503,7 +503,7 @@ class Checkpoint(Callback):
             ranks among them is saved, with the metric.
         keep_best: how many of the best to keep.
 
-    Example:
+    Examples:
         >>> import tempfile, flaxhooks
         >>> checkpoint = flaxhooks.Checkpoint(tempfile.mkdtemp(), every=500, keep=3,
         ...                                   best=("eval/accuracy", "max"))

@@ -37,7 +37,7 @@ EVAL_CAVEATS = {"dropout_in_eval": "dropout on: see finding dropout_in_eval"}
 def eval_caveats(kinds: set[str]) -> str:
     """What an eval line adds for the findings of ``kinds`` said in this fit.
 
-    Example:
+    Examples:
         >>> eval_caveats({"dropout_in_eval", "dead_units"})
         '  (dropout on: see finding dropout_in_eval)'
         >>> eval_caveats(set())
@@ -88,7 +88,7 @@ class TerminalRedirect:
     Args:
         console: the console to print through.
 
-    Example:
+    Examples:
         >>> import io
         >>> from rich.console import Console
         >>> with TerminalRedirect(Console(file=io.StringIO())):
@@ -217,7 +217,7 @@ class ConsoleLog(Callback):
         every: when to print (default: every 100 steps).
         stream: where to print (default: stdout).
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> log = flaxhooks.ConsoleLog(flaxhooks.Every(seconds=10))
     """

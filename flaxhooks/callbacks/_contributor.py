@@ -13,18 +13,26 @@ class InstrumentedCallback(Callback):
     """A callback that needs values computed inside the train step (a
     :class:`~flaxhooks.step.StepContributor`): :attr:`taps`, when it is due
     (:attr:`every`), a pure :meth:`inside_step` and :meth:`take`, which gets
-    the result right after the step is dispatched (see README, "Your own
+    the result right after the step is dispatched (see docs/guides/callbacks.md, "Your own
     in-step computation").
 
-    Example:
-        >>> import jax, flaxhooks
-        >>> class LossSpread(flaxhooks.callbacks.InstrumentedCallback):
-        ...     every = flaxhooks.Every(steps=10)
-        ...     def inside_step(self, tapped):  # pure: traced into the step
-        ...         high = jax.lax.pmax(tapped.loss, tapped.axis_name)
-        ...         return high - jax.lax.pmin(tapped.loss, tapped.axis_name)
+    Examples:
+        >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, flaxhooks
+        >>> class LargestLogit(flaxhooks.callbacks.InstrumentedCallback):
+        ...     every = flaxhooks.Every(steps=5)
+        ...     def inside_step(self, tapped):  # pure: traced into the step, whole batch
+        ...         return jnp.abs(tapped.outputs).max()
         ...     def take(self, loop, result):  # on the host, right after the step
-        ...         self.latest = result  # device arrays: read them only when needed
+        ...         self.latest = (loop.step, result)  # a device array: read it when needed
+        >>> batch = {"image": np.eye(4, dtype=np.float32), "label": np.arange(4, dtype=np.int32)}
+        >>> def loss(logits, batch):
+        ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        >>> spy = LargestLogit()
+        >>> trainer = flaxhooks.Trainer(nn.Dense(4), optax.sgd(0.5), loss, callbacks=[spy])
+        >>> _ = trainer.fit([batch] * 10, epochs=1)
+        >>> step, largest = spy.latest  # step 10's logits, before its update
+        >>> step, float(largest) > 0
+        (10, True)
     """
 
     #: What the step must expose (sown collections, captured or perturbed modules).

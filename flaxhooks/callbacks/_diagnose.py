@@ -124,7 +124,7 @@ class Diagnose(InstrumentedCallback):
     settle (a layer dead from the start) is said then. Each problem is said once,
     as a ``finding`` event and in TensorBoard's Text tab (``health/findings``;
     a fit that found nothing says what was checked), with a ``health/<kind>``
-    counter for each kind found (see README, "When training goes wrong").
+    counter for each kind found (see docs/guides/diagnose.md).
 
     Args:
         every: the steps sampled (an int or :class:`~flaxhooks.Every`).
@@ -146,7 +146,7 @@ class Diagnose(InstrumentedCallback):
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
         console: the rich console the table is printed on (default: a new one on stderr).
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> flaxhooks.Diagnose(every=10, window=200)
         Diagnose(every=Every(steps=10), window=200)

@@ -27,7 +27,7 @@ class Evaluate(Callback):
             (default: mean loss and accuracy).
         name: the result's name.
 
-    Example:
+    Examples:
         >>> import numpy as np, flaxhooks
         >>> test = {"image": np.zeros((10, 5), np.float32), "label": np.zeros(10, np.int32)}
         >>> evaluate = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=4)
@@ -102,7 +102,7 @@ class EarlyStopping(Callback):
         mode: ``"min"`` (lower is better) or ``"max"``.
         source: the evaluation (its name) to watch.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> stop = flaxhooks.EarlyStopping("accuracy", patience=3, mode="max")
     """

@@ -22,7 +22,7 @@ class Profile(Callback):
     tab, as Keras's ``TensorBoard(profile_batch=(start, stop))`` does.
 
     It waits for the devices once, after the last traced step, and always stops
-    its trace at ``fit_end``; the README ("What you see") says how to view it.
+    its trace at ``fit_end``; docs/guides/what-you-see.md says how to view it.
 
     Args:
         logdir: the run directory (checked for writing at once); None: the
@@ -40,7 +40,7 @@ class Profile(Callback):
             or (at ``fit_start``) ``logdir=None`` without a ``TensorBoard`` callback.
         LogdirError: ``logdir`` cannot be written.
 
-    Example:
+    Examples:
         >>> import os, tempfile, numpy as np, optax, flax.linen as nn, flaxhooks
         >>> profile = flaxhooks.Profile(tempfile.mkdtemp(), steps=(3, 4))
         >>> trainer = flaxhooks.Trainer(

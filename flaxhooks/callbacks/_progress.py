@@ -41,7 +41,7 @@ class Progress(Callback):
     On a terminal, one line that keeps what fits its width, with log records
     printed above it; elsewhere, plain lines every ``every``. It never waits
     for the devices (it shows ``loop.settled_metrics``), and it prints a summary
-    at ``fit_end``. Process 0 only. The README ("What you see") has the details.
+    at ``fit_end``. Process 0 only. docs/guides/what-you-see.md has the details.
 
     Args:
         refresh_per_second: how often the bar is refreshed, at most.
@@ -52,7 +52,7 @@ class Progress(Callback):
             whether it is a terminal picks the bar or plain lines.
         clock: the time source for refreshes and rates, for tests.
 
-    Example:
+    Examples:
         >>> from flaxhooks import Progress
         >>> bar = Progress(refresh_per_second=2)
         >>> bar
@@ -363,7 +363,7 @@ _INPUT_BOUND = "(input-bound)"
 def _time_texts(window: Window) -> list[str]:
     """``['1,234 ex/s', 'data 3%', '41.2 TFLOP/s', 'MFU 38%']``, each where known.
 
-    Example:
+    Examples:
         >>> from flaxhooks.core import Window
         >>> _time_texts(Window(10.0, 100, 1234.4, 0.62, 0.01, 4.12e13, 0.376))
         ['1,234 ex/s', 'data 62% (input-bound)', '41.2 TFLOP/s', 'MFU 38%']
@@ -383,7 +383,7 @@ def _time_texts(window: Window) -> list[str]:
 def _si(value: float) -> str:
     """``41.2 T``, ``812 G``, ``3.0 ``: three figures or so, and an SI prefix.
 
-    Example:
+    Examples:
         >>> _si(4.12e13), _si(8.123e11), _si(3.0), _si(2.5e18)
         ('41.2 T', '812 G', '3.0 ', '2.5 E')
     """
@@ -446,7 +446,7 @@ def _fit(description: str, fields: Sequence[_Field], width: int) -> tuple[list[_
     Fields are dropped, the lowest ``keep`` first, until the bar has at least
     its narrowest width; when dropping them all is not enough, the bar shrinks.
 
-    Example:
+    Examples:
         >>> fields = [_Field("12/62", keep=(2, 0)), _Field("loss 0.1", keep=(1, 0), separator="  ")]
         >>> kept, bar_width = _fit("epoch 1/2", fields, 80)
         >>> [field.text for field in kept], bar_width
@@ -492,7 +492,7 @@ def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[
     """``fields`` two spaces apart, in lines no wider than ``width``, broken
     only between fields (a field wider than a line gets one of its own).
 
-    Example:
+    Examples:
         >>> _wrap_fields(["done: step 8/8", "loss 0.1", "accuracy 0.9"], 26)
         ['done: step 8/8  loss 0.1', '  accuracy 0.9']
     """
@@ -514,7 +514,7 @@ def _epoch_at(loop: Loop, step: int) -> int:
     """The epoch (from 1) of ``step``, the current step or one of the few in flight
     before it: the current epoch, or the one before if ``step`` came before its first batch.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> _epoch_at(flaxhooks.Loop(step=7, epoch=1, epoch_step=2), 6), _epoch_at(
         ...     flaxhooks.Loop(step=7, epoch=1, epoch_step=1), 6)

@@ -44,7 +44,7 @@ class Summary(Callback):
         table: the rendered table as plain text, once printed (else None).
         parameters: the number of scalars in the model's ``params`` (else None).
 
-    Example:
+    Examples:
         >>> from flaxhooks import Summary
         >>> summary = Summary(depth=1)
         >>> summary.table is None

@@ -45,8 +45,8 @@ class TensorBoard(Callback):
 
     Training scalars are window means summed on the devices (no host sync per
     step), with the optimizer's curves and where the time went. Every callback,
-    this one included, writes through ``loop.writers``. The README ("What you
-    see") lists every tag, run and tab.
+    this one included, writes through ``loop.writers``. docs/guides/what-you-see.md
+    lists every tag, run and tab.
 
     Args:
         logdir: the run directory; checked for writing at once, and again
@@ -57,7 +57,7 @@ class TensorBoard(Callback):
         learning_rate: a schedule ``step -> learning rate`` to log; without
             it, an ``optax.inject_hyperparams`` learning rate is found.
 
-    Example:
+    Examples:
         >>> import tempfile, flaxhooks
         >>> tb = flaxhooks.TensorBoard(tempfile.mkdtemp(), hparams={"lr": 0.1})
     """

@@ -61,15 +61,15 @@ class Callback:
 
     Define ``on_<event>(self, loop)`` for any name in :data:`flaxhooks.EVENTS`;
     refuse a fit in :meth:`check_fit`; keep what a resumed run needs with
-    :meth:`state_dict` and :meth:`load_state_dict`. The README ("Writing a
-    callback") has the contract.
+    :meth:`state_dict` and :meth:`load_state_dict`. docs/guides/callbacks.md has
+    the contract.
 
     Attributes:
         order: where this callback runs relative to others (lower first;
             default 0, ties keep registration order).
         process_zero_only: when True the callback is only registered on JAX process 0.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> class CountSteps(flaxhooks.Callback):
         ...     def __init__(self):

@@ -40,7 +40,7 @@ INPUT_BOUND = 0.1
 def _peak(device_kind: str) -> float | None:
     """The peak FLOP/s of one device of ``device_kind`` in :data:`PEAK_FLOPS`, or None.
 
-    Example:
+    Examples:
         >>> _peak("NVIDIA H100 80GB HBM3"), _peak("TPU v5 lite"), _peak("cpu")
         (989000000000000.0, 197000000000000.0, None)
     """
@@ -110,7 +110,7 @@ def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_
     """What the steps between two readings took (None: no step or no time),
     given the global batch size, and the whole mesh's FLOPs per step and peak FLOP/s if known.
 
-    Example:
+    Examples:
         >>> w = _window(Reading(10.0, 100), Reading(20.0, 300, data_wait=5.0, device_wait=1.0,
         ...             evaluating=2.0), examples_per_step=64, flops_per_step=1e12, peak=1e14)
         >>> w.seconds, w.examples_per_sec, w.data_wait, w.flops_per_sec, w.mfu, w.input_bound
@@ -143,7 +143,7 @@ class FitClock:
             called once, when a window first needs it.
         clock: the time source (seconds), for tests.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> class Speed(flaxhooks.Callback):
         ...     def on_fit_start(self, loop):

@@ -20,7 +20,7 @@ class Event(str, enum.Enum):
     ``exception``: training failed or was interrupted; the payload (and
     ``loop.exception``) is the error. ``epoch_end`` and ``fit_end`` still follow.
 
-    Example:
+    Examples:
         >>> from flaxhooks import Event
         >>> Event.EVAL_END.handler, Event.EVAL_END == "eval_end"
         ('on_eval_end', True)

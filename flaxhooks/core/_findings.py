@@ -32,7 +32,7 @@ class Finding:
         brief: the evidence in a few words, for a finding said in full elsewhere
             (the guard's NaN: by the ``NonFiniteError`` fit raises); a table shows it.
 
-    Example:
+    Examples:
         >>> from flaxhooks import Finding
         >>> Finding("dead_units", 340, "Dense_1", "41% of its units never fired",
         ...         "try a lower learning rate", since=120).message()

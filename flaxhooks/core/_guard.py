@@ -127,15 +127,15 @@ class NonFiniteGuard(Callback):
 
     Every Trainer has one (``Trainer(if_nonfinite=...)`` sets its mode). With
     ``"stop"`` it replays the step from the state kept before it, and ``fit``
-    raises :class:`~flaxhooks.NonFiniteError`. The README ("When training goes
-    wrong") has the details.
+    raises :class:`~flaxhooks.NonFiniteError`. docs/guides/diagnose.md has the
+    details.
 
     Args:
         mode: ``"stop"``, ``"warn"`` (log the first non-finite loss, train on)
             or ``"off"``.
         replay: replay the failing step to name the call (``"stop"`` only).
 
-    Example:
+    Examples:
         >>> from flaxhooks.core import NonFiniteGuard
         >>> NonFiniteGuard("warn").freezes_on_nonfinite
         False
@@ -354,7 +354,7 @@ def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
     """The outermost modules holding parameters whose calls the replay did not
     see (an ``nn.scan`` that drops the values made in its body), in parameter order.
 
-    Example:
+    Examples:
         >>> seen = [_Call("encoder", ("encoder",), "Dense", True), _Call("head", ("head",), "Dense", True)]
         >>> _unseen(["encoder/kernel", "layers/Dense_0/kernel", "layers/Dense_0/bias", "head/kernel"], seen)
         ['layers']
@@ -403,7 +403,7 @@ def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
     steps before them (at least 5); with fewer than 8 steps, the last 10 times
     more than that against the first.
 
-    Example:
+    Examples:
         >>> _growth([(s, 1.0, 1.0) for s in range(1, 9)] + [(9, 1.0, 40.0)])
         'the gradient norm grew from 1 to 40 over the steps before it (1 to 9)'
         >>> _growth([(s, 1.0, 1.0) for s in range(1, 10)]) is None

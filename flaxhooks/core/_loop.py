@@ -96,7 +96,7 @@ class Loop:
     on the devices; reading them on the host waits for the step that makes
     them, so a callback reads them only when it is due.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> loop = flaxhooks.Loop(state=None, step=3)
         >>> loop.step, loop.should_stop

@@ -41,7 +41,7 @@ def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout
     Raises:
         ProcessError: on several processes, process 0 gave no directory in time.
 
-    Example:
+    Examples:
         >>> import tempfile, flaxhooks
         >>> root = tempfile.mkdtemp()
         >>> first = flaxhooks.run_directory(root)

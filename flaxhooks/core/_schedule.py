@@ -20,7 +20,7 @@ class Every:
         seconds: due when this long has passed since it was last due.
         clock: the time source, for tests.
 
-    Example:
+    Examples:
         >>> from flaxhooks import Every
         >>> every_100 = Every(steps=100)
         >>> [s for s in range(1, 301) if every_100(s)]
@@ -88,7 +88,7 @@ class Rate:
     Args:
         clock: the time source (seconds), for tests.
 
-    Example:
+    Examples:
         >>> from flaxhooks.core import Rate
         >>> ticks = iter([0.0, 2.0])
         >>> rate = Rate(clock=lambda: next(ticks))

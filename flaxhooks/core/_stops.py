@@ -1,76 +1,12 @@
 """The stop protocol: every process of a run stops at one agreed step.
 
-Under ``jax.distributed`` every compiled step is a collective: a process that
-stops alone leaves the others waiting in it forever. So a stop anywhere is a
-stop everywhere, at one agreed step boundary, and a fault on one process is
-reported on all of them, naming that process. The processes agree through
-:class:`~flaxhooks.core._peers.Peers` (JAX's key-value store); with one
-process :class:`LocalStops` does the same jobs with no peer to ask.
-
-At the start of a fit (:meth:`AgreedStops.start`):
-
-1. Each process posts its start record (batch layout, batches per epoch,
-   start step and data position, the checkpoint it resumed from, its first
-   batch's fingerprint) and its error, if preparing the fit failed.
-2. It waits for every process's record. Any error is raised on every process
-   (a ``BatchError`` or a :class:`ProcessError` naming the processes), and
-   so is any difference in the fields of ``_AGREED_AT_START``.
-3. It starts its watcher thread, which posts a heartbeat every
-   ``HEARTBEAT_SECONDS`` and answers stop requests (below).
-
-A stop is agreed in rounds, which cost nothing while nothing happens (one
-lock and a few attribute reads per step on the main thread):
-
-1. A process that wants to stop (a signal, ``loop.stop``, ``StopTraining``,
-   the non-finite guard's stop at a NaN, an error kept by :meth:`defer`,
-   data that ran out) posts a request: its word (what it asks for) and the
-   last step it dispatched. Then it raises the round's trigger.
-2. The watcher thread of every other process waits on that trigger. It
-   answers at once with the last step its process dispatched, and from then
-   on that process dispatches no further step until the round is settled
-   (:meth:`AgreedStops.may_dispatch`). Answering from a thread matters: the
-   main thread may be blocked in a collective that waits for the requester.
-3. Each main thread, at its next step boundary
-   (:meth:`AgreedStops.at_boundary`), reads every answer; the largest step
-   is the round's target. Every process runs (all events included, so their
-   collectives match) until it reaches the target.
-4. At the target each process posts its final word, as of then: its error,
-   its signal or its stop, else "go on". From every final word each process
-   derives the same outcome: failed (a :class:`ProcessError` naming the
-   processes with an error, raised on every process), interrupted (the
-   signal; the Trainer raises ``TrainingInterrupted``), or stopped (every
-   process's ``stop_reason`` the same words, naming who asked). A NaN is a
-   stop like any other: every guard sees the same global loss. When every
-   process's data ran out at the same step, the epoch simply ended and the
-   next round begins; when one process's data ran out before another's, it
-   goes on with zeros (:meth:`AgreedStops.batches`) to the target, and
-   training fails there on every process.
-
-SIGTERM, the preemption notice of Kubernetes, SLURM and Cloud TPU, is left
-to JAX's preemption service, which ``jax.distributed.initialize`` starts:
-its notifier catches the signal on any process and agrees a sync point
-with every other. Each process asks for it at every step boundary
-(``multihost_utils.reached_preemption_sync_point``); they all reach it at
-the same step, and stop there as for a signal of their own (the Checkpoint
-saves; the Trainer raises ``TrainingInterrupted``). With the service off,
-flaxhooks catches SIGTERM itself and agrees the stop in a round.
-
-Data of the same known length everywhere ends every epoch at the same step
-without a round. At the end of the loop (:meth:`AgreedStops.finish`) each
-process answers the round under way and concludes it; after the end hooks
-(:meth:`AgreedStops.close`) they exchange how the fit ended, so a fit that
-failed on one process fails on all.
-
-When a peer is lost: the watcher reads every heartbeat. A process whose
-heartbeat stops for ``LOST_AFTER_SECONDS`` is lost
-(:class:`PeerLost`); one that gives up (a timeout, a second Ctrl-C, an error
-no round can carry: :meth:`AgreedStops.failed_at`) says so in place of its
-heartbeat. Either way the others raise at their next check: a step boundary,
-or a wait for device values, which polls for it (:func:`wait_ready`,
-:meth:`AgreedStops.wait_until_ready`). A process whose main thread is stuck
-in a collective with the missing one (gloo waits for a killed peer for ever)
-reports :class:`PeerLost` from the watcher and ends itself after
-``END_GRACE_SECONDS``, skipping JAX's shutdown barrier.
+A stop or fault on one process stops every process at the same step
+boundary, agreed through :class:`~flaxhooks.core._peers.Peers` (JAX's
+key-value store) in rounds that cost nothing while nothing happens; SIGTERM
+is left to JAX's preemption sync point. docs/architecture.md ("The stop
+protocol") walks through it: the start records, the rounds, preemption,
+the end, and lost peers. With one process :class:`LocalStops` does the same
+jobs with no peer to ask.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ _log = logging.getLogger("flaxhooks")
 class Trainer:
     """Trains a Flax model over a device mesh, emitting events to its callbacks.
 
-    One pure step, ``jax.jit``-ed over the mesh (README, "Architecture").
+    One pure step, ``jax.jit``-ed over the mesh (docs/architecture.md).
 
     Args:
         model: a Linen Module, an ``nnx.Module`` (updated when ``fit`` ends) or a
@@ -54,7 +54,7 @@ class Trainer:
         callbacks: callbacks to register (more with :meth:`add`).
         input_keys: batch keys passed positionally, or ``{argument: batch key}``.
         train_arg: the call argument or constructor field saying the model trains
-            (``deterministic`` is recognized); README, "Your model".
+            (``deterministic`` is recognized); docs/guides/models.md.
         eval_model: a Linen model's eval-mode twin (same parameters).
         rng_names: the RNG streams of a Linen model, each given a key per step.
         seed: seeds initialization and the per-step keys.
@@ -75,7 +75,7 @@ class Trainer:
         if_nonfinite: the non-finite guard's mode: ``"stop"`` (``fit`` raises
             ``NonFiniteError``), ``"warn"`` or ``"off"``.
 
-    Example:
+    Examples:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
         >>> import flaxhooks
         >>> def loss_fn(logits, batch):
@@ -209,7 +209,7 @@ class Trainer:
 
         Ctrl-C and SIGTERM stop at the next step boundary (a second one at once).
         On several processes every process calls ``fit`` alike, and every stop
-        takes effect at the same step on each (README, "Several hosts").
+        takes effect at the same step on each (docs/guides/several-hosts.md).
 
         Args:
             data: host batches (dicts of numpy arrays): a callable of the epoch

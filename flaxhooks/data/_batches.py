@@ -201,7 +201,7 @@ class ArrayLoader:
         seed: the shuffling seed.
         drop_remainder: drop the last, smaller batch.
 
-    Example:
+    Examples:
         >>> import numpy as np, flaxhooks
         >>> loader = flaxhooks.ArrayLoader({"x": np.arange(10.0), "y": np.arange(10)}, 4)
         >>> len(loader), [b["x"].shape for b in loader(0)]

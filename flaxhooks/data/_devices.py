@@ -70,7 +70,7 @@ def use_cpu_devices(count: int | None = None, *, across_processes: bool = False)
     Raises:
         RuntimeError: JAX's backends are already running.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> flaxhooks.use_cpu_devices(2)  # doctest: +SKIP
         2

@@ -43,7 +43,7 @@ class ShardRule(Protocol):
 class Replicated:
     """Every leaf whole on every device: data parallelism (the default).
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> flaxhooks.Replicated()
         Replicated()
@@ -68,7 +68,7 @@ class FSDP:
         axis: the mesh axis the leaves are split over (the data axis).
         min_size: the smallest leaf (in elements) worth splitting.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> flaxhooks.FSDP("data").axis
         'data'
@@ -133,7 +133,7 @@ class Annotation:
             ``nnx.with_partitioning``): one no rule maps must be a mesh axis.
         rules: the variable's own logical axis rules, tried before the Trainer's.
 
-    Example:
+    Examples:
         >>> Annotation(("embed", "mlp")).logical
         True
     """
@@ -172,7 +172,7 @@ def ambiguous_split(spec: PartitionSpec, named: int, mesh: Mesh) -> int | None:
     later name meant the next dimension or a later one cannot be told from
     the shapes. A name that splits nothing is not ambiguous.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np
         >>> from jax.sharding import Mesh
         >>> mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
@@ -309,7 +309,7 @@ class Placement:
                 axis the mesh lacks (or one used twice), or a dimension the
                 mesh axes do not divide.
 
-        Example:
+        Examples:
             >>> import jax, numpy as np
             >>> from jax.sharding import Mesh
             >>> mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))

@@ -33,7 +33,7 @@ class DevicePrefetch:
         ragged: what to do with a smaller last batch: ``"drop"`` it with a
             warning (the compiled step only takes full batches) or ``"error"``.
 
-    Example:
+    Examples:
         >>> import flaxhooks
         >>> prefetch = flaxhooks.DevicePrefetch(size=4, ragged="error")
     """

@@ -81,7 +81,7 @@ def fingerprint(batch: Any) -> str:
     """A checksum of a batch's keys, shapes, dtypes and up to
     :data:`FINGERPRINT_SAMPLES` evenly spaced values per key.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> fingerprint({"x": np.arange(4)}) == fingerprint({"x": np.arange(4)})
         True
@@ -269,7 +269,7 @@ class DataSource:
                     f"batches into it: resume with the run's data")
         _log.info(
             "resuming %d batches into epoch %d: read and dropped them in %.2f s (this data has no "
-            "`start` argument or loader state to go there directly; see the README, \"Your data\")",
+            "`start` argument or loader state to go there directly; see docs/guides/data.md)",
             skip, epoch + 1, time.perf_counter() - started)
         return last
 

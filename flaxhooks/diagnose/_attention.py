@@ -74,7 +74,7 @@ def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax
     ``examples x queries`` rows of ``heads x keys`` logits, gathered where each
     device's share of the batch lives.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> logits = jnp.arange(64 * 4 * 11 * 11, dtype=jnp.float32).reshape(64, 4, 11, 11)
         >>> entropy_queries(logits, logits > 0)[0].shape  # one query of each example
@@ -106,7 +106,7 @@ def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     by ``log(valid keys)`` (1: uniform, 0: one-hot); queries with fewer than
     two valid keys (the first of a causal mask) are left out.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> logits = jnp.array([[[[0.0, 9.0], [1.0, 1.0]]]])  # one head, two queries
         >>> causal = jnp.tril(jnp.ones((2, 2), bool))  # 9.0 is masked out
@@ -192,7 +192,7 @@ def record_attention(module: Any, logits: jax.Array, mask: jax.Array | None = No
         logits: the pre-softmax attention logits.
         mask: which keys each query may see, or None (all).
 
-    Example:
+    Examples:
         >>> import flax.linen as nn, jax, jax.numpy as jnp
         >>> class Attention(nn.Module):
         ...     @nn.compact
@@ -269,7 +269,7 @@ def log_z_stats(logits: jax.Array) -> jax.Array:
     """Sums over every position of ``log Z = logsumexp(logits, -1)``, float32
     ``[len(LOG_Z_COLUMNS)]``: positions, sum, sum of ``|log Z|``, largest ``|log Z|``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> [round(float(v), 3) for v in log_z_stats(jnp.zeros((2, 4)))]
         [2.0, 2.773, 2.773, 1.386]
@@ -312,7 +312,7 @@ def attention_layers(taps: Sequence[Any]) -> list[tuple[str, jax.Array]]:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionThresholds:
-    """When a Transformer's figures become a finding; the README gives the evidence for each.
+    """When a Transformer's figures become a finding; docs/guides/diagnose.md gives the evidence.
 
     Attributes:
         max_logit: an attention layer's largest ``|logit|`` above this

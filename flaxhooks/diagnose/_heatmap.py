@@ -50,7 +50,7 @@ _GLYPH_ROWS, _PITCH = 6, 4
 def colormap(t: np.ndarray) -> np.ndarray:
     """The colours (uint8 ``[..., 3]``) of positions ``t`` on the map, 0 (dark) to 1 (light).
 
-    Example:
+    Examples:
         >>> colormap(np.array([0.0, 1.0])).tolist()
         [[38, 12, 66], [246, 230, 40]]
     """
@@ -134,7 +134,7 @@ def heatmap(values: np.ndarray, *, log: bool = True, vmin: float | None = None, 
             False draws the cells alone, ``[layers * cell[0],
             columns * cell[1], 3]``.
 
-    Example:
+    Examples:
         >>> heatmap(np.array([[1e-3, 1e-2, 1e-1], [1.0, np.nan, 1.0]]), decorate=False).shape
         (24, 24, 3)
     """
@@ -185,7 +185,7 @@ def range_labels(low: float, high: float, digits: int = 3) -> tuple[str, str]:
     """The labels of a colour bar's ends: ``digits`` significant digits, or
     as many more as it takes for different values to read differently.
 
-    Example:
+    Examples:
         >>> range_labels(0.002341, 0.002344)
         ('0.002341', '0.002344')
         >>> range_labels(1e-5, 0.25)
@@ -203,7 +203,7 @@ def bar_labels(scale: _Range, log: bool, nonfinite: bool = False) -> tuple[str, 
     high end. A constant range says so instead of a spread no value has
     (``nonfinite``: of the finite values, some cells being NaN or infinite).
 
-    Example:
+    Examples:
         >>> bar_labels(_Range(0.001, 0.1), log=True)
         ('0.001', 'log scale', '0.1')
         >>> bar_labels(_Range(0.5, 0.5, constant=True), log=False)
@@ -277,7 +277,7 @@ class Heatmaps:
             the geometric mean (else the mean), and the picture is coloured by
             ``log10``. A non-finite value marks its column's cell non-finite.
 
-    Example:
+    Examples:
         >>> maps = Heatmaps(columns=4)
         >>> for step in range(1, 11):
         ...     maps.add(step, {"dense_0": 1.0, "dense_1": 10.0 ** -step})

@@ -115,7 +115,7 @@ def step_entries(sampled: int | None) -> int:
     :data:`MAX_ENTRIES`, or :data:`WINDOW_ENTRIES` spread over more than 20
     sampled steps.
 
-    Example:
+    Examples:
         >>> step_entries(None), step_entries(20), step_entries(200)  # every 10 / 1 of 200 steps
         (16384, 16384, 1638)
     """
@@ -128,7 +128,7 @@ def rows_read(rows: int, units: int, entries: int = MAX_ENTRIES) -> int:
     """How many of a layer's ``rows`` (of ``units`` units each) a step reads
     at most, within ``entries`` (:func:`step_entries`).
 
-    Example:
+    Examples:
         >>> rows_read(704, 128), rows_read(704, 512), rows_read(50176, 8), rows_read(32, 4096)
         (128, 64, 1024, 32)
         >>> rows_read(704, 128, step_entries(200))  # sampled every step of a 200-step window
@@ -163,7 +163,7 @@ def chosen_rows(examples: int, positions: int, units: int, entries: int = MAX_EN
     layer's shape alone, never on the mesh: one device and a sharded batch
     read the same entries.
 
-    Example:
+    Examples:
         >>> rows = chosen_rows(8, 16, 2048)  # 8 of 16 positions of each of 8 examples
         >>> len(rows), rows[:8].tolist(), rows[8:16].tolist()
         (64, [0, 2, 4, 6, 8, 10, 12, 14], [17, 19, 21, 23, 25, 27, 29, 31])
@@ -188,7 +188,7 @@ def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     feature's per-unit sum, where a sum per feature (or one over the stacked
     features, which XLA on CPU writes out first) reads them once per feature.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> [s.tolist() for s in _sum_rows([jnp.array([[[1.0, 2.0], [3.0, 4.0]]]), jnp.ones((1, 2, 2))])]
         [[[4.0, 6.0]], [[2.0, 2.0]]]
@@ -256,7 +256,7 @@ def layer_sums(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES,
     respect to it (same shape); units are the last axis, every other axis is
     rows, of which evenly spaced ones are read (:func:`rows_read`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> row, reached, fired, mass = layer_sums(jnp.array([[1.0, -2.0], [3.0, -1.0]]),
         ...                                        jnp.array([[0.5, 0.0], [0.5, 0.0]]))
@@ -289,7 +289,7 @@ def update_ratios(params: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array
     spaced entries of each leaf (all of them for leaves of at most
     :data:`MAX_PARAM_SAMPLES`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> params = {"Dense_0": {"kernel": jnp.full(4, 2.0)}}
         >>> update_ratios(params, {"Dense_0": {"kernel": jnp.full(4, 0.02)}})

@@ -17,7 +17,7 @@ _BINS = len(SLOPE_BINS) + 1
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """When a layer's figures become a finding; the README gives each one's source.
+    """When a layer's figures become a finding; docs/guides/diagnose.md gives each one's source.
 
     Attributes:
         dead_fraction: the share of a layer's units with no gradient over a window
@@ -198,7 +198,7 @@ def unused_layers(figures: Sequence[LayerFigures]) -> list[str]:
     entry while some fired, and no layer after them is dead to its last unit
     (which would explain the silence: :func:`layer_findings` names that one).
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import LayerFigures
         >>> def layer(name, dead, silent):
         ...     return LayerFigures(name, 0.1, 0.0 if silent == 1 else 0.1, dead, silent, 0.0, 0.0, ())

@@ -46,7 +46,7 @@ class LossThresholds:
             ``plateau_sigmas`` standard errors of the difference.
         not_learning_chance: at chance is within this fraction of ``log(C)`` (0.05).
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import LossThresholds
         >>> LossThresholds(plateau_window=500).plateau_window
         500
@@ -317,8 +317,8 @@ class LossWatch:
     ``not_learning_steps``),
     ``loss_plateau`` (no fall over ``3 * plateau_window`` losses; a resumed
     run is not judged) and ``initial_loss`` (:meth:`initial`: far from
-    ``log(C)``). Non-finite losses are skipped. The README ("When training
-    goes wrong") gives each rule. :meth:`state_dict` keeps it across a resume.
+    ``log(C)``). Non-finite losses are skipped. docs/guides/diagnose.md gives
+    each rule. :meth:`state_dict` keeps it across a resume.
 
     Args:
         thresholds: when the loss is a problem.
@@ -328,7 +328,7 @@ class LossWatch:
         num_classes: the classes of a classifier's logits, else None: its loss's scale is
             ``log(num_classes)``, and a loss at it is at chance (:meth:`initial` sets it).
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import LossWatch
         >>> watch = LossWatch()
         >>> [f.kind for f in watch.initial(0, 30.0, num_classes=10)]
@@ -386,7 +386,7 @@ class LossWatch:
     def add(self, step: int, loss: float) -> list[Finding]:
         """Takes one step's loss, in step order; returns the findings that appear at this step.
 
-        Example:
+        Examples:
             >>> from flaxhooks.diagnose import LossWatch
             >>> LossWatch().add(0, float("nan"))
             []
@@ -411,7 +411,7 @@ class LossWatch:
             loss: its loss, a mean softmax cross-entropy in nats.
             num_classes: the classes, or None when the model is not a classifier (no check).
 
-        Example:
+        Examples:
             >>> from flaxhooks.diagnose import LossWatch
             >>> LossWatch().initial(0, 2.35, num_classes=10)
             []
@@ -443,7 +443,7 @@ class LossWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Takes back what :meth:`state_dict` gave (its windows keep their own sizes).
 
-        Example:
+        Examples:
             >>> from flaxhooks.diagnose import LossWatch
             >>> watch = LossWatch()
             >>> _ = [watch.add(step, 2.3) for step in range(60)]

@@ -57,7 +57,7 @@ def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources]) -> lis
         jaxpr: the jaxpr (closed or open); its constants depend on nothing.
         inputs: one set of labels per input variable.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> closed = jax.make_jaxpr(lambda x, y: (x * 2, y + x, 3.0))(1.0, 2.0)
         >>> [sorted(s) for s in output_sources(closed, [frozenset("x"), frozenset("y")])]
@@ -250,7 +250,7 @@ def call_sources(
     raises ``InvalidRngError``) is noted in ``missing`` and given, so the
     rest of the call can be traced. Compiles nothing.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> from flaxhooks.step import as_model
         >>> from flaxhooks.diagnose import call_sources
@@ -310,7 +310,7 @@ def dropout_in_eval(
     meant and not reported. An NNX model's RNG state counts as dropout's when
     it is an ``nnx.Dropout``'s or its stream is named ``dropout``.
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import CallSources, dropout_in_eval
         >>> from flaxhooks.step import as_model
         >>> import flax.linen as nn
@@ -355,7 +355,7 @@ def rng_streams(
     explicitly (``rng_names_given``; None: given when it is not the default
     ``("dropout",)``). The default stream of a model with no randomness is fine.
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import CallSources, rng_streams
         >>> from flaxhooks.step import as_model
         >>> import flax.linen as nn
@@ -417,7 +417,7 @@ def setup_findings(
         rng_names_given: whether ``Trainer(rng_names=...)`` was given
             explicitly (None: when it is not the default).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> from flaxhooks.step import as_model
         >>> from flaxhooks.diagnose import setup_findings

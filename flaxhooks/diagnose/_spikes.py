@@ -32,7 +32,7 @@ class SpikeThresholds:
         layer_factor: a layer's gradient spiked when its norm on the spike's batch is at
             least this times its norm on the batch before, at the same parameters (3).
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import SpikeThresholds
         >>> SpikeThresholds(window=64).sigmas
         6.0
@@ -61,7 +61,7 @@ class GradNormWatch:
     ``min_factor`` times both that mean and the largest of the ``recent`` norms
     before it (non-finite norms are the guard's, skipped).
 
-    Example:
+    Examples:
         >>> from flaxhooks.diagnose import GradNormWatch, SpikeThresholds
         >>> watch = GradNormWatch(SpikeThresholds(window=20))
         >>> norms = [1.0 + 0.05 * (step % 4) for step in range(60)]
@@ -102,7 +102,7 @@ class GradNormWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Takes back what :meth:`state_dict` gave (the window keeps its own size).
 
-        Example:
+        Examples:
             >>> from flaxhooks.diagnose import GradNormWatch
             >>> watch = GradNormWatch()
             >>> _ = [watch.add(step, 1.0) for step in range(200)]
@@ -151,7 +151,7 @@ def first_spiked_layer(layers: Sequence[str], spiked: Sequence[float], before: S
     times its output's gradient, so a blow-up (a bad batch, a layer's outputs
     growing) shows in every layer after its source as well; the first is the source.
 
-    Example:
+    Examples:
         >>> first_spiked_layer(["a", "b", "c"], [1.0, 40.0, 90.0], [1.0, 2.0, 3.0], 3.0)
         ('b', [1.0, 20.0, 30.0])
     """

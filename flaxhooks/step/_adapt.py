@@ -24,7 +24,7 @@ def as_model(
     ``state_collections`` and ``eval_model`` concern Linen only: an NNX
     module carries its own ``nnx.Rngs``, variable types and ``eval()`` switch).
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> from flaxhooks.step import as_model
         >>> type(as_model(nn.Dense(3))).__name__

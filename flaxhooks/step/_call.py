@@ -55,7 +55,7 @@ class ModelCall:
         mode_arg: the argument that switches modes, or None.
         inverted: ``mode_arg`` is True in eval mode (``deterministic``).
 
-    Example:
+    Examples:
         >>> from flaxhooks.step import ModelCall
         >>> def apply(inputs, inputs_positions=None, deterministic=True): ...
         >>> call = ModelCall.of(apply, {"inputs": "tokens", "inputs_positions": "positions"}, "train")

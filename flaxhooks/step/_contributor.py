@@ -50,7 +50,7 @@ class WithLayout:
     the result's tree structure, never as an array. An ``inside_step`` returns
     one; ``take`` (and ``combine``) receive it back with both.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> out = jax.jit(lambda x: WithLayout(x * 2, ("x",)))(jnp.ones(2))
         >>> out.layout, out.values.tolist()

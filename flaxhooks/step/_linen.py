@@ -81,7 +81,7 @@ class LinenModel:
         axis_name: the device axis the step maps over, which the model's
             own collectives (``nn.BatchNorm(axis_name=...)``) name.
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> from flaxhooks.step import LinenModel
         >>> LinenModel.create(nn.Dense(3), "x").input_keys

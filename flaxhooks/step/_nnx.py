@@ -131,9 +131,9 @@ class NNXModel:
             too); NNX's own switch (``deterministic`` / ``use_running_average``
             attributes, as ``train()`` / ``eval()`` set them) is always used.
         axis_name: the device axis the step maps over (every ``nnx.BatchNorm``
-            of the train-mode copy reduces over it; see README, "NNX models").
+            of the train-mode copy reduces over it; see docs/guides/models.md).
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from flaxhooks.step import NNXModel
         >>> model = NNXModel(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "x")

@@ -60,7 +60,7 @@ def check_stats(names: Sequence[str], valid: Sequence[str] = GRADIENT_STATS) -> 
     Raises:
         ValueError: a name is not one of ``valid`` (the message lists them).
 
-    Example:
+    Examples:
         >>> check_stats(["std", "mean"])
         ('mean', 'std')
     """
@@ -130,7 +130,7 @@ def tap_stats(
         ``stats [len(values), len(columns)]`` (float32, the same on every
         device) and ``counts [len(values), bins]`` or None.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> table, _ = jax.vmap(lambda x: tap_stats([x], columns=("mean", "max")), axis_name=AXIS)(
         ...     jnp.arange(8.0).reshape(2, 4))
@@ -240,7 +240,7 @@ def param_modules(params: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
     Works on Linen's nested dicts and on the NNX adapter's ``params``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> param_modules({"Dense_10": {"kernel": np.ones(2)}, "Dense_2": {"bias": np.ones(1),
         ...                "kernel": np.ones(2)}, "scale": np.ones(1)})
@@ -262,7 +262,7 @@ def param_stats(params: Any, grads: Any, updates: Any) -> tuple[tuple[str, ...],
     Returns:
         The module names, and ``[len(names), 2]`` float32 columns :data:`PARAM_STATS`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> params = {"Dense_0": {"kernel": jnp.full(4, 2.0), "bias": jnp.zeros(1)}}
         >>> grads = {"Dense_0": {"kernel": jnp.full(4, 0.5), "bias": jnp.zeros(1)}}

@@ -48,7 +48,7 @@ def select_modules(
             path (``"encoder/Dense_0"``); any, if empty.
         methods: the methods whose outputs are selected.
 
-    Example:
+    Examples:
         >>> import flax.linen as nn
         >>> from flaxhooks.step import select_modules
         >>> dense = select_modules(types=nn.Dense, names="head*")

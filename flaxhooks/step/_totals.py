@@ -73,7 +73,7 @@ class Totals:
 def zero_totals(names: Iterable[str]) -> Totals:
     """Totals of no step, for the metrics ``names`` (host arrays, to be replicated).
 
-    Example:
+    Examples:
         >>> totals = zero_totals(["loss", "accuracy"])
         >>> totals.names, int(totals.steps)
         (('accuracy', 'loss'), 0)

@@ -21,7 +21,7 @@ def encode_png(image: np.ndarray) -> bytes:
     """The PNG file of an 8-bit image: ``[H, W, 3]`` (RGB), ``[H, W, 4]``
     (RGBA), ``[H, W, 1]`` or ``[H, W]`` (grey).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> png = encode_png(np.zeros((2, 3, 3), np.uint8))
         >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n", png_size(png)

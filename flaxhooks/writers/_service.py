@@ -133,7 +133,7 @@ class Writers:
     callback writes goes to each of them. With none (no writer callback, or
     another process than 0) every write is a no-op.
 
-    Example:
+    Examples:
         >>> from flaxhooks.writers import Writers
         >>> writers = Writers()
         >>> writers.scalars({"loss": 0.5}, step=1)  # nowhere to go

@@ -303,8 +303,15 @@ def test_hparams_when_runs_are_compared_from_their_parent_directory(served_from_
     _check_hparams(served_from_parent, served_from_parent.logdir.name)
 
 
-def test_the_default_pages_list_at_most_30_tags(served: Served) -> None:
-    tags = set().union(*served.scalar_tags().values())
-    for run_tags in served.get("/data/plugin/histograms/tags").values():
-        tags |= set(run_tags)
+def test_the_default_pages_list_at_most_30_tags_as_the_docs_count_them(served: Served) -> None:
+    scalars = set().union(*served.scalar_tags().values())
+    histograms = set().union(*map(set, served.get("/data/plugin/histograms/tags").values()))
+    tags = scalars | histograms
     assert len(tags) <= MAX_TAGS, f"{len(tags)} distinct tags (at most {MAX_TAGS}): {sorted(tags)}"
+    page = " ".join((ROOT / "docs" / "guides" / "inside-the-model.md").read_text().split())
+    stated = re.search(r"the main command writes (\d+) distinct scalar tags \((\d+) of them the statistics "
+                       r"callbacks', .*?\) and (\d+) histogram tags over its runs: (\d+) names", page)
+    assert stated, "the docs' sentence on the recipe's tags"
+    stats = {t for t in scalars if t.startswith("stats/")}
+    assert [int(n) for n in stated.groups()] == [len(scalars), len(stats), len(histograms), len(tags)], \
+        (sorted(scalars), sorted(histograms))

@@ -432,20 +432,20 @@ def test_the_addition_recipe_trains_with_no_transformer_finding(mesh):
     assert 0 < diagnose.output_log_z["mean_abs"] < 25
 
 
-def _readme_snippet(marker: str) -> str:
-    """The README's ```python block that contains ``marker``."""
+def _docs_snippet(marker: str) -> str:
+    """The ```python block of docs/guides/diagnose.md that contains ``marker``."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "diagnose.md").read_text()
     blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
     found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"the README has {len(found)} python blocks with {marker!r}"
+    assert len(found) == 1, f"the page has {len(found)} python blocks with {marker!r}"
     return found[0]
 
 
-def test_the_readmes_own_attention_example_is_recorded_as_numpy_computes_it():
+def test_the_docs_own_attention_example_is_recorded_as_numpy_computes_it():
     namespace: dict = {}
-    exec(compile(_readme_snippet("class MyAttention"), "README.md", "exec"), namespace)
+    exec(compile(_docs_snippet("class MyAttention"), "docs/guides/diagnose.md", "exec"), namespace)
     q, k = _qkv(3)
     v = jax.random.normal(jax.random.key(4), q.shape)
     mask = np.tril(np.ones((6, 6), bool))[None, None]

@@ -118,18 +118,19 @@ def test_a_batch_sharded_over_eight_devices_gives_one_devices_sums():
     np.testing.assert_allclose(np.asarray(step(sharded)), one, rtol=1e-5, atol=1e-3)
 
 
-def test_the_readme_states_the_budget_the_code_keeps():
+def test_the_docs_state_the_budget_the_code_keeps():
     import pathlib
     import re
 
-    text = " ".join((pathlib.Path(__file__).parents[2] / "README.md").read_text().split())
+    page = pathlib.Path(__file__).parents[2] / "docs" / "guides" / "diagnose.md"
+    text = " ".join(page.read_text().split())
     stated = re.search(r"a big layer is read at ([\d,]+) of its entries a step \(([\d,]+) rows at least, "
                        r"([\d,]+) at most\)", text)
-    assert stated, "the README's sentence on the rows Diagnose reads"
+    assert stated, "the docs' sentence on the rows Diagnose reads"
     assert [int(n.replace(",", "")) for n in stated.groups()] == [MAX_ENTRIES, MIN_ROWS, MAX_ROWS]
     spread = re.search(r"a window that samples more than (\d+) steps reads ([\d,]+) of them spread over its "
                        r"steps \(every step of a (\d+)-step window: ([\d,]+) a step\)", text)
-    assert spread, "the README's sentence on a window's budget"
+    assert spread, "the docs' sentence on a window's budget"
     more_than, window_entries, window, per_step = (int(n.replace(",", "")) for n in spread.groups())
     assert window_entries == WINDOW_ENTRIES and more_than == WINDOW_ENTRIES // MAX_ENTRIES
     assert step_entries(more_than) == MAX_ENTRIES > step_entries(more_than + 1)
