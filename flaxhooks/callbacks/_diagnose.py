@@ -152,6 +152,8 @@ class Diagnose(InstrumentedCallback):
         Diagnose(every=Every(steps=10), window=200)
     """
 
+    combines = True  # a window's sums, added up inside the step (``combine``)
+
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
                  attention: AttentionThresholds | None = None,

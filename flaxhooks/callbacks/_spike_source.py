@@ -14,10 +14,10 @@ import numpy as np
 from flaxhooks.core import Finding, Loop
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import first_spiked_layer
-from flaxhooks.step import RepeatedTap, Tapped, Taps, WithLayout
+from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 
-class LayerGradNorms:
+class LayerGradNorms(StepContributor):
     """The step contributor of a spike's replay: each tapped layer's parameter-gradient
     norm, in call order (a layer's parameters are those directly under its path)."""
 

@@ -68,6 +68,9 @@ class Callback:
         order: where this callback runs relative to others (lower first;
             default 0, ties keep registration order).
         process_zero_only: when True the callback is only registered on JAX process 0.
+        freezes_on_nonfinite: when True the train step keeps the state from
+            before the first non-finite loss (the non-finite guard's, in its
+            ``"stop"`` mode).
 
     Examples:
         >>> import flaxhooks
@@ -84,6 +87,7 @@ class Callback:
 
     order: int = 0
     process_zero_only: bool = False
+    freezes_on_nonfinite: bool = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -13,20 +12,17 @@ from flaxhooks.core._callback import CallbackError, StopTraining
 from flaxhooks.core._clock import FitClock
 from flaxhooks.core._events import Event, Phase
 from flaxhooks.core._loop import Loop, LoopRecord
-from flaxhooks.core._plan import FitPlan, check_fit
-from flaxhooks.core._restore import SavedRun, restore_latest
+from flaxhooks.core._restore import SavedRun
 from flaxhooks.core._stops import LocalStops
 from flaxhooks.data import (
-    BatchSpec,
     DataPosition,
     DataSource,
     DevicePrefetch,
     EmptyDataError,
     HostBatch,
     Placement,
-    fingerprint,
 )
-from flaxhooks.step import StepRunner, TrainState, abstract
+from flaxhooks.step import StepRunner, TrainState
 from flaxhooks.writers import WriterCallback, Writers
 
 _log = logging.getLogger("flaxhooks")
@@ -169,36 +165,3 @@ def _reached(loop: Loop | LoopRecord) -> bool:
     return (loop.max_steps is not None and loop.step >= loop.max_steps) or (
         loop.max_epochs is not None and loop.epoch >= loop.max_epochs
     )
-
-
-def prepare(trainer: Any, source: DataSource, state: TrainState | None, resume: bool) -> Start:
-    """Everything ``trainer.fit`` reads and checks before writing or compiling anything."""
-    restored = restore_latest(trainer.callbacks) if resume else None
-    last = trainer._last if state is None and restored is None else None  # continuing the last fit
-    if restored is not None:
-        step, (epoch, skip) = restored.step, restored.position
-        batches = source.resume(epoch, skip, restored.data)
-    else:
-        step = int(state.step) if state is not None else last[0] if last else 0
-        epoch, skip = source.position(step, last[1] if last else None)
-        batches = source.epoch(epoch, skip)
-    taken = next(batches, None)
-    if taken is None:  # epochs are counted from 1 where a person reads them
-        raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
-    first, batches = taken[0], itertools.chain([taken], batches)
-    plan = trainer._plan(first, state if state is not None else trainer._state if last else None)
-    if restored is not None:
-        state = restored.train_state(plan.abstract)
-        restored.load_callbacks(trainer.callbacks)
-    elif state is None and last is not None:
-        state = trainer._state
-    spec = cast(BatchSpec, trainer.batch_spec)  # set by _plan
-    resumed = (restored.step if restored else 0) if resume else None
-    check_fit(trainer.callbacks, FitPlan.of(step, epoch, resumed, plan.abstract if state is None else
-                                         abstract(state, plan.shardings), spec, trainer.model,
-                                         trainer.callbacks, trainer.evaluations))
-    if restored is not None:  # said once nothing refuses the run
-        _log.info("resuming from step %d (%s)", restored.step, restored.path)
-    record = {"layout": f"{spec.describe()} over {trainer.placement.describe()}", "length": source.length,
-              "start": [step, epoch, skip], "resumed": resumed, "first": fingerprint(first)}
-    return Start(record, first, batches, step, epoch, skip, state, state is None, restored)

@@ -24,7 +24,7 @@ from flaxhooks.core._findings import Finding
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
 from flaxhooks.data import first_replica
-from flaxhooks.step import RepeatedTap, Tapped, Taps, WithLayout
+from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 _log = logging.getLogger("flaxhooks")
 
@@ -32,7 +32,7 @@ _log = logging.getLogger("flaxhooks")
 MODES = ("stop", "warn", "off")
 
 
-class _Probe:
+class _Probe(StepContributor):
     """The step contributor of a replay: every module call's output and the
     gradient with respect to it, each reduced to a non-finite flag."""
 

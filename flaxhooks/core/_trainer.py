@@ -3,6 +3,7 @@ input pipeline, evaluation, the writers and the restorer do the rest."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -15,9 +16,11 @@ from jax.sharding import Mesh
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, NonFiniteError
 from flaxhooks.core._events import Event
-from flaxhooks.core._fit import Fit, prepare
+from flaxhooks.core._fit import Fit, Start
 from flaxhooks.core._guard import NonFiniteGuard
 from flaxhooks.core._loop import Loop
+from flaxhooks.core._plan import FitPlan, check_fit
+from flaxhooks.core._restore import restore_latest
 from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
 from flaxhooks.core._stops import stops_for, wait_ready
 from flaxhooks.data import (
@@ -27,10 +30,12 @@ from flaxhooks.data import (
     Data,
     DataSource,
     DevicePrefetch,
+    EmptyDataError,
     HostBatch,
     Placement,
     Replicated,
     ShardRule,
+    fingerprint,
     first_replica,
 )
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
@@ -146,11 +151,44 @@ class Trainer:
         if plan is None or plan.spec != self.batch_spec:  # a later fit of the same layout: planned
             plan = self._plan_made = StatePlan.of(self.model, self.optimizer, self.batch_spec, self.seed,
                                                   self.placement)
-        self.runner.use(self.callbacks)
+        callbacks = self.callbacks
+        self.runner.use(callbacks, lambda: any(cb.freezes_on_nonfinite for cb in callbacks))
         self.runner.place(plan.shardings)
         checked = plan.abstract if state is None else abstract(state, plan.shardings)
         self.runner.check(checked, self.batch_spec)
         return plan
+
+    def _prepare(self, source: DataSource, state: TrainState | None, resume: bool) -> Start:
+        """Everything ``self.fit`` reads and checks before writing or compiling anything."""
+        restored = restore_latest(self.callbacks) if resume else None
+        last = self._last if state is None and restored is None else None  # continuing the last fit
+        if restored is not None:
+            step, (epoch, skip) = restored.step, restored.position
+            batches = source.resume(epoch, skip, restored.data)
+        else:
+            step = int(state.step) if state is not None else last[0] if last else 0
+            epoch, skip = source.position(step, last[1] if last else None)
+            batches = source.epoch(epoch, skip)
+        taken = next(batches, None)
+        if taken is None:  # epochs are counted from 1 where a person reads them
+            raise EmptyDataError(f"the training data yielded no batch (epoch {epoch + 1}, {skip} batches in)")
+        first, batches = taken[0], itertools.chain([taken], batches)
+        plan = self._plan(first, state if state is not None else self._state if last else None)
+        if restored is not None:
+            state = restored.train_state(plan.abstract)
+            restored.load_callbacks(self.callbacks)
+        elif state is None and last is not None:
+            state = self._state
+        spec = cast(BatchSpec, self.batch_spec)  # set by _plan
+        resumed = (restored.step if restored else 0) if resume else None
+        check_fit(self.callbacks, FitPlan.of(step, epoch, resumed, plan.abstract if state is None else
+                                             abstract(state, plan.shardings), spec, self.model,
+                                             self.callbacks, self.evaluations))
+        if restored is not None:  # said once nothing refuses the run
+            _log.info("resuming from step %d (%s)", restored.step, restored.path)
+        record = {"layout": f"{spec.describe()} over {self.placement.describe()}", "length": source.length,
+                  "start": [step, epoch, skip], "resumed": resumed, "first": fingerprint(first)}
+        return Start(record, first, batches, step, epoch, skip, state, state is None, restored)
 
     def init(self, batch: HostBatch) -> TrainState:
         """Checks ``batch`` on abstract values, then builds the initial train state for its layout.
@@ -234,7 +272,7 @@ class Trainer:
         stops, source = stops_for(self.peer_timeout), DataSource(data)
         failure: Exception | None = None
         try:
-            start = prepare(self, source, state, resume)
+            start = self._prepare(source, state, resume)
         except Exception as error:
             if not stops.several:
                 raise

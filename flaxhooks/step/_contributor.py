@@ -1,43 +1,122 @@
-"""The step-contributor protocol: what a callback declares to have values
+"""The step contributor: what a callback declares to have values
 computed inside the train step, and how a result carries the static layout
 of what was traced (:class:`WithLayout`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
-from typing import Any, Protocol, runtime_checkable
+import warnings
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import jax
 
 from flaxhooks.step._taps import Tapped, Taps
 
 
-@runtime_checkable
-class StepContributor(Protocol):
-    """Something (a callback) that needs values computed inside the train step.
+class StepContributor:
+    """Base class of what needs values computed inside the train step.
 
-    It declares what the step must expose (:attr:`taps`), a pure function of
-    that (:meth:`inside_step`) and when it is due (:meth:`due`, asked on the
-    host once per step). The runner compiles one variant of the step per set
-    of due contributors and hands each due one its own result (:meth:`take`).
-    Tracing changes nothing on the host: what the trace found (names, sizes)
-    comes back with the result, in a :class:`WithLayout`, and an optional
-    ``take_layout(layout)`` gets it once the runner has checked the step.
-    :class:`flaxhooks.callbacks.InstrumentedCallback` is the callback that implements it.
+    A contributor declares what the step must expose (:attr:`taps`), a pure
+    function of that (:meth:`inside_step`) and when it is due (:meth:`due`,
+    asked on the host once per step). The runner compiles one variant of the
+    step per set of due contributors and hands each due one its own result
+    (:meth:`take`). Tracing changes nothing on the host: what the trace found
+    (names, sizes) comes back with the result in a :class:`WithLayout`, and
+    :meth:`take_layout` gets it once the runner has checked the step. A
+    contributor that sums its results over several due steps inside the step
+    sets :attr:`combines` and defines :meth:`combine`.
+    :class:`flaxhooks.callbacks.InstrumentedCallback` is the callback built on it.
+
+    Attributes:
+        taps: what the step must expose (sown collections, captured or
+            perturbed modules).
+        combines: whether the step combines this contributor's result with
+            its :attr:`carry` (:meth:`combine`) instead of returning it alone.
+        carry: a combining contributor's running result, carried into its
+            next due step; None: zeros shaped like the result.
     """
 
-    taps: Taps
+    taps: Taps = Taps()
+    combines: bool = False
+    carry: Any = None
 
     def due(self, step: int) -> bool:
         """Whether the step that completes ``step`` must include this contributor."""
+        raise NotImplementedError
 
     def inside_step(self, tapped: Tapped) -> Any:
         """This device's view of the step to a pytree of arrays (pure, traced once per variant)."""
+        raise NotImplementedError
 
     def take(self, loop: Any, result: Any) -> None:
         """This contributor's result of the step just dispatched (replicated
         device arrays: nothing is read), before ``step_end``."""
+        raise NotImplementedError
+
+    def take_layout(self, layout: Any) -> None:
+        """The layout of a :class:`WithLayout` result, handed over on the host
+        once the step was traced on abstract values (before anything compiles)."""
+
+    def combine(self, carry: Any, result: Any) -> Any:
+        """Inside the step, when :attr:`combines`: ``carry`` and this step's
+        ``result`` made one (pure)."""
+        raise NotImplementedError(f"{type(self).__name__} combines results but defines no combine()")
+
+
+_PROTOCOL = ("taps", "due", "inside_step", "take")
+
+
+def contributors_among(callbacks: Sequence[Any]) -> tuple[StepContributor, ...]:
+    """The step contributors among ``callbacks``, in their order. An object
+    that has the members of 0.7's protocol without subclassing
+    :class:`StepContributor` still contributes, with a ``DeprecationWarning``."""
+    found = []
+    for callback in callbacks:
+        if isinstance(callback, StepContributor):
+            found.append(callback)
+        elif all(hasattr(callback, name) for name in _PROTOCOL):
+            warnings.warn(
+                f"{type(callback).__name__} contributes to the train step without subclassing "
+                "flaxhooks.step.StepContributor; subclass it (found by its methods until 0.9)",
+                DeprecationWarning, stacklevel=3)
+            found.append(_Duck(callback))
+    return tuple(found)
+
+
+class _Duck(StepContributor):
+    """A contributor of 0.7's protocol shape, its optional members found by name (deprecated)."""
+
+    def __init__(self, contributor: Any):
+        self.contributor = contributor
+        self.taps = contributor.taps
+        self.combines = hasattr(contributor, "combine")
+
+    @property  # type: ignore[override]
+    def carry(self) -> Any:
+        return getattr(self.contributor, "carry", None)
+
+    def due(self, step: int) -> bool:
+        return self.contributor.due(step)
+
+    def inside_step(self, tapped: Tapped) -> Any:
+        return self.contributor.inside_step(tapped)
+
+    def take(self, loop: Any, result: Any) -> None:
+        self.contributor.take(loop, result)
+
+    def take_layout(self, layout: Any) -> None:
+        if hasattr(self.contributor, "take_layout"):
+            self.contributor.take_layout(layout)
+
+    def combine(self, carry: Any, result: Any) -> Any:
+        return self.contributor.combine(carry, result)
+
+    def __hash__(self) -> int:
+        return hash(self.contributor)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Duck) and other.contributor is self.contributor
 
 
 @jax.tree_util.register_pytree_node_class

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from flaxhooks.data import BatchSpec, InFlight, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
-from flaxhooks.step._contributor import StepContributor, WithLayout
+from flaxhooks.step._contributor import StepContributor, WithLayout, contributors_among
 from flaxhooks.step._model import Model, axis_name
 from flaxhooks.step._state import LossError, explained
 from flaxhooks.step._taps import Taps
@@ -60,18 +60,18 @@ class StepRunner:
         #: optimizer's), known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
         self._in_flight: InFlight[tuple[int, Any]] = InFlight(max_steps_in_flight)
-        self._freezers: tuple[Any, ...] = ()
+        self._freezes: Callable[[], bool] = lambda: False
         self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
         self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
         self._lean: tuple[Any, Any] | None = None  # this fit's lean step, and its arguments' types
         self._replays: dict[tuple[StepContributor, ...], Any] = {}  # the latest replay's compiled step
 
-    def use(self, callbacks: Sequence[Any]) -> None:
+    def use(self, callbacks: Sequence[Any], freezes: Callable[[], bool] = lambda: False) -> None:
         """Takes the step contributors among ``callbacks``, in their order, and
-        whether a callback asks the step to keep the state from before the first
-        non-finite loss (``freezes_on_nonfinite``, the non-finite guard's)."""
-        self.contributors = tuple(cb for cb in callbacks if isinstance(cb, StepContributor))
-        self._freezers = tuple(cb for cb in callbacks if hasattr(cb, "freezes_on_nonfinite"))
+        ``freezes``: whether the step must keep the state from before the first
+        non-finite loss (asked as each step is dispatched)."""
+        self.contributors = contributors_among(callbacks)
+        self._freezes = freezes
         self._in_flight.clear()
         self._lean = None
 
@@ -79,7 +79,7 @@ class StepRunner:
     def freeze(self) -> bool:
         """Whether every step leaves the state as it was once a loss was not
         finite (this fit's first such step, and every step after it)."""
-        return any(cb.freezes_on_nonfinite for cb in self._freezers)
+        return self._freezes()
 
     def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None) -> Step:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
@@ -185,7 +185,7 @@ class StepRunner:
             _, _, results = jax.eval_shape(self._traced(self._step(self.contributors)), state, batch)
             self._results = dict(zip(self.contributors, results, strict=True))
             for contributor, result in self._results.items():  # on the host, once the trace is done
-                if isinstance(result, WithLayout) and hasattr(contributor, "take_layout"):
+                if isinstance(result, WithLayout):
                     contributor.take_layout(result.layout)
         self._checked.add(key)
 
@@ -211,10 +211,10 @@ class StepRunner:
         shaped like its result when None) if it ``combine``s results, else None."""
         carries = []
         for contributor in due:
-            if not hasattr(contributor, "combine"):
+            if not contributor.combines:
                 carries.append(None)
                 continue
-            carry = getattr(contributor, "carry", None)
+            carry = contributor.carry
             if carry is None:
                 make = self._empty.get(contributor)
                 if make is None:  # compiled once: zeros made on the devices, no transfer

@@ -293,6 +293,36 @@ class ProbeSteps(flaxhooks.callbacks.InstrumentedCallback):
         self.seen.append((loop.step, float(flaxhooks.data.first_replica(result))))
 
 
+def test_a_contributor_of_07s_shape_still_contributes_with_a_deprecation_warning():
+    """A callback with ``taps``, ``due``, ``inside_step`` and ``take`` that does
+    not subclass StepContributor (0.7's protocol) is found by its methods
+    until 0.9, with a warning naming the base class; its results are the
+    same as a subclass's."""
+
+    class OldStyle(flaxhooks.Callback):
+        taps = flaxhooks.step.Taps()
+
+        def __init__(self):
+            self.seen: list[tuple[int, float]] = []
+
+        def due(self, step):
+            return step % 4 == 0
+
+        def inside_step(self, tapped):
+            return optax.tree.norm(tapped.grads)
+
+        def take(self, loop, result):
+            self.seen.append((loop.step, float(flaxhooks.data.first_replica(result))))
+
+    batches = make_batches(12, batch_size=16)
+    old, new = OldStyle(), ProbeSteps(every=4)
+    with pytest.warns(DeprecationWarning, match=r"OldStyle .* flaxhooks\.step\.StepContributor; subclass it"):
+        sgd_trainer(Tapped(), callbacks=[old]).fit(batches, epochs=1)
+    sgd_trainer(Tapped(), callbacks=[new]).fit(batches, epochs=1)
+    assert [step for step, _ in old.seen] == [4, 8, 12]
+    np.testing.assert_allclose([n for _, n in old.seen], [n for _, n in new.seen], rtol=1e-6)
+
+
 def test_instrumented_step_runs_only_when_due_and_updates_like_the_lean_one(compiles):
     batches = make_batches(12, batch_size=16)
     probe = ProbeSteps(every=4)
