@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer, detached
+from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer, as_writer, detached
 
 _log = logging.getLogger("flaxhooks")
 
@@ -72,7 +72,7 @@ def _host_rows(entries: Sequence[tuple[int, str, str, Mapping[str, Any]]]) -> li
     return rows
 
 
-class AsyncWriter:
+class AsyncWriter(Writer):
     """Wraps a writer: each call is queued and returns at once; one thread
     makes the calls in order, device values read there.
 
@@ -90,7 +90,7 @@ class AsyncWriter:
     BATCH_SECONDS = 1.0
 
     def __init__(self, writer: Writer, flush_secs: float = 30.0):
-        self.writer = writer
+        self.writer = as_writer(writer)
         self.flush_secs = flush_secs
         self._queue: queue.SimpleQueue[Callable[[], None] | _Synced | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -116,7 +116,7 @@ class AsyncWriter:
                     return
                 if isinstance(job, _Synced):
                     try:
-                        if self._error is None and hasattr(self.writer, "flush"):
+                        if self._error is None:
                             self.writer.flush()
                         written = False
                     finally:
@@ -161,7 +161,7 @@ class AsyncWriter:
         if not self._buffer:
             return
         entries, self._buffer = self._buffer, []
-        write = getattr(self.writer, "step_scalars", self.writer.scalars)
+        write = self.writer.step_scalars
 
         def job() -> None:
             for (step, run, prefix, values), row in zip(entries, _host_rows(entries), strict=True):
@@ -254,6 +254,5 @@ class AsyncWriter:
             self._queue.put(None)
             if done:
                 self._thread.join()
-                if hasattr(self.writer, "close"):
-                    self.writer.close()
+                self.writer.close()
         return done

@@ -1,4 +1,4 @@
-"""The ``Writer`` protocol and the fan-out over a fit's writers: whatever a
+"""The ``Writer`` base class and the fan-out over a fit's writers: whatever a
 callback writes (scalars, text, histograms, images) goes to every writer of
 the fit, and a checkpoint can ask for everything written so far to be on
 disk before it commits."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,47 +47,114 @@ class Histogram:
                    float((finite * finite).sum()), edges[1:].tolist(), counts.tolist())
 
 
-@runtime_checkable
-class Writer(Protocol):
-    """What a writer offers the callbacks of a fit (through ``loop.writers``).
+class Writer:
+    """Base class of what a fit's callbacks write through (``loop.writers``).
 
-    ``run_scalars``, ``step_scalars``, ``images``, ``flush`` and ``close``
-    are optional: :class:`Writers` falls back or leaves them out.
+    A writer defines :meth:`scalars`, :meth:`text`, :meth:`charts`,
+    :meth:`histograms` and :meth:`sync_point`; the others have defaults:
+    :meth:`step_scalars` and :meth:`run_scalars` write through
+    :meth:`scalars` (runs go into the tag), :meth:`images` are left out,
+    :meth:`flush` has nothing to do and :meth:`close` flushes.
     """
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes ``prefix + name`` for each value (floats or device arrays),
         in the main run or in the sub-run ``run`` (``train``, an evaluation's name)."""
+        raise NotImplementedError
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
         """Writes (or buffers) one step's scalars: floats or device arrays the
         step returned, never donated, so not copied. Cheap enough for every step."""
+        self.scalars(values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
-        """Writes scalars into several runs at once, ``{run: {tag: value}}``."""
+        """Writes scalars into several runs at once, ``{run: {tag: value}}``
+        (by default as ``run/tag`` in the main run)."""
+        self.scalars(lambda: _flattened(values() if callable(values) else values), step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
+        raise NotImplementedError
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
         """Sets the charts of ``category``, each drawing several tags together:
         ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars layout)."""
+        raise NotImplementedError
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
         """Writes histograms that are already binned."""
+        raise NotImplementedError
 
     def images(self, values: Images, step: int) -> None:
-        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``."""
+        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}`` (by default: left out)."""
 
     def sync_point(self) -> threading.Event:
         """An event set once everything written so far is on disk."""
+        raise NotImplementedError
 
     def flush(self) -> Any:
-        """Puts everything written so far on disk."""
+        """Puts everything written so far on disk (by default: nothing is buffered)."""
 
     def close(self) -> Any:
         """Flushes and releases the writer's files (and thread, if any)."""
+        return self.flush()
+
+
+def as_writer(writer: Any) -> Writer:
+    """``writer`` itself if it is a :class:`Writer`; an object of 0.7's
+    protocol shape that does not subclass it is adapted, with a
+    ``DeprecationWarning``, until 0.9."""
+    if isinstance(writer, Writer):
+        return writer
+    warnings.warn(f"{type(writer).__name__} is used as a writer without subclassing "
+                  "flaxhooks.writers.Writer; subclass it (found by its methods until 0.9)",
+                  DeprecationWarning, stacklevel=3)
+    return _DuckWriter(writer)
+
+
+class _DuckWriter(Writer):
+    """A writer of 0.7's protocol shape, its optional methods found by name (deprecated)."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+
+    def __repr__(self) -> str:
+        return repr(self.writer)
+
+    def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
+        self.writer.scalars(values, step, prefix, run)
+
+    def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
+        getattr(self.writer, "step_scalars", self.writer.scalars)(values, step, prefix, run)
+
+    def run_scalars(self, values: RunValues, step: int) -> None:
+        if hasattr(self.writer, "run_scalars"):
+            self.writer.run_scalars(values, step)
+        else:
+            super().run_scalars(values, step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self.writer.text(tag, text, step)
+
+    def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
+        self.writer.charts(category, charts, step)
+
+    def histograms(self, values: Any, step: int) -> None:
+        self.writer.histograms(values, step)
+
+    def images(self, values: Images, step: int) -> None:
+        if hasattr(self.writer, "images"):
+            self.writer.images(values, step)
+
+    def sync_point(self) -> threading.Event:
+        return self.writer.sync_point()
+
+    def flush(self) -> Any:
+        return self.writer.flush() if hasattr(self.writer, "flush") else None
+
+    def close(self) -> Any:
+        return self.writer.close() if hasattr(self.writer, "close") else None
 
 
 @runtime_checkable
@@ -142,8 +210,7 @@ class Writers:
     """
 
     def __init__(self, writers: Sequence[Writer] = ()):
-        self.writers = tuple(writers)
-        self._step_scalars = [_step_scalars_of(writer) for writer in self.writers]
+        self.writers = tuple(as_writer(writer) for writer in writers)
 
     def __bool__(self) -> bool:
         return bool(self.writers)
@@ -187,8 +254,8 @@ class Writers:
         returned (never donated: neither copied nor read on the training
         thread). An async writer buffers them, so it is cheap every step; a
         writer without ``step_scalars`` gets them through ``scalars``."""
-        for write in self._step_scalars:
-            write(values, step, prefix, run)
+        for writer in self.writers:
+            writer.step_scalars(values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
         """Writes scalars into several runs at once, ``{run: {tag: value}}``
@@ -198,10 +265,7 @@ class Writers:
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
-                if hasattr(writer, "run_scalars"):
-                    writer.run_scalars(values, step)
-                else:  # a writer of its own without runs: the run goes into the tag
-                    writer.scalars(lambda: _flattened(values() if callable(values) else values), step)
+                writer.run_scalars(values, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
@@ -232,8 +296,7 @@ class Writers:
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
-                if hasattr(writer, "images"):
-                    writer.images(values, step)
+                writer.images(values, step)
 
     def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
         """Writes the histogram of ``values``' finite entries (read off the training thread)."""
@@ -247,16 +310,9 @@ class Writers:
         return _AllSet([writer.sync_point() for writer in self.writers])
 
     def flush(self) -> None:
-        """Puts everything written so far on disk, waiting for it (writers without ``flush`` are left out)."""
+        """Puts everything written so far on disk, waiting for it."""
         for writer in self.writers:
-            if hasattr(writer, "flush"):
-                writer.flush()
-
-
-def _step_scalars_of(writer: Writer) -> Callable[[Mapping[str, Any], int, str, str], None]:
-    """The writer's ``step_scalars``, or its ``scalars`` for a writer without it (looked up when called)."""
-    found = getattr(writer, "step_scalars", None)
-    return found if found is not None else lambda *args: writer.scalars(*args)
+            writer.flush()
 
 
 def _flattened(values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from tensorboardX import FileWriter
 from tensorboardX.event_file_writer import EventsWriter
 
 from flaxhooks.writers._png import encode_png, png_channels, png_size
-from flaxhooks.writers._service import Histogram, Images, RunValues, Values
+from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer
 
 
 class EventFile(FileWriter):
@@ -80,7 +80,7 @@ def _exactly(tag: str) -> str:
     return f"^{re.escape(tag)}$"
 
 
-class TensorBoardWriter:
+class TensorBoardWriter(Writer):
     """TensorBoard event files, one run per directory: ``""`` is ``logdir``,
     others are sub-runs (``logdir/train``), each file opened on first use.
 

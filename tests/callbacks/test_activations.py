@@ -546,7 +546,7 @@ def test_the_0_5_per_layer_tags_are_gone_from_the_main_run(tmp_path):
     assert per_layer == []
 
 
-class OneRunWriter(flaxhooks.Callback):
+class OneRunWriter(flaxhooks.Callback, flaxhooks.writers.Writer):
     """The fit's writer (a ``WriterCallback``) that keeps the scalars (read at
     once) and the charts it is given, and knows no ``run_scalars``."""
 

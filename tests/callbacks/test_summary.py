@@ -179,7 +179,7 @@ def test_process_zero_only(monkeypatch):
     assert summary.table is None and output(console) == ""
 
 
-class FakeWriter:
+class FakeWriter(flaxhooks.writers.Writer):
     """A writer (flaxhooks.writers.Writer) that keeps the texts."""
 
     def __init__(self):

@@ -3,10 +3,18 @@
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from flaxhooks.writers import AsyncWriter, TensorBoardWriter, Writers, encode_png, png_size, truncate_events
+from flaxhooks.writers import (
+    AsyncWriter,
+    TensorBoardWriter,
+    Writer,
+    Writers,
+    encode_png,
+    png_size,
+    truncate_events,
+)
 
 
-class Recording:
+class Recording(Writer):
     def __init__(self):
         self.written = []
 
@@ -14,8 +22,8 @@ class Recording:
         self.written.append((step, dict(values() if callable(values) else values)))
 
 
-class NoImages:
-    """A writer of its own, from before images: left out."""
+class NoImages(Writer):
+    """A writer of its own that writes no images: the base class leaves them out."""
 
     def text(self, tag, text, step=0):
         pass

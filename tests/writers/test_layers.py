@@ -10,7 +10,7 @@ import flaxhooks.writers
 from flaxhooks.writers import AsyncWriter, TensorBoardWriter, Writer, Writers
 
 
-class Kept:
+class Kept(Writer):
     """A synchronous writer of its own that keeps what it is given, on whichever thread."""
 
     def __init__(self, fail_at: int | None = None):
@@ -97,3 +97,23 @@ def _read(logdir) -> EventAccumulator:
     events = EventAccumulator(str(logdir))
     events.Reload()
     return events
+
+
+def test_a_writer_of_07s_shape_still_writes_with_a_deprecation_warning():
+    """An object with 0.7's writer methods that does not subclass Writer is
+    adapted with a warning naming the base class, until 0.9: its optional
+    methods found by name, the rest falling back as the base class does."""
+
+    class Plain:  # Kept's required methods, not a Writer subclass, no flush, runs or images
+        __init__, scalars, text, charts = Kept.__init__, Kept.scalars, Kept.text, Kept.charts
+        histograms, sync_point = Kept.histograms, Kept.sync_point
+
+    plain = Plain()
+    with pytest.warns(DeprecationWarning, match=r"Plain .* flaxhooks\.writers\.Writer; subclass it"):
+        writers = Writers([plain])
+    writers.step_scalars({"loss": 1.5}, 3)
+    writers.run_scalars({"train": {"loss": 2.0}}, 4)  # no runs of its own: the run goes into the tag
+    writers.images({"x": b""}, 4)  # none: left out
+    writers.flush()
+    assert plain.written == [("", 3, {"loss": 1.5}), ("", 4, {"train/loss": 2.0})]
+    assert writers.sync_point().wait(0)
