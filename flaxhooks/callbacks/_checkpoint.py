@@ -38,6 +38,7 @@ from flaxhooks.core import (
     ProcessError,
     as_every,
     peer_gone,
+    wait_ready,
 )
 from flaxhooks.data import DataPosition, device0_copy
 from flaxhooks.writers import check_writable
@@ -178,7 +179,13 @@ def _checks(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 
 def _checked(leaves: Sequence[Any]) -> tuple[list[bool], list[int]]:
-    finite, prints = jax.device_get(_checks(list(leaves))) if leaves else ([], [])
+    if not leaves:
+        return [], []
+    checks = _checks(list(leaves))
+    # Polls while the steps in flight finish: a peer lost in one of them ends
+    # the wait with PeerLost (a blocking read would wait for it for ever).
+    wait_ready(checks)
+    finite, prints = jax.device_get(checks)
     return [bool(f) for f in finite], [int(p) for p in prints]
 
 

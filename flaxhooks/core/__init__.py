@@ -24,6 +24,7 @@ from flaxhooks.core._schedule import Every, Rate, as_every
 from flaxhooks.core._schedule import refuse_time_on_several_processes as refuse_time_on_several_processes
 from flaxhooks.core._signals import TrainingInterrupted
 from flaxhooks.core._stops import peer_gone as peer_gone
+from flaxhooks.core._stops import wait_ready as wait_ready
 from flaxhooks.core._trainer import Trainer
 
 # Re-exported with ``as`` for the callbacks, not in __all__: waits on peers, the refusal of time schedules.

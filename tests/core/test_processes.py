@@ -80,7 +80,9 @@ class Workers:
         return "".join(self.lines[i]) if i is not None else "\n\n".join("".join(ls) for ls in self.lines)
 
     def result(self, i: int) -> dict:
-        with open(self.out / f"p{i}.json") as file:
+        path = self.out / f"p{i}.json"
+        assert path.exists(), f"process {i} wrote no result:\n{self.output(i)}"
+        with open(path) as file:
             return json.load(file)
 
 
