@@ -19,7 +19,7 @@ from flax import nnx
 
 from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.callbacks._spike_source import Source, spike_source
-from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, as_every
+from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, LossRead, as_every
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
     ATTENTION,
@@ -211,6 +211,9 @@ class Diagnose(InstrumentedCallback):
         self._first_attention: dict[str, AttentionFigures] = {}
         self._first_log_z: dict[str, float] | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
+        # What the guard read (loss_read) since the last look: judged at the next step_end or fit_end.
+        self._new_losses: list[tuple[int, float]] = []
+        self._new_norms: list[tuple[int, float]] = []
         self._losses_seen = step
         # The first loss's findings wait for the first layer judgment, due within
         # early_steps, which may name their cause (gradients exploding through depth).
@@ -378,9 +381,15 @@ class Diagnose(InstrumentedCallback):
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())
 
+    def on_loss_read(self, loop: Loop) -> None:
+        reading: LossRead = loop.payload
+        self._new_losses.append((reading.step, reading.loss))
+        if reading.grad_norm is not None:
+            self._new_norms.append((reading.step, reading.grad_norm))
+
     def _read_losses(self, loop: Loop) -> None:
         """Takes the losses the guard read since the last step (host floats: no read here)."""
-        new = _after(loop.published.get("losses"), self._losses_seen)
+        new, self._new_losses = self._new_losses, []
         if not new:
             return
         self._checked.losses += len(new)
@@ -399,7 +408,7 @@ class Diagnose(InstrumentedCallback):
 
     def _read_grad_norms(self, loop: Loop) -> None:
         """Takes the gradient norms the guard read since the last step (host floats: no read here)."""
-        new = _after(loop.published.get("grad_norms"), self._norms_seen)
+        new, self._new_norms = self._new_norms, []
         if not new:
             return
         self._checked.grad_norms += len(new)
@@ -736,19 +745,6 @@ class _Checked:
             looked.append("the set-up (dropout in evaluation, RNG streams)")
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
-
-
-def _after(readings: Sequence[tuple[int, float]] | None, seen: int) -> list[tuple[int, float]]:
-    """The ``(step, value)`` readings the guard published after step ``seen``, in step order
-    (read from the newest back: the published window holds up to 1,024)."""
-    if not readings or readings[-1][0] <= seen:
-        return []
-    new = []
-    for step, value in reversed(readings):
-        if step <= seen:
-            break
-        new.append((step, value))
-    return new[::-1]
 
 
 def _conclusive(finding: Finding) -> bool:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from flaxhooks.callbacks._tensorboard import TensorBoard
-from flaxhooks.core import Callback, FitPlan, Loop
+from flaxhooks.core import Callback, Loop
 from flaxhooks.writers import check_writable
 
 _log = logging.getLogger("flaxhooks")
@@ -26,7 +24,8 @@ class Profile(Callback):
 
     Args:
         logdir: the run directory (checked for writing at once); None: the
-            ``TensorBoard`` callback's, found at ``fit_start``.
+            directory of the fit's TensorBoard writer (``loop.writers.logdir``,
+            a ``TensorBoard`` callback's), found at ``fit_start``.
         steps: ``(start, stop)``, both included, numbered as ``loop.step``; or a
             number of steps traced in each fit after ``warmup``. Default 3.
         warmup: with a number of ``steps``, the steps each fit runs first (default 9).
@@ -37,7 +36,7 @@ class Profile(Callback):
 
     Raises:
         ValueError: steps that are not positive, a ``stop`` before its ``start``,
-            or (at ``fit_start``) ``logdir=None`` without a ``TensorBoard`` callback.
+            or (at ``fit_start``) ``logdir=None`` where no writer writes TensorBoard files.
         LogdirError: ``logdir`` cannot be written.
 
     Examples:
@@ -78,6 +77,7 @@ class Profile(Callback):
         self.logdir = None if logdir is None else os.fspath(logdir)
         if self.logdir is not None:
             check_writable(self.logdir, "profiler traces")
+        self._logdir: str | None = self.logdir  # the fit's: given, or the TensorBoard writer's
         self.options = options
         self.trace_dirs: list[str] = []
         self._span: tuple[int, int] | None = None  # this fit's steps, while still to come
@@ -89,11 +89,12 @@ class Profile(Callback):
     def __repr__(self) -> str:
         return f"Profile({self.logdir!r}, steps={self.steps!r})"
 
-    def check_fit(self, plan: FitPlan) -> None:
-        if self.logdir is None:
-            self.logdir = _tensorboard_logdir(plan.callbacks)
-
     def on_fit_start(self, loop: Loop) -> None:
+        self._logdir = self.logdir or loop.writers.logdir
+        if self._logdir is None:
+            raise ValueError(
+                "Profile(logdir=None) writes into the TensorBoard directory of the fit, but no writer of "
+                "this Trainer writes one: add a TensorBoard callback, or give Profile a logdir")
         if isinstance(self.steps, int):
             first = loop.step + self.warmup + 1
             self._span = (first, first + self.steps - 1)
@@ -148,10 +149,10 @@ class Profile(Callback):
 
     def _start(self, loop: Loop, step: int) -> bool:
         """Starts the trace at ``step``; False (with a warning) if it cannot."""
-        assert self.logdir is not None and self._span is not None
-        self._before = set(_listdir(_profile_root(self.logdir)))
+        assert self._logdir is not None and self._span is not None
+        self._before = set(_listdir(_profile_root(self._logdir)))
         try:
-            jax.profiler.start_trace(self.logdir, profiler_options=self.options)
+            jax.profiler.start_trace(self._logdir, profiler_options=self.options)
         except RuntimeError as error:
             span, self._span = self._span, None
             cause = (
@@ -165,12 +166,12 @@ class Profile(Callback):
         return True
 
     def _stop(self, loop: Loop) -> None:
-        assert self.logdir is not None
+        assert self._logdir is not None
         span, self._span = self._span, None
         first = span[0] if span else None
         self._tracing = False  # even if stopping fails: this trace is over
         jax.profiler.stop_trace()
-        root = _profile_root(self.logdir)
+        root = _profile_root(self._logdir)
         written = sorted(set(_listdir(root)) - self._before) or sorted(_listdir(root))[-1:]
         where = os.path.join(root, written[-1]) if written else root
         self.trace_dirs.append(where)
@@ -178,7 +179,7 @@ class Profile(Callback):
         _log.info(
             "Profile: traced steps %s to %d%s into %s. View it in TensorBoard's Profile tab: "
             "pip install tensorboard-plugin-profile, then tensorboard --logdir %s",
-            first, loop.step, ended, where, self.logdir,
+            first, loop.step, ended, where, self._logdir,
         )
 
     def _end_annotation(self) -> None:
@@ -205,16 +206,6 @@ def _checked_steps(steps: Any) -> int | tuple[int, int]:
     if stop < start:
         raise ValueError(f"steps=({start}, {stop}): stop comes before start")
     return start, stop
-
-
-def _tensorboard_logdir(callbacks: Sequence[Any]) -> str:
-    for callback in callbacks:
-        if isinstance(callback, TensorBoard):
-            return callback.logdir
-    raise ValueError(
-        "Profile(logdir=None) writes into the TensorBoard callback's directory, but this Trainer has "
-        "no TensorBoard callback: add one, or give Profile a logdir"
-    )
 
 
 def _profile_root(logdir: str) -> str:

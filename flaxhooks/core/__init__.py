@@ -9,7 +9,7 @@ the layers' own interface and may change in any release.
 from flaxhooks.core._bus import HookBus
 from flaxhooks.core._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
 from flaxhooks.core._clock import PEAK_FLOPS, FitClock, Reading, Window
-from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, Phase
+from flaxhooks.core._events import ALWAYS_RUN, EVENTS, Event, LossRead, Phase
 from flaxhooks.core._findings import KINDS, Finding
 from flaxhooks.core._fit import Fit
 from flaxhooks.core._guard import NonFiniteGuard
@@ -39,6 +39,7 @@ __all__ = [
     "FitPlan",
     "KINDS",
     "Loop",
+    "LossRead",
     "NonFiniteError",
     "NonFiniteGuard",
     "PEAK_FLOPS",

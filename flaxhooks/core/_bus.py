@@ -112,6 +112,8 @@ class HookBus:
             CallbackError: a handler raised; it names the callback and event.
         """
         handlers = self._handlers[event]
+        if not handlers:
+            return
         record = record_of(loop)
         outer = record.event, record.payload, record.after, record.handling
         record.event, record.payload, record.after = event, payload, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -13,6 +14,11 @@ class Event(str, enum.Enum):
     ``fit_start`` / ``fit_end``: once per ``fit``.
     ``epoch_start`` / ``epoch_end``: around each pass over the data.
     ``step_start`` / ``step_end``: around each optimizer step.
+    ``loss_read``: the guard read a step's loss (and gradient norm) on the
+    host and found them finite; the payload is a :class:`~flaxhooks.LossRead`.
+    Steps are read once they settle (a step or two late, in step order), and
+    the steps left at an epoch's end at that ``epoch_end``. Loss watches
+    subscribe to it: no extra device read.
     ``eval_start`` / ``eval_end``: around each evaluation; the payload is an
     :class:`~flaxhooks.eval.EvalStart`, then the :class:`~flaxhooks.EvalResult`.
     ``finding``: a diagnosis found a problem (the payload is a
@@ -30,6 +36,7 @@ class Event(str, enum.Enum):
     EPOCH_START = "epoch_start"
     STEP_START = "step_start"
     STEP_END = "step_end"
+    LOSS_READ = "loss_read"
     EVAL_START = "eval_start"
     EVAL_END = "eval_end"
     FINDING = "finding"
@@ -58,6 +65,26 @@ class Phase(enum.Enum):
     @property
     def end(self) -> Event:
         return self.value[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossRead:
+    """A step's loss and gradient norm as host floats (the ``loss_read`` payload).
+
+    Attributes:
+        step: the step they are of.
+        loss: its loss (finite).
+        grad_norm: its gradient norm (finite), or None where the step reports none.
+
+    Examples:
+        >>> from flaxhooks import LossRead
+        >>> LossRead(3, 2.30, grad_norm=None).loss
+        2.3
+    """
+
+    step: int
+    loss: float
+    grad_norm: float | None = None
 
 
 #: Every event's name, in loop order (as ``on_<name>`` handlers use them).

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core._callback import Callback
-from flaxhooks.core._events import Event
+from flaxhooks.core._callback import Callback, handlers_of
+from flaxhooks.core._events import Event, LossRead
 from flaxhooks.core._findings import Finding
 from flaxhooks.core._loop import Loop
 from flaxhooks.core._plan import FitPlan
@@ -98,25 +98,6 @@ class _Call(NamedTuple):
         return f"{'/'.join(self.module[:-1])!r}" if len(self.module) > 1 else "the model"
 
 
-class _Unread(collections.abc.Sequence):
-    """The losses of a fit with ``if_nonfinite="off"``: none. The first reader
-    is told why in a log warning (the loss checks it makes are off)."""
-
-    def __init__(self) -> None:
-        self._said = False
-
-    def __len__(self) -> int:
-        if not self._said:
-            self._said = True
-            _log.warning("Trainer(if_nonfinite='off') reads no step's loss, so the checks that read "
-                         "loop.published['losses'] (Diagnose's initial_loss, loss_spike and loss_plateau) "
-                         "see none and are off; the default, 'stop', reads them")
-        return 0
-
-    def __getitem__(self, index: Any) -> Any:
-        raise IndexError("no loss was read (if_nonfinite='off')")
-
-
 def _key(entry: Any) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
 
@@ -149,12 +130,6 @@ class NonFiniteGuard(Callback):
         self.mode, self.replay = mode, replay
         self._unchecked: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
         self._warned = False
-        #: ``(step, loss)`` of the latest steps checked, finite floats read on the
-        #: host, published as ``loop.published["losses"]`` (what a loss watch reads).
-        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
-        #: ``(step, gradient norm)`` of the same steps, where the step reports one, published
-        #: as ``loop.published["grad_norms"]`` (what a gradient-norm spike watch reads).
-        self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
         # ``(step, loss, gradient norm or None)`` of the latest finite steps: growth before a NaN.
         self._history: collections.deque[tuple[int, float, float | None]] = collections.deque(maxlen=HISTORY)
         #: The finding of this fit's non-finite step, once there was one.
@@ -164,7 +139,17 @@ class NonFiniteGuard(Callback):
     def added_to(cls, callbacks: Sequence[Callback], mode: str = "stop") -> list[Callback]:
         """``callbacks`` with a guard of ``mode`` first, unless they hold one."""
         given = any(isinstance(cb, cls) for cb in callbacks)
-        return list(callbacks) if given else [cls(mode), *callbacks]
+        if given:
+            return list(callbacks)
+        guard = cls(mode)
+        guard.follow_deprecated_modes(callbacks)
+        return [guard, *callbacks]
+
+    def follow_deprecated_modes(self, callbacks: Sequence[Callback]) -> None:
+        """Warns instead of stopping if one of ``callbacks`` asks so with the
+        deprecated ``if_nonfinite="warn"`` of the statistics callbacks (gone in 0.9)."""
+        if self.mode == "stop" and any(getattr(cb, "guard_mode", None) == "warn" for cb in callbacks):
+            self.mode = "warn"
 
     @property
     def freezes_on_nonfinite(self) -> bool:
@@ -175,18 +160,14 @@ class NonFiniteGuard(Callback):
         return f"NonFiniteGuard({self.mode!r})"
 
     def check_fit(self, plan: FitPlan) -> None:
-        # A statistics callback's deprecated ``if_nonfinite="warn"`` still makes the guard warn.
-        if self.mode == "stop" and any(getattr(cb, "guard_mode", None) == "warn" for cb in plan.callbacks):
-            self.mode = "warn"
+        if self.mode == "off" and any(Event.LOSS_READ.value in handlers_of(cb) for cb in plan.callbacks):
+            _log.warning("Trainer(if_nonfinite='off') reads no step's loss, so the callbacks that watch it "
+                         "(Diagnose's initial_loss, loss_spike and loss_plateau: on_loss_read) see none; "
+                         "the default, 'stop', reads them")
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unchecked.clear()
-        self.losses.clear()
-        self.grad_norms.clear()
         self._history.clear()
-        # Off, no loss is read: a reader of the losses is told so, once, the first time it looks.
-        loop.publish("losses", self.losses if self.mode != "off" else _Unread())
-        loop.publish("grad_norms", self.grad_norms)  # off: none read, left empty
         self._warned, self.finding = False, None
 
     def on_step_end(self, loop: Loop) -> None:
@@ -211,10 +192,8 @@ class NonFiniteGuard(Callback):
             value = _host_float(loss)
             norm = _host_float(grad_norm) if grad_norm is not None else None
             if np.isfinite(value) and (norm is None or np.isfinite(norm)):
-                self.losses.append((step, value))
-                if norm is not None:
-                    self.grad_norms.append((step, norm))
                 self._history.append((step, value, norm))
+                loop.emit(Event.LOSS_READ, LossRead(step, value, norm))
                 continue
             what = f"the loss is {value}" if not np.isfinite(value) else f"the gradient norm is {norm}"
             if self.mode == "warn":

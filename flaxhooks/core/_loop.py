@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from flaxhooks.core._clock import FitClock
-from flaxhooks.core._events import Event
+from flaxhooks.core._events import Event, LossRead
 from flaxhooks.core._findings import Finding
 from flaxhooks.data import BatchSpec, DataPosition, host_scalars
 from flaxhooks.eval import EvalResult, EvalStart
@@ -21,7 +21,8 @@ from flaxhooks.writers import Writers
 
 #: The events a callback may emit itself, and the payload each takes.
 EMITTABLE: dict[Event, type] = {
-    Event.EVAL_START: EvalStart, Event.EVAL_END: EvalResult, Event.FINDING: Finding}
+    Event.LOSS_READ: LossRead, Event.EVAL_START: EvalStart, Event.EVAL_END: EvalResult,
+    Event.FINDING: Finding}
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,9 +222,10 @@ class Loop:
         return self._evaluate(data, **options)
 
     def emit(self, event: Event | str, payload: Any = None) -> None:
-        """Emits ``eval_start``, ``eval_end`` or ``finding`` to every callback,
-        for a callback that evaluates or diagnoses in its own way; the payload
-        is an ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
+        """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` to
+        every callback, for a callback that reads losses, evaluates or
+        diagnoses in its own way; the payload is a ``LossRead``, an
+        ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
         try:
             event = Event(event)
         except ValueError:

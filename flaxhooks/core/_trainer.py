@@ -135,6 +135,8 @@ class Trainer:
     def add(self, *callbacks: Callback) -> Trainer:
         """Registers callbacks; returns the Trainer for chaining."""
         self.bus.add(*callbacks)
+        for guard in self.bus.of(NonFiniteGuard):
+            guard.follow_deprecated_modes(callbacks)
         return self
 
     @property

@@ -18,11 +18,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import flax.core.lift
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import in_filter
+from flax.linen.module import TestScope  # the scope of Flax's abstract check of setup
 
 from flaxhooks.data import Annotation
 from flaxhooks.step._call import INVERTED_MODE_ARGS, InputKeys, ModelCall
@@ -293,7 +295,8 @@ def _scan_kwargs(cls: type, method: str) -> tuple[str, Mapping[str, Any]] | None
     lifted by ``nn.scan``: a class made by ``nn.scan(Module, ...)``, or a
     method decorated with ``nn.transforms.scan``; else None.
 
-    Flax keeps the arguments only in the closure of the lifted method.
+    Hand-read because Flax keeps the arguments only in the closure of the
+    lifted method (no public attribute); the transform is compared by identity.
     """
     function = next((c.__dict__[method] for c in cls.__mro__ if method in c.__dict__), None)
     if function is None:
@@ -303,7 +306,7 @@ def _scan_kwargs(cls: type, method: str) -> tuple[str, Mapping[str, Any]] | None
     except (TypeError, ValueError):
         return None
     transform, kwargs = nonlocals.get("transform"), nonlocals.get("trafo_kwargs")
-    if getattr(transform, "__name__", "") != "scan" or not isinstance(kwargs, Mapping):
+    if transform is not flax.core.lift.scan or not isinstance(kwargs, Mapping):
         return None
     return ("method" if "prewrapped_fns" in nonlocals else "class"), kwargs
 
@@ -339,7 +342,7 @@ class Scan:
 
 def _is_probe(module: nn.Module) -> bool:
     """Flax's abstract check of ``setup`` runs on a clone in a throw-away scope."""
-    return type(module.scope).__name__ == "TestScope"
+    return isinstance(module.scope, TestScope)
 
 
 class _LinenCallRecorder:

@@ -13,6 +13,10 @@ NNX has no ``intercept_methods``: module outputs are recorded by a wrapper
 around each module class's ``__call__``, active only on the thread that
 runs an instrumented call and only for the modules of that call's graph.
 The model's own ``sow`` and ``perturb`` sites are read with ``nnx.capture``.
+Hand-written, not ``nnx.capture(method_outputs=...)``, which wraps only the
+methods a class defines itself (an ``nnx.Linear`` subclass that inherits
+``__call__`` is missed), patches the classes for every thread, and records
+outputs but cannot perturb them (the gradients of intermediates).
 """
 
 from __future__ import annotations

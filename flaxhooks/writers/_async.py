@@ -101,6 +101,11 @@ class AsyncWriter(Writer):
         self._thread.start()
         atexit.register(self._close_at_exit)  # writes queued after the last flush still land
 
+    @property
+    def logdir(self) -> str | None:  # type: ignore[override]
+        """The wrapped writer's TensorBoard directory (None if it has none)."""
+        return self.writer.logdir
+
     def __repr__(self) -> str:
         return f"AsyncWriter({self.writer!r})"
 

@@ -55,7 +55,14 @@ class Writer:
     :meth:`step_scalars` and :meth:`run_scalars` write through
     :meth:`scalars` (runs go into the tag), :meth:`images` are left out,
     :meth:`flush` has nothing to do and :meth:`close` flushes.
+
+    Attributes:
+        logdir: the directory of a writer of TensorBoard event files, where
+            others may write beside them (``Profile``'s traces); None for
+            other writers.
     """
+
+    logdir: str | None = None
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
         """Writes ``prefix + name`` for each value (floats or device arrays),
@@ -214,6 +221,11 @@ class Writers:
 
     def __bool__(self) -> bool:
         return bool(self.writers)
+
+    @property
+    def logdir(self) -> str | None:
+        """The first writer's TensorBoard directory, or None if none writes one."""
+        return next((writer.logdir for writer in self.writers if writer.logdir is not None), None)
 
     @classmethod
     def open(cls, callbacks: Sequence[WriterCallback], loop: Any) -> Writers:

@@ -186,8 +186,10 @@ def test_bad_warmup_and_logdir_are_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(LogdirError, match="profiler traces"):
         Profile(tmp_path / "file" / "run")
-    with pytest.raises(ValueError, match="no TensorBoard callback"):  # refused before the fit starts
-        trainer_of(Profile()).fit(make_batches(2), steps=2)
+    trainer = trainer_of(Profile())
+    with pytest.raises(flaxhooks.CallbackError, match="on_fit_start.*no writer of this Trainer writes one"):
+        trainer.fit(make_batches(2), steps=2)
+    assert trainer.runner.traces == {}  # refused at fit_start: no step compiled
 
 
 def test_it_traces_on_process_zero_only():

@@ -13,7 +13,7 @@ from tests.helpers import Recorder, make_arrays, make_batches, sgd_trainer
 
 def test_events_are_data_in_loop_order():
     assert EVENTS == (
-        "fit_start", "epoch_start", "step_start", "step_end",
+        "fit_start", "epoch_start", "step_start", "step_end", "loss_read",
         "eval_start", "eval_end", "finding", "epoch_end", "fit_end", "exception",
     )
     assert [event.value for event in Event] == list(EVENTS)
@@ -26,7 +26,9 @@ def test_event_order_over_two_epochs_is_exact():
     sgd_trainer(callbacks=[rec]).fit(make_batches(2), epochs=2)
     steps = lambda first: [  # noqa: E731
         ("rec", "step_start", first), ("rec", "step_end", first + 1),
-        ("rec", "step_start", first + 1), ("rec", "step_end", first + 2),
+        ("rec", "step_start", first + 1),
+        # The guard reads the epoch's losses at its last step_end (its handler first).
+        ("rec", "loss_read", first + 2), ("rec", "loss_read", first + 2), ("rec", "step_end", first + 2),
     ]
     assert rec.log == [
         ("rec", "fit_start", 0),

@@ -17,6 +17,7 @@ import flaxhooks
 from tests.helpers import (
     Diverging,
     HostReads,
+    Recorder,
     SquareRoot,
     cross_entropy,
     make_arrays,
@@ -111,10 +112,14 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught_at_its_step():
 
 
 class ReadsLosses(flaxhooks.Callback):
-    """Reads the losses the guard publishes, as Diagnose's loss checks do."""
+    """Takes the losses the guard reads, as Diagnose's loss checks do."""
 
-    def on_step_end(self, loop):
-        self.read = list(loop.published["losses"])
+    def __init__(self):
+        self.read, self.at = [], []
+
+    def on_loss_read(self, loop):
+        self.read.append(loop.payload)
+        self.at.append(loop.step)
 
 
 def test_warn_trains_on_and_off_watches_nothing_and_says_so_to_readers_of_the_losses(caplog):
@@ -156,6 +161,36 @@ def test_the_guard_changes_no_healthy_step_and_compiles_nothing_more():
         params = optax.apply_updates(params, updates)
     assert tree_allclose(trainer.state.params, params, rtol=1e-5)
     assert trainer.runner.traces == {"train_step": 1}
+
+
+def test_every_steps_loss_and_gradient_norm_reach_loss_read_once_in_order_as_a_hand_loop_computes_them():
+    batches = make_batches(7, batch_size=8)
+    reader, rec = ReadsLosses(), Recorder(order=10)
+    trainer = sgd_trainer(nn.Dense(3), callbacks=[reader, rec])
+    trainer.fit(batches, epochs=1)
+    model, tx = nn.Dense(3), optax.sgd(0.1, 0.9)
+    params = trainer.init(batches[0]).params
+    opt = tx.init(params)
+    expected = []
+    for step, batch in enumerate(batches, 1):
+        loss, grads = jax.value_and_grad(
+            lambda p, b=batch: cross_entropy(model.apply({"params": p}, b["image"]), b))(params)
+        expected.append((step, float(loss), float(optax.tree.norm(grads))))
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    assert [r.step for r in reader.read] == [1, 2, 3, 4, 5, 6, 7]
+    np.testing.assert_allclose([(r.step, r.loss, r.grad_norm) for r in reader.read], expected, rtol=1e-5)
+    # A step is read once it settled: during a later step_end (or the epoch's end),
+    # after the guard's own handler and before the other handlers of that event.
+    # A step is read once it settled (two in flight: at the step_end of the step two
+    # later), the epoch's last ones at its last step_end; before that event's other handlers.
+    assert list(zip(reader.at, [r.step for r in reader.read], strict=True)) == [
+        (3, 1), (4, 2), (5, 3), (6, 4), (7, 5), (7, 6), (7, 7)]
+    assert [(event, step) for _, event, step in rec.log if event in ("loss_read", "step_end")] == [
+        ("step_end", 1), ("step_end", 2), ("loss_read", 3), ("step_end", 3),
+        ("loss_read", 4), ("step_end", 4),
+        ("loss_read", 5), ("step_end", 5), ("loss_read", 6), ("step_end", 6),
+        ("loss_read", 7), ("loss_read", 7), ("loss_read", 7), ("step_end", 7)]
 
 
 def test_the_guard_reads_two_scalars_a_step_each_of_a_finished_step(monkeypatch):

@@ -192,9 +192,10 @@ def test_results_ride_the_eval_end_event():
     events = [(event, step) for _, event, step in rec.log if event != "step_start"]
     assert events == [
         ("fit_start", 0), ("epoch_start", 0), ("step_end", 1),
-        ("eval_start", 2), ("eval_end", 2), ("step_end", 2), ("epoch_end", 2),
-        ("epoch_start", 2), ("step_end", 3),
-        ("eval_start", 4), ("eval_end", 4), ("step_end", 4), ("epoch_end", 4),
+        ("loss_read", 2), ("loss_read", 2), ("eval_start", 2), ("eval_end", 2), ("step_end", 2),
+        ("epoch_end", 2), ("epoch_start", 2), ("step_end", 3),
+        ("loss_read", 4), ("loss_read", 4), ("eval_start", 4), ("eval_end", 4), ("step_end", 4),
+        ("epoch_end", 4),
         ("fit_end", 4),
     ]  # due twice at steps 2 and 4 (every 2, epoch end): evaluated once
     assert [(p.name, p.step, p.examples) for p in payloads] == [("eval", 2, 40), ("eval", 4, 40)]
