@@ -200,6 +200,7 @@ class TensorBoard(Callback):
         are logged again, so they go; so do the final results and HParams
         session its fit's end wrote at ``step`` itself (after the checkpoint
         there), which the resumed run writes at its own end."""
+        # Rewritten: `tensorboard --logdir` (its Rust loader) ignores tensorboardX's purge_step records.
         dropped = truncate_events(self.logdir, step, written_after_saves=written_at_fit_end)
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
@@ -345,38 +346,31 @@ def written_at_fit_end(value: Any) -> bool:
 
 
 def hparams_record(hparams: Mapping[str, Any], evaluations: Mapping[str, Mapping[str, float]]) -> list[Any]:
-    """The HParams plugin's summaries for one run: the experiment (its
-    hyperparameters and metrics), the session's values and its end.
+    """The HParams plugin's summaries for one run (tensorboardX's): the
+    experiment (its hyperparameters and metrics), the session's values and its end.
 
     Each metric is the latest value of an evaluation's metric, written in
     the same run under :func:`result_tag`.
     """
-    from tensorboardX.proto.api_pb2 import DataType, Experiment, HParamInfo, MetricInfo, MetricName, Status
-    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo, SessionStartInfo
-    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+    from tensorboardX.summary import hparams as hparams_summaries
 
-    start, infos = SessionStartInfo(), []
-    for name, value in hparams.items():
-        if isinstance(value, bool):
-            start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
-        elif isinstance(value, (int, float)):
-            start.hparams[name].number_value, kind = float(value), "DATA_TYPE_FLOAT64"
-        elif value is not None:
-            start.hparams[name].string_value, kind = str(value), "DATA_TYPE_STRING"
-        else:
-            continue
-        infos.append(HParamInfo(name=name, type=DataType.Value(kind)))
-    metrics = [MetricInfo(name=MetricName(tag=result_tag(name, tag)), display_name=f"{name} {tag}")
-               for name, values in evaluations.items() for tag in values]
-    contents = {
-        "_hparams_/experiment": HParamsPluginData(
-            experiment=Experiment(hparam_infos=infos, metric_infos=metrics)),
-        "_hparams_/session_start_info": HParamsPluginData(session_start_info=start),
-        "_hparams_/session_end_info": HParamsPluginData(
-            session_end_info=SessionEndInfo(status=Status.Value("STATUS_SUCCESS"))),
-    }
-    return [
-        Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-            plugin_name="hparams", content=content.SerializeToString())))])
-        for tag, content in contents.items()
-    ]
+    values = {name: _hparam_value(value) for name, value in hparams.items()}
+    metrics = {result_tag(name, tag): f"{name} {tag}" for name, found in evaluations.items() for tag in found}
+    experiment, start, end = hparams_summaries(values, dict.fromkeys(metrics))
+    # tensorboardX cannot name a metric's column: "eval loss", not "results/eval/loss".
+    plugin_data = experiment.value[0].metadata.plugin_data
+    content = HParamsPluginData.FromString(plugin_data.content)
+    for info in content.experiment.metric_infos:
+        info.display_name = metrics[info.name.tag]
+    plugin_data.content = content.SerializeToString()
+    return [experiment, start, end]
+
+
+def _hparam_value(value: Any) -> Any:
+    """A hyperparameter as tensorboardX can write it: a number as a float (it
+    fails on an int beyond 64 bits), anything but a number, string, boolean
+    or None as its string (it would write it without a value)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    return float(value) if isinstance(value, (int, float)) else str(value)

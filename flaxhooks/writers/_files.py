@@ -34,6 +34,7 @@ def check_writable(
         raise error_type(f"cannot write {what} to {os.fspath(directory)!r}: {error}") from error
 
 
+# Hand-written: tensorboardX reads no records, and tensorboard (which does) is an optional dependency.
 def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
     """``(end offset, payload)`` of each whole TFRecord in an event file's bytes
     (length, its CRC, payload, its CRC); a record cut short ends the file."""
@@ -56,7 +57,9 @@ def truncate_events(
 
     A run resumed from a checkpoint at ``after_step`` logs those steps again;
     without this TensorBoard would show each of them twice. Each file is
-    rewritten atomically (a new file renamed over it).
+    rewritten atomically (a new file renamed over it): a purge record
+    (tensorboardX's ``purge_step``) is not enough, since the Rust loader
+    ``tensorboard --logdir`` uses by default ignores it.
 
     Args:
         logdir: the run directory.

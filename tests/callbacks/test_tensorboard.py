@@ -153,9 +153,11 @@ def test_the_learning_rate_of_a_schedule_or_injected_hyperparameters(tmp_path):
 
 
 def test_hyperparameters_are_the_main_runs_hparams_session_linked_to_the_eval_metrics(tmp_path):
-    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams import api_pb2, metadata
 
-    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, hparams={"learning_rate": 0.1, "model": "mlp"}),
+    hparams = {"learning_rate": 0.1, "model": "mlp", "nesterov": True, "widths": (8, 3), "unset": None,
+               "seed": 10**30}
+    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, hparams=hparams),
                                      flaxhooks.Evaluate(make_arrays(20), batch_size=8)])
     trainer.fit(make_batches(2), epochs=1)
     trainer.fit(make_batches(2), epochs=2)  # written once: TensorBoard reads a run's first record
@@ -167,12 +169,23 @@ def test_hyperparameters_are_the_main_runs_hparams_session_linked_to_the_eval_me
     start = metadata.parse_session_start_info_plugin_data(
         found[metadata.SESSION_START_INFO_TAG].metadata.plugin_data.content)
     parameters = 5 * 8 + 8 + 8 * 3 + 3  # MLP: Dense(8), Dense(3) on 5 features
-    assert {k: v.number_value or v.string_value for k, v in start.hparams.items()} == {
-        "learning_rate": 0.1, "model": "mlp", "parameters": parameters}
+    # A value that is not a number, string or boolean is its string; None is left out.
+    assert {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
+        "learning_rate": 0.1, "model": "mlp", "nesterov": True, "widths": "(8, 3)", "seed": 1e30,
+        "parameters": parameters}
     experiment = metadata.parse_experiment_plugin_data(
         found[metadata.EXPERIMENT_TAG].metadata.plugin_data.content)
+    kinds = {info.name: api_pb2.DataType.Name(info.type) for info in experiment.hparam_infos}
+    number, string = "DATA_TYPE_FLOAT64", "DATA_TYPE_STRING"
+    assert kinds == {"learning_rate": number, "model": string, "nesterov": "DATA_TYPE_BOOL", "widths": string,
+                     "seed": number, "parameters": number}
     metrics = ["results/eval/loss", "results/eval/accuracy"]
     assert [(m.name.group, m.name.tag) for m in experiment.metric_infos] == [("", tag) for tag in metrics]
+    # The HParams table's column names: the evaluation and its metric.
+    assert [m.display_name for m in experiment.metric_infos] == ["eval loss", "eval accuracy"]
+    end = metadata.parse_session_end_info_plugin_data(
+        found[metadata.SESSION_END_INFO_TAG].metadata.plugin_data.content)
+    assert api_pb2.Status.Name(end.status) == "STATUS_SUCCESS"
     final = trainer.evaluate(make_arrays(20), batch_size=8).metrics  # the state both fits ended with
     for tag in metrics:  # the latest evaluation, in the session's own run, where HParams reads it
         assert scalars(tmp_path, tag)[-1] == (4, pytest.approx(final[tag.split("/")[-1]], rel=1e-6))
