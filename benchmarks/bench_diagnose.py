@@ -92,8 +92,9 @@ def make_trainer(every: int | None, model: str = "cnn") -> flaxhooks.Trainer:
         loss = functools.partial(batch_loss, pad=addition_data.PAD)
         # Data-parallel: the batch over the devices, every parameter and other activation axis whole.
         rules = [(name, "data" if name == "batch" else None) for name, _ in AXIS_RULES]
-        return flaxhooks.Trainer(transformer, optax.adamw(2e-3), loss, input_keys=("tokens",), label_key=None,
-                                 callbacks=callbacks, axis_rules=rules)
+        model = flaxhooks.as_model(transformer, input_keys=("tokens",))
+        return flaxhooks.Trainer(model, optax.adamw(2e-3), loss, label_key=None, callbacks=callbacks,
+                                 axis_rules=rules)
     return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
 
 

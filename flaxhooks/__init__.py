@@ -60,7 +60,7 @@ from flaxhooks.data import (
     use_cpu_devices,
 )
 from flaxhooks.eval import EvalResult, LossAccuracy
-from flaxhooks.step import AXIS, LossError, TrainState
+from flaxhooks.step import AXIS, LossError, TrainState, as_model
 from flaxhooks.writers import LogdirError
 
 __all__ = [
@@ -108,6 +108,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingInterrupted",
+    "as_model",
     "run_directory",
     "use_cpu_devices",
 ]

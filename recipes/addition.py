@@ -232,10 +232,9 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         callbacks.append(flaxhooks.Diagnose(every=config.diagnose_every, report_dir=report))
     sharding = sharding_arguments(config, mesh_layout)
     trainer = flaxhooks.Trainer(
-        model,
+        flaxhooks.as_model(model, input_keys=("tokens",)),
         optimizer,
         functools.partial(batch_loss, pad=addition_data.PAD),
-        input_keys=("tokens",),
         # The metrics read the targets by name: there are no class labels.
         label_key=None,
         example_loss_fn=functools.partial(example_loss, pad=addition_data.PAD),

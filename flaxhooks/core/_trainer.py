@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
 import flax.linen as nn
 import jax
 import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 from flaxhooks.core._bus import HookBus
@@ -39,7 +41,7 @@ from flaxhooks.data import (
     first_replica,
 )
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
-from flaxhooks.step import AXIS, InputKeys, LossFn, Model, StatePlan, StepRunner, TrainState, as_model
+from flaxhooks.step import LossFn, Model, StatePlan, StepRunner, TrainState, as_model
 from flaxhooks.step import abstract as abstract
 from flaxhooks.step import placed as placed
 
@@ -52,33 +54,30 @@ class Trainer:
     One pure step, ``jax.jit``-ed over the mesh (docs/architecture.md).
 
     Args:
-        model: a Linen Module, an ``nnx.Module`` (updated when ``fit`` ends) or a
-            :class:`flaxhooks.step.Model` adapter.
+        model: a Linen Module, an ``nnx.Module`` (updated when ``fit`` ends), or
+            :func:`flaxhooks.as_model` of one where its inputs, train switch,
+            RNG streams or eval twin are not the defaults.
         optimizer: any optax ``GradientTransformation``.
         loss_fn: ``loss_fn(outputs, batch)`` to a scalar loss or ``(loss, {name: scalar})``.
         callbacks: callbacks to register (more with :meth:`add`).
-        input_keys: batch keys passed positionally, or ``{argument: batch key}``.
-        train_arg: the call argument or constructor field saying the model trains
-            (``deterministic`` is recognized); docs/guides/models.md.
-        eval_model: a Linen model's eval-mode twin (same parameters).
-        rng_names: the RNG streams of a Linen model, each given a key per step.
         seed: seeds initialization and the per-step keys.
         devices: local devices on one mesh axis ``data_axis`` (default: all); or give ``mesh``.
         mesh: the device mesh (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``).
         shard: where unannotated state leaves go: ``Replicated()`` (default) or ``FSDP(axis)``.
         axis_rules: ``(logical axis, mesh axis or None)`` pairs for logically annotated models.
         data_axis: the mesh axis the batch is split over.
-        state_collections: collections carried between steps besides ``params`` (default: found).
         example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example.
         label_key: the batch key of class labels, given to metrics as ``labels``.
         max_steps_in_flight: dispatched steps queued before the loop waits for the oldest.
         peer_timeout: on several processes, the longest wait (seconds) for another process.
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
-        axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``).
         optimizer_metrics: the steps that compute the gradient norm and update ratio:
             all (True), every n-th (n), or none (False).
         if_nonfinite: the non-finite guard's mode: ``"stop"`` (``fit`` raises
             ``NonFiniteError``), ``"warn"`` or ``"off"``.
+        **model_options: deprecated (goes in 0.9): ``input_keys``, ``train_arg``,
+            ``eval_model``, ``rng_names``, ``state_collections`` and ``axis_name``
+            are :func:`flaxhooks.as_model`'s.
 
     Examples:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -97,20 +96,16 @@ class Trainer:
 
     def __init__(
         self, model: nn.Module | Model, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
-        callbacks: Sequence[Callback] = (), input_keys: InputKeys = ("image",),
-        train_arg: str | None = "train", eval_model: nn.Module | None = None,
-        rng_names: Sequence[str] = ("dropout",), seed: int = 0,
-        devices: Sequence[jax.Device] | None = None, state_collections: Sequence[str] | None = None,
+        callbacks: Sequence[Callback] = (), seed: int = 0, devices: Sequence[jax.Device] | None = None,
         example_loss_fn: ExampleLossFn | None = None, label_key: str | None = "label",
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
-        axis_name: str = AXIS, mesh: Mesh | None = None, shard: ShardRule | None = None,
+        mesh: Mesh | None = None, shard: ShardRule | None = None,
         axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
-        if_nonfinite: str = "stop",
+        if_nonfinite: str = "stop", **model_options: Any,
     ):
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
-        model = as_model(model, input_keys, train_arg, rng_names, state_collections, eval_model=eval_model,
-                         axis_name=axis_name)
+        model = _model_of(model, model_options)
         self.model, self.optimizer, self.loss_fn, self.seed, self.peer_timeout = (
             model, optimizer, loss_fn, seed, peer_timeout)
         self.placement = Placement.of(mesh, devices, data_axis, shard or Replicated(), axis_rules)
@@ -321,3 +316,22 @@ class Trainer:
         if loop.diverged is not None:
             raise NonFiniteError(fit.record.diverged_details or str(loop.stop_reason), loop.diverged)
         return final
+
+
+#: What 0.7's Trainer took that is the model's: :func:`flaxhooks.as_model`'s options.
+_MODEL_OPTIONS = ("input_keys", "train_arg", "eval_model", "rng_names", "state_collections", "axis_name")
+
+
+def _model_of(model: Any, options: dict[str, Any]) -> Model:
+    """The adapter of ``model``, taking 0.7's model options given to the Trainer with a warning."""
+    unknown = [name for name in options if name not in _MODEL_OPTIONS]
+    if unknown:
+        raise TypeError(f"Trainer() got an unexpected keyword argument {unknown[0]!r}")
+    if options:
+        given = ", ".join(f"{name}=..." for name in options)
+        if not isinstance(model, (nn.Module, nnx.Module)):
+            raise ValueError(f"Trainer({given}) with a model adapter, which carries its own options: give "
+                             "them where it is made (flaxhooks.as_model(module, ...))")
+        warnings.warn(f"Trainer({given}) is deprecated and goes in 0.9: they describe the model; give "
+                      f"the Trainer flaxhooks.as_model(model, {given})", DeprecationWarning, stacklevel=3)
+    return as_model(model, **options)

@@ -74,7 +74,8 @@ def _missing_inputs(missing: Sequence[str], required: tuple[str, ...], keys: Seq
     example = repr(tuple(others)) if 0 < len(others) <= len(required) else "(...)"
     return (
         f"the batch has no key {', '.join(map(repr, missing))}, {which} (input_keys={required!r}); its keys "
-        f"are {list(keys)}: pass Trainer(input_keys={example}) to name the keys the model takes"
+        f"are {list(keys)}: give the Trainer flaxhooks.as_model(model, input_keys={example}) to name the "
+        "keys the model takes"
     )
 
 

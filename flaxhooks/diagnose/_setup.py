@@ -335,7 +335,7 @@ def dropout_in_eval(
                   "to their calls")
         layer = places[0].removesuffix("/rngs") if len(places) == 1 else None
     else:
-        advice = ("pass the eval-mode twin as Trainer(eval_model=...), e.g. "
+        advice = ("pass the eval-mode twin as flaxhooks.as_model(model, eval_model=...), e.g. "
                   "`TransformerLM(config.replace(deterministic=True))`, or take `train`/`deterministic` as a "
                   "__call__ argument so the Trainer switches it")
         layer = layers[0] if len(layers) == 1 else None
@@ -374,7 +374,7 @@ def rng_streams(
         detail = f" ({train.error})" if train.error else ""
         evidence = (f"the train-mode call draws from the RNG stream {asked}, which rng_names {list(names)} "
                     f"lacks{detail}")
-        advice = f"Trainer(rng_names={tuple(dict.fromkeys(advice_names))!r})"
+        advice = f"flaxhooks.as_model(model, rng_names={tuple(dict.fromkeys(advice_names))!r})"
         return [Finding("rng_streams", step, None, evidence, advice,
                         values={"missing": list(train.missing), "rng_names": list(names)})]
     drawn = {s for s, _ in train.outputs | train.state}
@@ -389,9 +389,10 @@ def rng_streams(
                      "dropout is off in training")
         advice = ("switch dropout on for training: take `train`/`deterministic` as a __call__ argument, or "
                   "give the Trainer the train-mode model (e.g. `TransformerLM(config.replace("
-                  "deterministic=False))`) and Trainer(eval_model=...) the eval-mode twin")
+                  "deterministic=False))`) and flaxhooks.as_model(model, eval_model=...) the eval-mode twin")
     else:
-        advice = f"Trainer(rng_names={used!r}), or check why the model does not draw from {_names(unused)}"
+        advice = (f"flaxhooks.as_model(model, rng_names={used!r}), or check why the model does not draw "
+                  f"from {_names(unused)}")
     return [Finding("rng_streams", step, None, evidence, advice,
                     values={"unused": unused, "rng_names": list(names),
                             "deterministic_layers": sorted({d.path for d in off})})]
@@ -414,7 +415,7 @@ def setup_findings(
         params, model_state: the state's (abstract or not: only shapes are read).
         batch: the global batch (``FitPlan.spec.global_batch()``).
         step: the step the findings are for.
-        rng_names_given: whether ``Trainer(rng_names=...)`` was given
+        rng_names_given: whether ``as_model(model, rng_names=...)`` was given
             explicitly (None: when it is not the default).
 
     Examples:

@@ -103,7 +103,8 @@ def _cause(error: Exception, rng_names: Sequence[str]) -> str:
     text = f"{type(error).__name__}: {error}"
     if isinstance(error, flax_errors.InvalidRngError) or "needs PRNG for" in str(error):
         return (f"{text} (evaluation gives the model keys for the RNG streams in rng_names, "
-                f"{list(rng_names)}: add the stream it draws from in eval mode to Trainer(rng_names=...))")
+                f"{list(rng_names)}: add the stream it draws from in eval mode to flaxhooks.as_model(model, "
+                "rng_names=...))")
     return text
 
 

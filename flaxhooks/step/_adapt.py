@@ -19,16 +19,37 @@ def as_model(
     rng_names: Sequence[str] = ("dropout",), state_collections: Sequence[str] | None = None, *,
     eval_model: Any = None, axis_name: str = AXIS,
 ) -> Model:
-    """The adapter for ``model``: itself if it is one, :class:`NNXModel` for an
-    ``nnx.Module``, else :class:`LinenModel` (``rng_names``,
-    ``state_collections`` and ``eval_model`` concern Linen only: an NNX
-    module carries its own ``nnx.Rngs``, variable types and ``eval()`` switch).
+    """The model as the Trainer calls it: how a batch reaches it, how it is
+    told it trains, what it draws and carries. Give the result to
+    :class:`~flaxhooks.Trainer` where the defaults do not fit.
+
+    Args:
+        model: a Linen Module, an ``nnx.Module``, or an adapter (returned as it is).
+        input_keys: batch keys passed positionally, or ``{argument: batch key}``.
+        train_arg: the call argument or constructor field saying the model trains
+            (``deterministic`` is recognized); docs/guides/models.md.
+        rng_names: the RNG streams of a Linen model, each given a key per step.
+        state_collections: collections a Linen model carries between steps
+            besides ``params`` (default: found).
+        eval_model: a Linen model's eval-mode twin (same parameters).
+        axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``).
+
+    ``rng_names``, ``state_collections`` and ``eval_model`` concern Linen only:
+    an NNX module carries its own ``nnx.Rngs``, variable types and ``eval()`` switch.
+
+    Returns:
+        A :class:`LinenModel` for a Linen module, an :class:`NNXModel` for an NNX one.
+
+    Raises:
+        TypeError: not a model.
+        ValueError: ``eval_model`` for an NNX module.
 
     Examples:
         >>> import flax.linen as nn
-        >>> from flaxhooks.step import as_model
-        >>> type(as_model(nn.Dense(3))).__name__
-        'LinenModel'
+        >>> import flaxhooks
+        >>> model = flaxhooks.as_model(nn.Dense(3), input_keys=("tokens",), rng_names=())
+        >>> type(model).__name__, model.input_keys
+        ('LinenModel', ('tokens',))
     """
     # Types first: a Protocol check reads attributes, and a Linen module's
     # ``variables`` property raises when the module is unbound.

@@ -24,7 +24,7 @@ Batch = Mapping[str, Any]
 
 #: The default name of the device axis every compiled step maps over. Models
 #: that reduce over devices themselves (``nn.BatchNorm(axis_name=...)``)
-#: name this axis, or the one given as ``Trainer(axis_name=...)``.
+#: name this axis, or the one given as ``as_model(model, axis_name=...)``.
 AXIS = "batch"
 
 

@@ -222,7 +222,7 @@ class Tapped:
         outputs: the model's outputs on the whole batch.
         batch: the whole batch.
         devices: the shares the batch is seen in: 1 (the step sees it whole).
-        axis_name: the axis of those shares (``Trainer(axis_name=...)``).
+        axis_name: the axis of those shares (``as_model(model, axis_name=...)``).
         updates: the updates the optimizer applied to ``params`` this step.
     """
 

@@ -222,7 +222,7 @@ def test_dropout_left_on_in_evaluation_is_said_before_training_and_on_every_eval
     for eval_model, said in ((None, [("dropout_in_eval", 0)]), (ConfigMode(Config(deterministic=True)), [])):
         findings, printed, bar = Findings(), io.StringIO(), io.StringIO()
         trainer = flaxhooks.Trainer(
-            ConfigMode(Config()), optax.adam(1e-2), cross_entropy, eval_model=eval_model,
+            flaxhooks.as_model(ConfigMode(Config()), eval_model=eval_model), optax.adam(1e-2), cross_entropy,
             callbacks=[flaxhooks.Diagnose(window=1000, table=False), findings,
                        flaxhooks.Evaluate(held_out, every=1, batch_size=8),
                        flaxhooks.ConsoleLog(100, stream=printed),

@@ -406,10 +406,12 @@ def test_state_collections_can_be_chosen():
 
     auto = sgd_trainer(OverwritingSow()).fit(make_batches(2), epochs=1)
     assert set(auto.model_state) == {"debug"}
-    chosen = sgd_trainer(OverwritingSow(), state_collections=()).fit(make_batches(2), epochs=1)
+    chosen = sgd_trainer(flaxhooks.as_model(OverwritingSow(), state_collections=())).fit(
+        make_batches(2), epochs=1)
     assert chosen.model_state == {}
     with pytest.raises(ValueError, match=r"state_collections \['batch_stats'\]"):
-        sgd_trainer(OverwritingSow(), state_collections=("batch_stats",)).fit(make_batches(2), epochs=1)
+        sgd_trainer(flaxhooks.as_model(OverwritingSow(), state_collections=("batch_stats",))).fit(
+            make_batches(2), epochs=1)
 
 
 def test_a_first_batch_the_model_cannot_take_is_a_clear_error_before_compiling():
@@ -424,3 +426,17 @@ def test_a_first_batch_the_model_cannot_take_is_a_clear_error_before_compiling()
                        if len(jax.local_devices()) == 8 else r"image float32\[16, 5\]"):
         trainer.fit([batch], epochs=1)
     assert trainer.runner.traces["train_step"] == 0
+
+
+def test_the_model_options_0_7_gave_the_trainer_still_work_with_a_warning_naming_as_model():
+    batch = {"x": np.ones((16, 5), np.float32), "label": np.zeros(16, np.int32)}
+    with pytest.warns(DeprecationWarning, match=r"as_model\(model, input_keys=..., rng_names=...\)"):
+        old = sgd_trainer(nn.Dense(3), input_keys=("x",), rng_names=())
+    new = sgd_trainer(flaxhooks.as_model(nn.Dense(3), input_keys=("x",), rng_names=()))
+    options = [(trainer.model.input_keys, trainer.model.rng_names) for trainer in (old, new)]
+    assert options == [(("x",), ()), (("x",), ())]
+    assert tree_allclose(old.fit([batch], epochs=1).params, new.fit([batch], epochs=1).params, rtol=0)
+    with pytest.raises(ValueError, match="carries its own options"):
+        sgd_trainer(new.model, input_keys=("x",))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'input_key'"):
+        sgd_trainer(nn.Dense(3), input_key=("x",))

@@ -40,7 +40,7 @@ def test_a_missing_model_input_key(compiles):
     batch = {"pixels": np.zeros((16, 5), np.float32), "label": np.zeros(16, np.int32)}
     with pytest.raises(BatchError, match=r"no key 'image', the model's input by default "
                        r"\(input_keys=\('image',\)\); its keys are \['label', 'pixels'\]: "
-                       r"pass Trainer\(input_keys=\('pixels',\)\)"):
+                       r"give the Trainer flaxhooks.as_model\(model, input_keys=\('pixels',\)\)"):
         trainer.fit([batch], epochs=1)
     assert compiles == []
 

@@ -214,7 +214,8 @@ class ScaleQueriesAndKeys(flaxhooks.Callback):
 
 def diagnosed(model, steps=8, lr=1e-3, callbacks=()) -> flaxhooks.Diagnose:
     diagnose = flaxhooks.Diagnose(every=1, window=4, table=False, heatmaps=False)
-    trainer = flaxhooks.Trainer(model, optax.adam(lr), lm_loss, input_keys=("tokens",), label_key=None,
+    trainer = flaxhooks.Trainer(flaxhooks.as_model(model, input_keys=("tokens",)), optax.adam(lr), lm_loss,
+                                label_key=None,
                                 callbacks=[*callbacks, diagnose])
     trainer.fit(copy_batches(steps), epochs=1)
     return diagnose
@@ -402,8 +403,9 @@ def _recipe_losses(steps: int, window: int = 10, one_device: bool = False,
     length = addition_data.sequence_length(config.digits) - 1
     model = Transformer(vocab_size=addition.VOCAB_SIZE, length=length, width=config.width, depth=config.depth,
                         heads=config.heads)
-    trainer = flaxhooks.Trainer(model, optax.adamw(config.learning_rate), functools.partial(
-        batch_loss, pad=addition_data.PAD), input_keys=("tokens",), label_key=None, seed=0,
+    trainer = flaxhooks.Trainer(
+        flaxhooks.as_model(model, input_keys=("tokens",)), optax.adamw(config.learning_rate),
+        functools.partial(batch_loss, pad=addition_data.PAD), label_key=None, seed=0,
         callbacks=[diagnose, Losses()], **placed)
     trainer.fit(flaxhooks.ArrayLoader(sums.train(), 64, seed=0), steps=steps)
     return [float(v) for v in losses], diagnose

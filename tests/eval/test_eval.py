@@ -391,11 +391,11 @@ def test_an_eval_mode_call_that_fails_names_the_cause_before_training():
     test = Evaluate(make_arrays(16), batch_size=8)
     missing_stream = _refused_before_the_fit(sgd_trainer(SamplesWhenEvaluating()), test, BatchError)
     assert "cannot be called in eval mode" in missing_stream and '"sample"' in missing_stream
-    assert "Trainer(rng_names=...)" in missing_stream and "metrics" not in missing_stream
+    assert "flaxhooks.as_model(model, rng_names=...)" in missing_stream and "metrics" not in missing_stream
     pixels = Evaluate({"pixels": np.zeros((8, 5), np.float32)}, batch_size=8)
     missing_key = _refused_before_the_fit(sgd_trainer(), pixels, BatchError)
     assert "the batch has no key 'image', the model's input by default (input_keys=('image',)); its keys " \
-        "are ['pixels']: pass Trainer(input_keys=('pixels',))" in missing_key
+        "are ['pixels']: give the Trainer flaxhooks.as_model(model, input_keys=('pixels',))" in missing_key
     auc = Evaluate(make_arrays(16), batch_size=8, metrics={"auc": clu_metrics.Average.from_output("auc")})
     wrong_metrics = _refused_before_the_fit(sgd_trainer(), auc, BatchError)
     assert "the loss or metrics cannot evaluate the model's outputs" in wrong_metrics
@@ -426,7 +426,7 @@ def test_labels_under_another_key_name_label_key_and_its_default():
 
 
 def test_a_model_that_samples_when_evaluating_gets_fixed_keys():
-    trainer = sgd_trainer(SamplesWhenEvaluating(), rng_names=("dropout", "sample"))
+    trainer = sgd_trainer(flaxhooks.as_model(SamplesWhenEvaluating(), rng_names=("dropout", "sample")))
     state = trainer.fit(make_batches(2), epochs=1)
     test = make_arrays(40)
     first, again = trainer.evaluate(test, batch_size=16), trainer.evaluate(test, batch_size=16)

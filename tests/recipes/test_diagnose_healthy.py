@@ -33,8 +33,8 @@ def test_an_lstm_gives_no_finding_over_a_whole_run():
     sums = addition_data.make_sums(3, 20_000, 100, 0)
     diagnose = flaxhooks.Diagnose(every=2, window=100, table=False)
     loss = functools.partial(batch_loss, pad=addition_data.PAD)
-    trainer = flaxhooks.Trainer(LSTM(), optax.adam(2e-3), loss, input_keys=("tokens",), label_key=None,
-                                callbacks=[diagnose])
+    trainer = flaxhooks.Trainer(flaxhooks.as_model(LSTM(), input_keys=("tokens",)), optax.adam(2e-3), loss,
+                                label_key=None, callbacks=[diagnose])
     trainer.fit(flaxhooks.ArrayLoader(sums.train(), 256, seed=0), epochs=4)  # 312 steps
     assert int(trainer.state.step) == 312
     assert diagnose.findings == []

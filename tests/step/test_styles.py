@@ -231,8 +231,8 @@ class Lengths(nn.Module):  # sst2's style: the sequence lengths by name
 
 def test_batch_keys_reach_named_arguments():
     data = {"tokens": SEQUENCE["image"], "length": np.full(16, 2, np.int32), "label": FLAT["label"]}
-    trainer = flaxhooks.Trainer(Lengths(), optax.sgd(0.1), cross_entropy, devices=jax.devices()[:1],
-                                input_keys={"inputs": "tokens", "lengths": "length"})
+    model = flaxhooks.as_model(Lengths(), input_keys={"inputs": "tokens", "lengths": "length"})
+    trainer = flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, devices=jax.devices()[:1])
     state = trainer.init(data)
     variables = {"params": state.params}
     want = Lengths().apply(variables, data["tokens"][:, :2].mean(1, keepdims=True).repeat(4, 1),
@@ -240,7 +240,7 @@ def test_batch_keys_reach_named_arguments():
     got = trainer.model.apply(state.params, {}, data, train=False, rngs={})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"input_keys maps batch keys to \['length'\], which the model"):
-        flaxhooks.Trainer(Lengths(), optax.sgd(0.1), cross_entropy, input_keys={"inputs": "t", "length": "l"})
+        flaxhooks.as_model(Lengths(), input_keys={"inputs": "t", "length": "l"})
 
 
 class NNXLengths(nnx.Module):
@@ -256,8 +256,8 @@ class NNXLengths(nnx.Module):
 def test_nnx_keyword_inputs_and_deterministic_argument():
     data = {"tokens": SEQUENCE["image"], "length": np.full(16, 2, np.int32), "label": FLAT["label"]}
     model = NNXLengths(nnx.Rngs(0, dropout=1))
-    trainer = flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, devices=jax.devices()[:1],
-                                input_keys={"inputs": "tokens", "lengths": "length"})
+    adapter = flaxhooks.as_model(model, input_keys={"inputs": "tokens", "lengths": "length"})
+    trainer = flaxhooks.Trainer(adapter, optax.sgd(0.1), cross_entropy, devices=jax.devices()[:1])
     assert trainer.model.call.mode_arg == "deterministic" and trainer.model.call.inverted
     state = trainer.init(data)
     evaluation = trainer.model.apply(state.params, state.model_state, data, train=False, rngs={})[0]
@@ -281,8 +281,9 @@ class ResNetStem(nn.Module):  # Flax's ImageNet ResNet hard-codes axis_name="bat
 
 
 def test_batchnorm_reduces_over_the_named_axis():
-    trainer = flaxhooks.Trainer(ResNetStem(), optax.sgd(0.1), cross_entropy, devices=jax.devices()[:2],
-                                axis_name="data", callbacks=[flaxhooks.ActivationStats(every=1)])
+    model = flaxhooks.as_model(ResNetStem(), axis_name="data")
+    trainer = flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, devices=jax.devices()[:2],
+                                callbacks=[flaxhooks.ActivationStats(every=1)])
     state = trainer.init(FLAT)
     params = jax.device_get(state.params)
     final = trainer.fit([FLAT], steps=1, state=state)
