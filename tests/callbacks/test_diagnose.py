@@ -277,6 +277,7 @@ def test_findings_reach_tensorboard_the_report_and_the_table(tmp_path, capsys):
     figure = diagnose.figures()["gradient_rms"]
     width, height = figure.get_size_inches() * figure.dpi
     assert (images[-1].height, images[-1].width) == (round(height), round(width))
+    assert diagnose.pictures()["gradient_rms"].shape == (round(height), round(width), 3)
     axes = figure.axes[0]
     assert [t.get_text() for t in axes.get_yticklabels()] == ["Dense_0", "killed", "after", "Dense_1"]
     assert [t.get_text() for t in axes.get_xticklabels()] == ["10", "20", "30"]
