@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,6 +23,7 @@ from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, LossRead
 from flaxhooks.data import first_replica
 from flaxhooks.diagnose import (
     ATTENTION,
+    FIGURES_EXTRA,
     HEAD_COLUMNS,
     HEAD_MAXED,
     LOG_Z_COLUMNS,
@@ -42,7 +43,8 @@ from flaxhooks.diagnose import (
     attention_findings,
     attention_interceptor,
     attention_layers,
-    encode_png,
+    figure_pixels,
+    figures_available,
     layer_figures,
     layer_findings,
     log_z_figures,
@@ -58,6 +60,7 @@ from flaxhooks.diagnose import (
 from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, WithLayout, as_module_filter
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
     from rich.console import Console
 
 _log = logging.getLogger("flaxhooks")
@@ -143,6 +146,8 @@ class Diagnose(InstrumentedCallback):
         heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
             of layers over steps, in TensorBoard's Images tab at each window
             (``stats/heatmaps/<name>``: after the metrics in Time Series).
+            Drawn with matplotlib (``pip install 'flaxhooks[figures]'``); by
+            default on where it is installed.
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
         console: the rich console the table is printed on (default: a new one on stderr).
 
@@ -157,11 +162,14 @@ class Diagnose(InstrumentedCallback):
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
                  attention: AttentionThresholds | None = None,
-                 label_key: str = "label", table: bool = True, heatmaps: bool = True,
+                 label_key: str = "label", table: bool = True, heatmaps: bool | None = None,
                  report_dir: str | Path | None = None, console: Console | None = None,
                  spikes: SpikeThresholds | None = None):
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
+        if heatmaps and not figures_available():
+            raise ImportError(f"Diagnose(heatmaps=True) draws with matplotlib, which is not installed: "
+                              f"{FIGURES_EXTRA}")
         self.every = as_every(every)
         self.window = window
         select = as_module_filter(AFFINE if layers is None else layers)
@@ -174,7 +182,10 @@ class Diagnose(InstrumentedCallback):
         self.loss_thresholds = loss or LossThresholds()
         self.spike_thresholds = spikes or SpikeThresholds()
         self.label_key = label_key
-        self.table, self.heatmaps = table, heatmaps
+        self.table = table
+        self.heatmaps = figures_available() if heatmaps is None else heatmaps
+        # Off by default for want of matplotlib: said once, at the first fit's start.
+        self._say_no_heatmaps = heatmaps is None and not self.heatmaps
         self.report_dir = None if report_dir is None else Path(report_dir)
         self.console = console
         self._plan: FitPlan | None = None
@@ -333,6 +344,9 @@ class Diagnose(InstrumentedCallback):
     # -- on the host ----------------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
+        if self._say_no_heatmaps:
+            self._say_no_heatmaps = False
+            _log.info("Diagnose draws no heatmaps: matplotlib is not installed (%s)", FIGURES_EXTRA)
         self.findings = []
         self.attention_figures, self.output_log_z = [], {}
         self._reset(loop.step)
@@ -556,7 +570,7 @@ class Diagnose(InstrumentedCallback):
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
         """Adds the window to the heatmaps and logs them, drawn and encoded on the
-        writer's thread (drawing the three takes tens of milliseconds)."""
+        writer's thread (matplotlib takes about 0.2 s a heatmap on one CPU core)."""
         ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
         self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
         self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
@@ -571,21 +585,26 @@ class Diagnose(InstrumentedCallback):
             drawings = self._drawings()
             loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
-    def _drawings(self) -> dict[str, Any]:
+    def _drawings(self) -> dict[str, Callable[[], bytes]]:
+        """Each heatmap's PNG file, drawn when called."""
         return {name: maps.drawing(title=_TITLES[name], **_RANGE.get(name, {}))
                 for name, maps in self._maps.items() if len(maps)}
 
-    def pictures(self) -> dict[str, np.ndarray]:
-        """The heatmaps so far, as RGB arrays, by statistic: layers (rows, in
-        depth order) over the windows judged (columns)."""
-        return {name: maps.image(title=_TITLES[name], **_RANGE.get(name, {}))
+    def figures(self) -> dict[str, Figure]:
+        """The heatmaps so far, as matplotlib figures, by statistic: layers
+        (rows, in depth order) over the windows judged (columns)."""
+        return {name: maps.figure(title=_TITLES[name], **_RANGE.get(name, {}))
                 for name, maps in self._maps.items() if len(maps)}
+
+    def pictures(self) -> dict[str, np.ndarray]:
+        """:meth:`figures` drawn as uint8 RGB pixels ``[H, W, 3]``."""
+        return {name: figure_pixels(figure) for name, figure in self.figures().items()}
 
     def _write_report(self) -> None:
         assert self.report_dir is not None
         self.report_dir.mkdir(parents=True, exist_ok=True)
-        for name, image in self.pictures().items():
-            (self.report_dir / f"{name}.png").write_bytes(encode_png(image))
+        for name, draw in self._drawings().items():
+            (self.report_dir / f"{name}.png").write_bytes(draw())
         lines = ["# Diagnose", ""] + ([f"- {_markdown(f)}".replace("\n\n", " ") for f in self.findings]
                                      or ["No finding: nothing looked wrong."])
         (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")

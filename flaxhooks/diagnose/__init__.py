@@ -7,6 +7,9 @@ and the pictures that show them. The callback itself is
 ``Diagnose``'s own and may change in any release.
 """
 
+import warnings
+from typing import Any
+
 from flaxhooks.diagnose._attention import (
     ATTENTION,
     HEAD_COLUMNS,
@@ -32,13 +35,16 @@ from flaxhooks.diagnose._attention import (
     record_attention,
 )
 from flaxhooks.diagnose._heatmap import (
+    DPI,
+    FIGURES_EXTRA,
     MISSING,
     NON_FINITE,
     Heatmaps,
-    colormap,
-    glyph,
+    figure_pixels,
+    figures_available,
     heatmap,
-    range_labels,
+    heatmap_figure,
+    heatmap_png,
 )
 from flaxhooks.diagnose._instep import (
     COLUMNS,
@@ -84,9 +90,6 @@ from flaxhooks.diagnose._spikes import (
     SpikeThresholds,
     first_spiked_layer,
 )
-from flaxhooks.writers import (
-    encode_png,
-)
 
 __all__ = [
     "AttentionThresholds",
@@ -95,3 +98,13 @@ __all__ = [
     "Thresholds",
     "record_attention",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "encode_png":
+        warnings.warn("flaxhooks.diagnose.encode_png is deprecated: heatmap_png draws a heatmap's PNG file, "
+                      "and Writers.images takes uint8 pixels as they are", DeprecationWarning, stacklevel=2)
+        from flaxhooks.writers import pixels_png
+
+        return pixels_png
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

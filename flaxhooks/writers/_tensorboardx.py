@@ -4,8 +4,10 @@ off the training thread)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +18,6 @@ import numpy as np
 from tensorboardX import FileWriter
 from tensorboardX.event_file_writer import EventsWriter
 
-from flaxhooks.writers._png import encode_png, png_channels, png_size
 from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer
 
 
@@ -167,10 +168,13 @@ class TensorBoardWriter(Writer):
 
         found = []
         for tag, image in (values() if callable(values) else values).items():
-            png = bytes(image) if isinstance(image, (bytes, bytearray, memoryview)) else encode_png(image)
-            height, width = png_size(png)
-            found.append(Summary.Value(tag=tag, image=Summary.Image(
-                height=height, width=width, colorspace=png_channels(png), encoded_image_string=png)))
+            if isinstance(image, (bytes, bytearray, memoryview)):
+                png = bytes(image)
+                height, width, channels = png_header(png)
+                found.append(Summary.Value(tag=tag, image=Summary.Image(
+                    height=height, width=width, colorspace=channels, encoded_image_string=png)))
+            else:
+                found.append(Summary.Value(tag=tag, image=pixels_image(image)))
         if found:
             self.summary(Summary(value=found), step)
 
@@ -192,3 +196,40 @@ class TensorBoardWriter(Writer):
         files, self._files = self._files, {}
         for found in files.values():
             found.close()
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_header(png: bytes) -> tuple[int, int, int]:
+    """``(height, width, channels)`` of a PNG file, read from its header: a
+    summary of PNG bytes needs them, and neither tensorboardX nor the
+    standard library reads them without Pillow."""
+    if png[:8] != _PNG_SIGNATURE or png[12:16] != b"IHDR":
+        raise ValueError("not a PNG file")
+    width, height = struct.unpack(">II", png[16:24])
+    # The colour type: 0 grey, 4 grey and alpha, 2 RGB, 3 a palette (RGB), 6 RGBA.
+    return height, width, {0: 1, 4: 2, 2: 3, 3: 3, 6: 4}.get(png[25], 3)
+
+
+def pixels_image(pixels: np.ndarray) -> Any:
+    """The image summary of uint8 pixels ``[H, W]`` (grey), ``[H, W, 3]`` (RGB)
+    or ``[H, W, 4]`` (RGBA): a PNG file encoded by tensorboardX (with Pillow)."""
+    pixels = np.asarray(pixels)
+    shaped = pixels.ndim == 2 or (pixels.ndim == 3 and pixels.shape[2] in (3, 4))
+    if pixels.dtype != np.uint8 or not shaped:
+        raise ValueError(f"an image is uint8 [H, W] or [H, W, 3|4] pixels, not {pixels.dtype} {pixels.shape}")
+    if not pixels.size:
+        raise ValueError(f"an image of {pixels.shape[0]}x{pixels.shape[1]} pixels is empty")
+    if importlib.util.find_spec("PIL") is None:
+        raise ImportError("images given as pixels are encoded with Pillow, which is not installed: "
+                          "pip install pillow (or give PNG bytes)")
+    from tensorboardX.summary import make_image
+
+    # make_image resizes to the same size (a copy: the pixels as they are) and saves a PNG file.
+    return make_image(pixels if pixels.ndim == 3 else np.repeat(pixels[:, :, None], 3, axis=2))
+
+
+def pixels_png(pixels: np.ndarray) -> bytes:
+    """The PNG file of uint8 pixels (what :func:`pixels_image` writes)."""
+    return bytes(pixels_image(pixels).encoded_image_string)

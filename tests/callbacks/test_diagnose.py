@@ -271,6 +271,17 @@ def test_findings_reach_tensorboard_the_report_and_the_table(tmp_path, capsys):
     assert texts
     images = events.Images("stats/heatmaps/gradient_rms")
     assert [i.step for i in images] == [10, 20, 30] and images[-1].width > 0
+    # The last one is the report's file: the figure of every window so far, as a PNG file.
+    png = (tmp_path / "report" / "gradient_rms.png").read_bytes()
+    assert images[-1].encoded_image_string == png
+    figure = diagnose.figures()["gradient_rms"]
+    width, height = figure.get_size_inches() * figure.dpi
+    assert (images[-1].height, images[-1].width) == (round(height), round(width))
+    assert diagnose.pictures()["gradient_rms"].shape == (round(height), round(width), 3)
+    axes = figure.axes[0]
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["Dense_0", "killed", "after", "Dense_1"]
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["10", "20", "30"]
+    assert axes.get_title() == "gradient rms" and axes.images[0].get_array().shape == (4, 3)
     # TensorBoard keeps one kind of data per tag: a heatmap under a scalar's tag would never show.
     assert sorted(events.Tags()["images"]) == [f"stats/heatmaps/{name}" for name in
                                                ("dead_units", "gradient_rms", "update_ratio")]
@@ -281,6 +292,27 @@ def test_findings_reach_tensorboard_the_report_and_the_table(tmp_path, capsys):
     assert report.startswith("# Diagnose") and "**dead_units** at step 10: `killed`" in report
     table = capsys.readouterr().err
     assert "Diagnose" in table and "dead_units" in table and "killed" in table
+
+
+def test_heatmaps_are_on_where_matplotlib_is_and_asked_for_without_it_name_the_extra(monkeypatch, caplog):
+    import importlib.util
+    import sys
+
+    assert flaxhooks.Diagnose().heatmaps is (importlib.util.find_spec("matplotlib") is not None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import finds where it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'flaxhooks\[figures\]'"):
+        flaxhooks.Diagnose(heatmaps=True)
+    assert not flaxhooks.Diagnose(heatmaps=False).heatmaps
+    diagnose = flaxhooks.Diagnose(every=1, window=10, table=False)
+    assert not diagnose.heatmaps
+    trainer = flaxhooks.Trainer(Killed(), optax.adam(1e-2), cross_entropy, callbacks=[diagnose])
+    with caplog.at_level(logging.INFO, logger="flaxhooks"):
+        trainer.fit(data(), steps=10)
+        trainer.fit(data(), steps=10)
+    said = [r.getMessage() for r in caplog.records if "heatmaps" in r.getMessage()]
+    assert said == ["Diagnose draws no heatmaps: matplotlib is not installed "
+                    "(pip install 'flaxhooks[figures]')"]
+    assert diagnose.figures() == {}
 
 
 def test_the_table_goes_to_the_console_given(capsys):

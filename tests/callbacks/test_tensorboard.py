@@ -248,11 +248,16 @@ def test_other_callbacks_write_through_the_loops_writers_whatever_their_order(tm
 
 
 def test_callbacks_write_images_through_the_loops_writers(tmp_path):
-    from flaxhooks.diagnose import encode_png, heatmap
+    import io
+
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from flaxhooks.diagnose import figure_pixels, heatmap_figure, heatmap_png
 
     values = np.array([[1e-3, 1e-2, np.nan], [1.0, 0.5, 0.1]])
-    picture = heatmap(values, rows=["dense_0", "head"], steps=[1, 2, 3])
-    png = encode_png(picture)
+    png = heatmap_png(values, rows=["dense_0", "head"], steps=[1, 2, 3])
+    picture = figure_pixels(heatmap_figure(values, rows=["dense_0", "head"], steps=[1, 2, 3]))
 
     class Pictures(Callback):
         def on_step_end(self, loop):
@@ -261,10 +266,13 @@ def test_callbacks_write_images_through_the_loops_writers(tmp_path):
                 loop.writers.images(lambda: {"diagnose/pixels": picture}, loop.step)  # encoded off the thread
 
     sgd_trainer(callbacks=[Pictures(), TensorBoard(tmp_path)]).fit(make_batches(3), epochs=1)
-    for tag in ("diagnose/png", "diagnose/pixels"):
-        (image,) = read(tmp_path).Images(tag)
-        assert (image.step, image.height, image.width) == (2, *picture.shape[:2])
-        assert image.encoded_image_string == png
+    (written,) = read(tmp_path).Images("diagnose/png")
+    assert written.step == 2 and written.encoded_image_string == png
+    (encoded,) = read(tmp_path).Images("diagnose/pixels")
+    assert (encoded.step, encoded.height, encoded.width) == (2, *picture.shape[:2])
+    np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(encoded.encoded_image_string))), picture)
+    # The PNG file and the pixels are the same picture.
+    assert (written.height, written.width) == (encoded.height, encoded.width)
 
 
 def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):

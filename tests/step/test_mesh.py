@@ -479,12 +479,16 @@ def test_diagnose_on_a_sharded_state_finds_and_figures_what_it_does_on_one_devic
                 return [f.mean, f.grad_rms, f.dead, f.silent, f.dormant, f.saturated, *f.slopes]
 
             np.testing.assert_allclose(numbers(got), numbers(want), rtol=1e-4, atol=1e-6, err_msg=want.name)
-    # The heatmaps drawn from the windows: the same to a colour step.
-    pictures = one.pictures(), sharded.pictures()
-    assert sorted(pictures[0]) == sorted(pictures[1]) == ["dead_units", "gradient_rms", "update_ratio"]
-    for name, image in pictures[0].items():
-        assert image.shape == pictures[1][name].shape
-        np.testing.assert_allclose(pictures[1][name].astype(int), image.astype(int), atol=2, err_msg=name)
+    # The heatmaps drawn from the windows: the same cells, on the same colour scale.
+    figures = one.figures(), sharded.figures()
+    assert sorted(figures[0]) == sorted(figures[1]) == ["dead_units", "gradient_rms", "update_ratio"]
+    for name, figure in figures[0].items():
+        want, got = figure.axes[0].images[0], figures[1][name].axes[0].images[0]
+        assert np.array_equal(got.get_array().mask, want.get_array().mask), name
+        np.testing.assert_allclose(got.get_array().filled(0), want.get_array().filled(0), rtol=1e-4,
+                                   atol=1e-6, err_msg=name)
+        assert got.norm.vmin == pytest.approx(want.norm.vmin, rel=1e-4, abs=1e-6), name
+        assert got.norm.vmax == pytest.approx(want.norm.vmax, rel=1e-4, abs=1e-6), name
 
 
 class Rooted(nn.Module):
