@@ -7,7 +7,6 @@ and the pictures that show them. The callback itself is
 ``Diagnose``'s own and may change in any release.
 """
 
-import warnings
 from typing import Any
 
 from flaxhooks.diagnose._attention import (
@@ -42,7 +41,6 @@ from flaxhooks.diagnose._heatmap import (
     Heatmaps,
     figure_pixels,
     figures_available,
-    heatmap,
     heatmap_figure,
     heatmap_png,
 )
@@ -98,13 +96,3 @@ __all__ = [
     "Thresholds",
     "record_attention",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "encode_png":
-        warnings.warn("flaxhooks.diagnose.encode_png is deprecated: heatmap_png draws a heatmap's PNG file, "
-                      "and Writers.images takes uint8 pixels as they are", DeprecationWarning, stacklevel=2)
-        from flaxhooks.writers import pixels_png
-
-        return pixels_png
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,6 @@ import functools
 import importlib.util
 import io
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -218,27 +217,6 @@ def figure_pixels(figure: Figure) -> np.ndarray:
     canvas = figure.canvas if isinstance(figure.canvas, FigureCanvasAgg) else FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def heatmap(values: np.ndarray, *, cell: tuple[int, int] = (12, 8), width: int = 1024,
-            decorate: bool = True, **options: Any) -> np.ndarray:
-    """Deprecated: the RGB pixels (uint8 ``[H, W, 3]``) of :func:`heatmap_figure`;
-    ``decorate=False``: the cells alone, ``cell`` pixels each, at most ``width`` wide."""
-    warnings.warn("flaxhooks.diagnose.heatmap is deprecated: use heatmap_figure (a matplotlib Figure) "
-                  "or heatmap_png (PNG bytes)", DeprecationWarning, stacklevel=2)
-    if decorate:
-        return figure_pixels(heatmap_figure(values, columns=width, **options))
-    import matplotlib
-    from matplotlib.colors import LogNorm, Normalize, to_rgb
-
-    cells = _cells(values, options.get("missing"), options.get("log", True), options.get("vmin"),
-                   options.get("vmax"), width)
-    norm = LogNorm(cells.low, cells.high) if cells.log else Normalize(cells.low, cells.high)
-    rgb = matplotlib.colormaps[COLORMAP](norm(cells.values.filled(cells.low)))[..., :3]
-    rgb[cells.missing], rgb[cells.nonfinite] = to_rgb(MISSING), to_rgb(NON_FINITE)
-    pixels = (rgb * 255).round().astype(np.uint8)
-    cell_w = max(1, min(cell[1], width // pixels.shape[1]))
-    return np.repeat(np.repeat(pixels, max(1, cell[0]), axis=0), cell_w, axis=1)
 
 
 class Heatmaps:

@@ -46,22 +46,9 @@ def _summary_writer_thread(logdir: str, flush_secs: float = 30.0, layout: Any = 
     return AsyncWriter(TensorBoardWriter(logdir, layout=layout), flush_secs=flush_secs)
 
 
-def _png_size(png: bytes) -> tuple[int, int]:
-    """The former ``png_size``: ``(height, width)`` of a PNG file."""
-    from flaxhooks.writers._tensorboardx import png_header
-
-    return png_header(png)[:2]
-
-
 def __getattr__(name: str) -> Any:
     if name == "SummaryWriterThread":
         warnings.warn("flaxhooks.writers.SummaryWriterThread is deprecated: use "
                       "AsyncWriter(TensorBoardWriter(logdir))", DeprecationWarning, stacklevel=2)
         return _summary_writer_thread
-    if name in ("encode_png", "png_size"):
-        replacement = ("Writers.images takes uint8 pixels as they are (tensorboardX encodes them)"
-                       if name == "encode_png" else "PIL.Image.open(io.BytesIO(png)).size")
-        warnings.warn(f"flaxhooks.writers.{name} is deprecated: {replacement}", DeprecationWarning,
-                      stacklevel=2)
-        return pixels_png if name == "encode_png" else _png_size
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,6 @@ from flaxhooks.diagnose import (  # noqa: E402
     MISSING,
     NON_FINITE,
     Heatmaps,
-    heatmap,
     heatmap_figure,
     heatmap_png,
 )
@@ -241,16 +240,3 @@ def test_bad_input_is_named():
         heatmap_figure(np.ones((2, 2)), steps=[1])
     with pytest.raises(ValueError, match="log scale starts above 0"):
         heatmap_figure(np.ones((2, 2)), vmin=0.0)
-
-
-def test_the_old_heatmap_still_draws_pixels_and_says_what_replaces_it():
-    values = np.array([[1e-3, 1e-2, 1e-1], [1.0, np.nan, 1.0]])
-    with pytest.warns(DeprecationWarning, match="heatmap_figure"):
-        picture = heatmap(values, rows=["a", "b"], steps=[1, 2, 3])
-    assert picture.dtype == np.uint8 and picture.ndim == 3 and picture.shape[2] == 3
-    with pytest.warns(DeprecationWarning, match="heatmap_png"):
-        grid = heatmap(values, decorate=False)
-    assert grid.shape == (24, 24, 3)
-    colours = grid[::12, ::8] / 255
-    assert np.allclose(colours[1, 1], to_rgba(NON_FINITE)[:3], atol=0.01)
-    assert (np.diff(luminance(colours[0])) > 0).all()

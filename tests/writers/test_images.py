@@ -7,8 +7,6 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import flaxhooks.diagnose
-import flaxhooks.writers
 from flaxhooks.writers import (
     AsyncWriter,
     TensorBoardWriter,
@@ -94,16 +92,3 @@ def test_what_is_not_an_image_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="not a PNG file"):
         writer.images({"picture": b"GIF89a"}, 1)
     writer.close()
-
-
-def test_the_old_png_helpers_still_work_and_name_their_replacements():
-    pixels = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    with pytest.warns(DeprecationWarning, match="Writers.images takes uint8 pixels"):
-        encode_png = flaxhooks.writers.encode_png
-    with pytest.warns(DeprecationWarning, match="PIL.Image.open"):
-        png_size = flaxhooks.writers.png_size
-    png = encode_png(pixels)
-    np.testing.assert_array_equal(pixels_of(png), pixels)
-    assert png_size(png) == (7, 5) and png_size(png_of(np.zeros((3, 2), np.uint8))) == (3, 2)
-    with pytest.warns(DeprecationWarning, match="heatmap_png"):
-        assert flaxhooks.diagnose.encode_png(pixels) == png
