@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -158,6 +159,10 @@ class Diagnose(InstrumentedCallback):
     """
 
     combines = True  # a window's sums, added up inside the step (``combine``)
+    #: The shortest time between two writes of the heatmaps to TensorBoard:
+    #: matplotlib takes 0.2-1 s a heatmap, on the writer thread, holding the
+    #: interpreter. Each fit's end writes the latest windows, whenever it comes.
+    HEATMAP_SECONDS = 60.0
 
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
                  thresholds: Thresholds | None = None, loss: LossThresholds | None = None,
@@ -243,6 +248,8 @@ class Diagnose(InstrumentedCallback):
         self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=_HELD_BATCHES)
         self._sources: dict[int, Source] = {}  # by step: a loss and a norm spike at one step share a replay
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
+        self._drawn_at: float | None = None  # when the heatmaps were last written (monotonic)
+        self._undrawn: int | None = None  # the step of the latest window not written yet
         self._fit_start = step + 1
         self._checked = _Checked()
 
@@ -484,6 +491,8 @@ class Diagnose(InstrumentedCallback):
                 note = self._checked.no_finding(self._fit_start, loop.step)
                 self._write_text(loop, note=note, step=loop.step)
         self._pending.clear()
+        if self._undrawn is not None:  # the windows since the last write, whatever ended the fit
+            self._write_heatmaps(loop, self._undrawn)
         self._release_held(loop)
         if jax.process_index() == 0:
             if self.table and self.findings:
@@ -580,6 +589,15 @@ class Diagnose(InstrumentedCallback):
                        default=len(depth)) for m in layout.modules}
         ordered = sorted(zip(layout.modules, ratios.tolist(), strict=True), key=lambda mr: rank[mr[0]])
         self._maps["update_ratio"].add(step, dict(ordered))
+        now = time.monotonic()
+        if self._drawn_at is not None and now - self._drawn_at < self.HEATMAP_SECONDS:
+            self._undrawn = step
+            return
+        self._drawn_at = now
+        self._write_heatmaps(loop, step)
+
+    def _write_heatmaps(self, loop: Loop, step: int) -> None:
+        self._undrawn = None
         if loop.writers:
             # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
             drawings = self._drawings()
