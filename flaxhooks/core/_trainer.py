@@ -11,6 +11,7 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 from flaxhooks.core._bus import HookBus
@@ -96,7 +97,8 @@ class Trainer:
     """
 
     def __init__(
-        self, model: nn.Module | Model, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+        self, model: nn.Module | nnx.Module | Model, optimizer: optax.GradientTransformation,
+        loss_fn: LossFn, *,
         callbacks: Sequence[Callback] = (), input_keys: InputKeys = ("image",),
         train_arg: str | None = "train", eval_model: nn.Module | None = None,
         rng_names: Sequence[str] = ("dropout",), seed: int = 0,
@@ -232,7 +234,8 @@ class Trainer:
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         if check:
-            return self.evaluations.check(state, data, batch_size, metrics, name)
+            self.evaluations.check(state, data, batch_size, metrics, name)
+            return None
         loop = loop or Loop(state=state, step=step, callbacks=self.callbacks, model=self.model, bus=bus)
         bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
         result = self.evaluations.run(state, step, data, batch_size, metrics, name)
@@ -273,10 +276,10 @@ class Trainer:
         failure: Exception | None = None
         try:
             start = self._prepare(source, state, resume)
-        except Exception as error:
+        except Exception as unprepared:
             if not stops.several:
                 raise
-            start, failure = None, error
+            start, failure = None, unprepared
         # On several processes: the same layout, length and position
         # everywhere, and a failure anywhere raised everywhere, before compiling.
         stops.start(start.record if start else {}, failure)
@@ -294,6 +297,7 @@ class Trainer:
             leaves, treedef = jax.tree.flatten(moved)
             self._state = jax.tree.unflatten(
                 treedef, [x.copy() if was_array else x for x, was_array in zip(leaves, given, strict=True)])
+        assert self._state is not None  # fresh, given, restored or the last fit's
         fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs)
         loop = fit.loop
         if start.restored is not None and start.restored.stop_reason:
