@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 #: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes
-#: (the NNX adapter calls it with ``nnx.Module`` s).
+#: (the module is an ``nnx.Module`` under the NNX adapter).
 ModuleFilter = Callable[[nn.Module | nnx.Module, str], bool]
 #: What selects modules: True (every submodule's ``__call__``), a module type
 #: or tuple of types, a name pattern or list of them, or a ``ModuleFilter``.
