@@ -165,7 +165,7 @@ _LAUNCHERS = {
 }
 
 
-def launched_processes(environ: dict[str, str] | None = None) -> tuple[str, int] | None:
+def launched_processes(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
     """The launcher that started this process among others (``srun``,
     ``mpirun``) and how many processes it started, as JAX's own cluster
     detection reads them; None where none did, or it started one.

@@ -89,11 +89,11 @@ class Sums:
 
     def train(self) -> dict[str, np.ndarray]:
         """The train set as model inputs and targets."""
-        return as_batch(encode(*self.train_pairs.T, self.digits), self.digits)
+        return as_batch(encode(self.train_pairs[:, 0], self.train_pairs[:, 1], self.digits), self.digits)
 
     def eval(self) -> dict[str, np.ndarray]:
         """The held-out set as model inputs and targets."""
-        return as_batch(encode(*self.eval_pairs.T, self.digits), self.digits)
+        return as_batch(encode(self.eval_pairs[:, 0], self.eval_pairs[:, 1], self.digits), self.digits)
 
 
 def make_sums(digits: int, train_size: int, eval_size: int, seed: int) -> Sums:

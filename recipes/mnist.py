@@ -20,9 +20,9 @@ import dataclasses
 import importlib.util
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from recipes import _common
 from recipes._common import OPTIONS as OPTIONS  # where a run's options are saved
@@ -189,7 +189,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     from recipes import mnist_data
     from recipes.models import CNN, NNXCNN, cross_entropy_loss
 
-    models = {"linen": CNN, "nnx": lambda: NNXCNN(nnx.Rngs(config.seed))}
+    models: dict[str, Callable[[], CNN | NNXCNN]] = {
+        "linen": CNN, "nnx": lambda: NNXCNN(nnx.Rngs(config.seed))}
     if config.api not in models:
         raise ValueError(f"--api must be one of {sorted(models)}, got {config.api!r}")
     Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -318,7 +319,17 @@ def _join_processes(config: Config) -> None:
     jax.distributed.initialize(coordinator, config.num_processes, config.process_id)
 
 
-def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | None:
+class RunOptions(Protocol):
+    """What :func:`refusal` reads of a recipe's Config (the addition recipe's too)."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def mesh(self) -> str | None: ...
+
+
+def refusal(error: BaseException, workdir: str | Path, config: RunOptions) -> str | None:
     """What to tell a person whose run was refused, in one line naming the
     option to change; None when ``error`` is not a refusal (a fault: its
     traceback is what helps)."""
@@ -334,7 +345,7 @@ def refusal(error: BaseException, workdir: str | Path, config: Config) -> str | 
                 "of its own")
     if isinstance(cause, CheckpointMismatchError):
         started = (saved_options(workdir) or {}).get("api")
-        if started is not None and started != config.api:
+        if started is not None and isinstance(config, Config) and started != config.api:
             return (f"the run in {workdir} was started with --api {started}: leave --api out to go on with "
                     "it, or leave --resume out to start a new run")
         return (f"the checkpoint in {workdir} does not fit this model: the model changed since it was "

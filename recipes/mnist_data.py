@@ -121,7 +121,7 @@ _SAMPLE_TEST_PER_CLASS = 100
 _CHUNK = 1 << 16
 
 # IDX element type codes; all multi-byte types are big-endian.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

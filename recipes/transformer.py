@@ -158,7 +158,8 @@ class Transformer(nn.Module):
             "positions", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("length", "embed")),
             (self.length, self.width),
         )
-        x = embed(tokens) + positions[None, : tokens.shape[1]]
+        # Module.param returns what the initializer does, boxed, in flax's annotation; unboxed at run time.
+        x = embed(tokens) + positions[None, : tokens.shape[1]]  # type: ignore[index]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         for index in range(self.depth):
             x = Block(self.heads, name=f"block_{index}")(x)

@@ -267,3 +267,11 @@ def test_the_code_passes_ruff():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_the_code_passes_mypy():
+    """The type checks of pyproject.toml ([tool.mypy]) hold over the package and the recipes."""
+    pytest.importorskip("mypy")
+    # The settings choose what is checked; the cache (.mypy_cache, ignored by git) makes a rerun quick.
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

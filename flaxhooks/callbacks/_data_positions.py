@@ -116,7 +116,7 @@ def data_item_args() -> Callable[[dict[str, str], threading.Event], Any]:
     orbax registers them globally)."""
     import orbax.checkpoint as ocp
 
-    class DataFilesHandler(ocp.AsyncCheckpointHandler):  # type: ignore[misc]
+    class DataFilesHandler(ocp.AsyncCheckpointHandler):
         """Writes this process's files off the training thread, once the logs are on disk."""
 
         async def async_save(self, directory: Any, args: Any) -> list[Any]:
@@ -148,8 +148,10 @@ def data_item_args() -> Callable[[dict[str, str], threading.Event], Any]:
 
     @ocp.args.register_with_handler(DataFilesHandler, for_save=True, for_restore=True)
     @dataclasses.dataclass
-    class DataFiles(ocp.args.CheckpointArgs):  # type: ignore[misc]
+    class DataFiles(ocp.args.CheckpointArgs):
         files: dict[str, str]
         logs_synced: threading.Event
 
-    return DataFiles
+    # orbax ships no types, so the checker cannot see that CheckpointArgs (a
+    # dataclass without fields) leaves DataFiles' fields positional.
+    return DataFiles  # type: ignore[return-value]

@@ -152,7 +152,7 @@ class NonFiniteGuard(Callback):
             self.mode = "warn"
 
     @property
-    def freezes_on_nonfinite(self) -> bool:
+    def freezes_on_nonfinite(self) -> bool:  # type: ignore[override]  # read-only here by design: the mode decides
         """Whether the step keeps the state from before the first non-finite loss."""
         return self.mode == "stop"
 
@@ -394,7 +394,7 @@ def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
         return None
     steps = (history[0][0], history[-1][0])
     for index, name, factor in ((2, "gradient norm", 10.0), (1, "loss", 3.0)):
-        values = [h[index] for h in history if h[index] is not None]
+        values = [value for h in history if (value := h[index]) is not None]
         if len(values) < 2 or (index == 1 and min(values) <= 0):
             continue
         # Few steps: the last against the first, ten times the bar.

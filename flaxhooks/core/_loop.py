@@ -139,6 +139,14 @@ class Loop:
     writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
     clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.core.FitClock`); None outside ``fit``.")
 
+    # Set once in __init__ (through object.__setattr__, as facts are read-only).
+    _record: LoopRecord
+    _bus: Any
+    _evaluate: Callable[..., EvalResult] | None
+    _replay: Callable[[Any, Any], tuple[Any, ...]] | None
+    _published: Mapping[str, Any]
+    _host_metrics: tuple[int, dict[str, float]] | None
+
     def __init__(
         self, state: TrainState | None = None, *, bus: Any = None,
         evaluate: Callable[..., EvalResult] | None = None,
@@ -227,19 +235,19 @@ class Loop:
         diagnoses in its own way; the payload is a ``LossRead``, an
         ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
         try:
-            event = Event(event)
+            emitted: Event | None = Event(event)
         except ValueError:
-            event = None  # type: ignore[assignment]
-        if event not in EMITTABLE:
+            emitted = None
+        if emitted is None or emitted not in EMITTABLE:
             allowed = ", ".join(repr(e.value) for e in EMITTABLE)
             raise ValueError(f"a callback may emit only {allowed}; the loop emits the others")
-        if not isinstance(payload, EMITTABLE[event]):
-            expected = EMITTABLE[event].__name__
-            raise TypeError(f"{event.value} takes a {expected}, got {type(payload).__name__}")
+        if not isinstance(payload, EMITTABLE[emitted]):
+            expected = EMITTABLE[emitted].__name__
+            raise TypeError(f"{emitted.value} takes a {expected}, got {type(payload).__name__}")
         if self._bus is None:
             raise RuntimeError("this Loop is not attached to a Trainer's callbacks: nobody to emit to")
-        self._note("emit", event.value)
-        self._bus.emit(event, self, payload)
+        self._note("emit", emitted.value)
+        self._bus.emit(emitted, self, payload)
 
     def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:
         """Runs ``then(loop)`` once every handler of the current event has run,
@@ -305,7 +313,8 @@ def record_of(loop: Loop) -> LoopRecord:
 def _check_like(new: Any, current: Any) -> None:
     new_leaves, new_tree = jax.tree.flatten(new)
     leaves, tree = jax.tree.flatten(current)
-    if new_tree != tree:
+    # jax.tree_util.PyTreeDef aliases a class of jaxlib's compiled extension, which ships no stub.
+    if new_tree != tree:  # type: ignore[operator]
         raise ValueError(f"loop.replace_state needs the current state's structure: got {new_tree}, "
                          f"expected {tree}")
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(current)[0]]

@@ -23,13 +23,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
 from flaxhooks.data import cpu_pool_size, cpu_threads_needed
 
 _log = logging.getLogger("flaxhooks")
+_Error = TypeVar("_Error", bound=BaseException)
 
 #: Seconds between a watcher's heartbeats.
 HEARTBEAT_SECONDS = 0.5
@@ -124,6 +125,7 @@ def from_process_zero(name: str, choose: Callable[[], str], timeout: float, what
     """
     client = distributed_client()
     key = f"flaxhooks/{name}"
+    chosen: str | None
     if jax.process_index() == 0:
         chosen = choose()
         client.key_value_set(key, chosen)
@@ -323,7 +325,7 @@ def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where
     return None
 
 
-def cause_within(error: BaseException | None, kinds: tuple[type[BaseException], ...]) -> Any:
+def cause_within(error: BaseException | None, kinds: tuple[type[_Error], ...]) -> _Error | None:
     """The first exception of ``kinds`` in ``error``'s chain of causes, or None."""
     for _ in range(6):  # a bounded walk: chains may loop
         if error is None or isinstance(error, kinds):
@@ -336,10 +338,11 @@ def from_the_runtime(error: BaseException) -> bool:
     """Whether ``error`` (or its cause) is a failure of the JAX runtime, as a
     collective whose peer is gone fails."""
     seen = 0
-    while error is not None and seen < 5:
-        if isinstance(error, jax.errors.JaxRuntimeError):
+    cause: BaseException | None = error
+    while cause is not None and seen < 5:
+        if isinstance(cause, jax.errors.JaxRuntimeError):
             return True
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+        cause = cause.__cause__ or cause.__context__
         seen += 1
     return False
 

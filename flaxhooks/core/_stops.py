@@ -265,7 +265,7 @@ class AgreedStops(LocalStops):
             ProcessError: the agreed outcome is a failure.
         """
         if self.gone is not None:
-            raise self._gone_error(loop)
+            raise self._gone_error(loop.step)
         if self._decided:
             return True
         if self._preemption and loop.step > self._asked:
@@ -278,7 +278,7 @@ class AgreedStops(LocalStops):
         if not current.answered:
             return False
         self._settle(current)
-        if loop.step < current.target:  # type: ignore[operator]
+        if loop.step < current.target:
             return False
         if current.data_ended and current.requested is None and not pulled:
             return False  # first see whether this process's data ran out too
@@ -295,7 +295,7 @@ class AgreedStops(LocalStops):
                     return True
             # The watcher has just answered for this process: settle first.
             self._settle(current)
-            if step > current.target and self._conclude(loop, current):  # type: ignore[operator]
+            if step > current.target and self._conclude(loop, current):
                 return False
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
@@ -308,7 +308,8 @@ class AgreedStops(LocalStops):
         left) ends the wait with its :class:`ProcessError` at ``step``
         (default: the last step dispatched)."""
         pause = 1e-4
-        while not value.is_ready():
+        # jax.Array.is_ready is public (documented, on every jax.Array) but missing from jax's basearray.pyi.
+        while not value.is_ready():  # type: ignore[attr-defined]
             if self.gone is not None:
                 raise self._gone_error(self._dispatched if step is None else step)
             time.sleep(pause)
@@ -390,7 +391,7 @@ class AgreedStops(LocalStops):
         if current.requested is None:
             self._request(self._word(loop, ran_out=True))
         self._settle(current)
-        if loop.step < current.target:  # type: ignore[operator]
+        if loop.step < current.target:
             self.fault = self.fault or RuntimeError(
                 f"its data ran out at step {loop.step}, before the other processes'"
             )

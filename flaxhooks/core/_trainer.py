@@ -95,7 +95,8 @@ class Trainer:
     """
 
     def __init__(
-        self, model: nn.Module | Model, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+        self, model: nn.Module | nnx.Module | Model, optimizer: optax.GradientTransformation,
+        loss_fn: LossFn, *,
         callbacks: Sequence[Callback] = (), seed: int = 0, devices: Sequence[jax.Device] | None = None,
         example_loss_fn: ExampleLossFn | None = None, label_key: str | None = "label",
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
@@ -229,7 +230,8 @@ class Trainer:
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         if check:
-            return self.evaluations.check(state, data, batch_size, metrics, name)
+            self.evaluations.check(state, data, batch_size, metrics, name)
+            return None
         loop = loop or Loop(state=state, step=step, callbacks=self.callbacks, model=self.model, bus=bus)
         bus.emit(Event.EVAL_START, loop, EvalStart(name, step))
         result = self.evaluations.run(state, step, data, batch_size, metrics, name)
@@ -270,10 +272,10 @@ class Trainer:
         failure: Exception | None = None
         try:
             start = self._prepare(source, state, resume)
-        except Exception as error:
+        except Exception as unprepared:
             if not stops.several:
                 raise
-            start, failure = None, error
+            start, failure = None, unprepared
         # On several processes: the same layout, length and position
         # everywhere, and a failure anywhere raised everywhere, before compiling.
         stops.start(start.record if start else {}, failure)
@@ -291,6 +293,7 @@ class Trainer:
             leaves, treedef = jax.tree.flatten(moved)
             self._state = jax.tree.unflatten(
                 treedef, [x.copy() if was_array else x for x, was_array in zip(leaves, given, strict=True)])
+        assert self._state is not None  # fresh, given, restored or the last fit's
         fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs)
         loop = fit.loop
         if start.restored is not None and start.restored.stop_reason:

@@ -348,6 +348,7 @@ class Placement:
                 )
         used: list[str] = []
         for dim, (size, name, parts) in enumerate(zip(shape, names, axes, strict=False)):
+            assert parts is not None  # the loop above gave every named dimension its mesh axes
             for part in parts:
                 if part not in self.mesh.shape:
                     raise ShardingError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
@@ -31,20 +31,26 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from flaxhooks.core import Finding
 from flaxhooks.step import Model, NNXModel, axis_name
 
-#: The labels of the inputs an array depends on.
-Sources = frozenset[Hashable]
+_Label = TypeVar("_Label", bound=Hashable)
+
+#: The labels of the inputs an array depends on (``Sources[L]``: labels of type L).
+Sources = frozenset[_Label]
+
+#: The label of a random input of a model's call: ``(stream, None)`` for a
+#: key given as ``rngs``, ``(tag, where)`` for an NNX module's RNG state.
+RandomInput = tuple[str, str | None]
 
 #: The streams the Trainer gives keys for when ``rng_names`` is not given.
 DEFAULT_RNG_NAMES: tuple[str, ...] = ("dropout",)
 
-_NOTHING: Sources = frozenset()
+_NOTHING: Sources[Any] = frozenset()
 _MISSING = re.compile(r'^(?P<module>\S+) needs PRNG for "(?P<stream>[^"]+)"')
 
 
 # --- which inputs each output of a jaxpr depends on ------------------------------------------------
 
 
-def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources]) -> list[Sources]:
+def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources[_Label]]) -> list[Sources[_Label]]:
     """The labels of the inputs each output of ``jaxpr`` depends on.
 
     An equation's outputs depend on everything its inputs depend on. The
@@ -64,9 +70,9 @@ def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources]) -> lis
         [['x'], ['x', 'y'], []]
     """
     inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    env: dict[Any, Sources] = dict(zip(inner.invars, inputs, strict=True))
+    env: dict[Any, Sources[_Label]] = dict(zip(inner.invars, inputs, strict=True))
 
-    def read(var: Any) -> Sources:
+    def read(var: Any) -> Sources[_Label]:
         return _NOTHING if isinstance(var, Literal) else env.get(var, _NOTHING)
 
     for eqn in inner.eqns:
@@ -74,11 +80,11 @@ def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources]) -> lis
     return [read(v) for v in inner.outvars]
 
 
-def _union(sets: Iterable[Sources]) -> Sources:
+def _union(sets: Iterable[Sources[_Label]]) -> Sources[_Label]:
     return frozenset().union(*sets)
 
 
-def _equation_sources(eqn: Any, inputs: list[Sources]) -> list[Sources]:
+def _equation_sources(eqn: Any, inputs: list[Sources[_Label]]) -> list[Sources[_Label]]:
     """The sources of one equation's outputs."""
     count = len(eqn.outvars)
     if not any(inputs):
@@ -100,8 +106,9 @@ def _equation_sources(eqn: Any, inputs: list[Sources]) -> list[Sources]:
     return [_union(inputs)] * count
 
 
-def _fixed_point(body: Any, before: list[Sources], after: list[Sources], carry: list[Sources],
-                 ) -> tuple[list[Sources], list[Sources]]:
+def _fixed_point(
+    body: Any, before: list[Sources[_Label]], after: list[Sources[_Label]], carry: list[Sources[_Label]],
+) -> tuple[list[Sources[_Label]], list[Sources[_Label]]]:
     """Loop ``body(*before, *carry, *after)`` until the carry's sources stop growing."""
     while True:
         outputs = output_sources(body, [*before, *carry, *after])
@@ -111,13 +118,15 @@ def _fixed_point(body: Any, before: list[Sources], after: list[Sources], carry: 
         carry = grown
 
 
-def _scan_sources(body: Any, consts: int, carries: int, inputs: list[Sources]) -> list[Sources]:
+def _scan_sources(
+    body: Any, consts: int, carries: int, inputs: list[Sources[_Label]],
+) -> list[Sources[_Label]]:
     carry, ys = _fixed_point(body, inputs[:consts], inputs[consts + carries:],
                              inputs[consts:consts + carries])
     return [*carry, *ys]
 
 
-def _while_sources(params: Mapping[str, Any], inputs: list[Sources]) -> list[Sources]:
+def _while_sources(params: Mapping[str, Any], inputs: list[Sources[_Label]]) -> list[Sources[_Label]]:
     cond_consts, body_consts = params["cond_nconsts"], params["body_nconsts"]
     start = cond_consts + body_consts
     carry, _ = _fixed_point(params["body_jaxpr"], inputs[cond_consts:start], [], inputs[start:])
@@ -166,8 +175,8 @@ class CallSources:
         error: Flax's message when a stream it asked for could not be named.
     """
 
-    outputs: Sources
-    state: Sources
+    outputs: Sources[RandomInput]
+    state: Sources[RandomInput]
     dropouts: tuple[DropoutCall, ...] = ()
     missing: tuple[str, ...] = ()
     error: str | None = None
@@ -225,7 +234,7 @@ def _trace(
     mapped = jax.vmap(call, in_axes=(None, None, 0, None), axis_name=axis_name(model), axis_size=1)
     closed, shapes = jax.make_jaxpr(mapped, return_shape=True)(*args)
 
-    def label(path: tuple[Any, ...]) -> Sources:
+    def label(path: tuple[Any, ...]) -> Sources[RandomInput]:
         keys = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
         if keys[0] == "3":
             return frozenset({(keys[1], None)})

@@ -274,7 +274,7 @@ class Evaluator:
         layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
         inputs = {k: v for k, v in batch.items() if k not in (VALID, FAILED)}
 
-        def call(variables: Any, batch: Batch) -> Any:
+        def call(variables: tuple[Any, Any], batch: Batch) -> Any:  # (params, model_state)
             rngs = eval_rngs(jnp.zeros((), jnp.int32), self.model.rng_names, self.axis)
             return self.model.apply(*variables, batch, train=False, rngs=rngs)[0]
 
@@ -338,6 +338,7 @@ class Evaluator:
         padded = self._padded_size(max(sizes))
         num_classes = None
         if failure is None:
+            assert shape_from is not None  # else the failure above was set
             try:
                 num_classes = self.check(state, {k: v[:1] for k, v in shape_from.items()})
             except Exception as error:

@@ -141,7 +141,10 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 def _values_apart(taps: Sequence[Tap]) -> WithLayout:
     """The taps' values as arrays, the rest of each tap as static layout: so
     they leave ``jax.value_and_grad`` through its aux output."""
-    return WithLayout(tuple(t.value for t in taps), tuple(dataclasses.replace(t, value=None) for t in taps))
+    # The layout's taps hold None for their value (an array would not hash);
+    # _values_joined gives each its value back, so no Tap without one leaves here.
+    layout = tuple(dataclasses.replace(t, value=None) for t in taps)  # type: ignore[arg-type]
+    return WithLayout(tuple(t.value for t in taps), layout)
 
 
 def _values_joined(found: WithLayout) -> tuple[Tap, ...]:
@@ -187,7 +190,7 @@ def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax
     for leaf, place in zip(leaves, places, strict=True):
         x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
         parts = place.num_devices if place is not None else 1
-        if parts > 1 and x.size >= SPLIT_NORM_MIN_SIZE and x.size % parts == 0:
+        if place is not None and parts > 1 and x.size >= SPLIT_NORM_MIN_SIZE and x.size % parts == 0:
             # Pinned whole first: else XLA carries the split back into the
             # update, which it then computes in parts and gathers every step.
             whole = lax.with_sharding_constraint(x, NamedSharding(place.mesh, PartitionSpec()))

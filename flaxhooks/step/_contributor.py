@@ -92,7 +92,7 @@ class _Duck(StepContributor):
         self.taps = contributor.taps
         self.combines = hasattr(contributor, "combine")
 
-    @property  # type: ignore[override]
+    @property
     def carry(self) -> Any:
         return getattr(self.contributor, "carry", None)
 
@@ -137,7 +137,9 @@ class WithLayout:
     """
 
     values: Any
-    layout: Hashable = ()
+    #: Hashable; its shape is each contributor's own (names, sizes), so it is
+    #: typed Any for the contributor's ``take`` to read as it wrote it.
+    layout: Any = ()
 
     def tree_flatten(self) -> tuple[tuple[Any], Hashable]:
         return (self.values,), self.layout

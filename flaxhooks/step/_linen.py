@@ -121,7 +121,9 @@ class LinenModel:
             field = _mode_field(module, train_arg)
             if field is not None:
                 train = field not in INVERTED_MODE_ARGS
-                module, eval_module = module.clone(**{field: train}), module.clone(**{field: not train})
+                as_train: dict[str, Any] = {field: train}
+                as_eval: dict[str, Any] = {field: not train}
+                module, eval_module = module.clone(**as_train), module.clone(**as_eval)
         collections = None if state_collections is None else tuple(state_collections)
         return cls(module, call, eval_module or module, tuple(rng_names), collections, axis_name)
 
@@ -132,7 +134,7 @@ class LinenModel:
 
     def _call(
         self, variables: Mapping[str, Any], batch: Batch, *, train: bool, rngs: Mapping[str, jax.Array],
-        mutable: Sequence[str], capture: bool | ModuleFilter = False,
+        mutable: Sequence[str], capture: bool | Callable[[nn.Module, str], bool] = False,
     ) -> tuple[Any, dict[str, Any]]:
         args, kwargs = self.call.arguments(batch, train=train)
         outputs, mutated = (self.module if train else self.eval_module).apply(
@@ -391,7 +393,7 @@ class _LinenCallRecorder:
         return (module_path(module), method) not in self._running
 
     @property
-    def capture_filter(self) -> ModuleFilter | None:
+    def capture_filter(self) -> Callable[[nn.Module, str], bool] | None:
         """The capture filter for ``capture_intermediates``, outermost calls only
         (Flax checks it once the call has returned, inside any enclosing one)."""
         capture = self.capture
@@ -411,7 +413,8 @@ class _LinenCallRecorder:
         if not path or isinstance(module.parent, nn.Module):
             return
         # The root of a lifted scope: the body of a transform.
-        lifted = _scan_kwargs(type(module), method)
+        # mypy reads a class's own __hash__ as its objects' and so finds no class Hashable (false positive).
+        lifted = _scan_kwargs(type(module), method)  # type: ignore[arg-type]
         if lifted is not None:  # a method decorated with nn.transforms.scan
             self.scans[path] = Scan(
                 dict(lifted[1].get("variable_axes", {})),
@@ -430,7 +433,7 @@ class _LinenCallRecorder:
             # The only call of a class made by nn.scan that is intercepted: its
             # body runs on a clone of the original class, as the root of a new
             # scope tree with the same name.
-            lifted = _scan_kwargs(type(module), "__call__")
+            lifted = _scan_kwargs(type(module), "__call__")  # type: ignore[arg-type]  # as in _enter
             if lifted is not None and lifted[0] == "class":
                 self._scanned_classes[str(module.name)] = dict(lifted[1].get("variable_axes", {}))
             return next_fun(*args, **kwargs)

@@ -67,8 +67,12 @@ class Model(Protocol):
             over, which the model's own collectives name.
     """
 
-    input_keys: tuple[str, ...]
-    rng_names: tuple[str, ...]
+    # Read-only: an adapter may compute them (LinenModel's are its call's).
+    @property
+    def input_keys(self) -> tuple[str, ...]: ...
+
+    @property
+    def rng_names(self) -> tuple[str, ...]: ...
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """Every collection the model makes (``params`` and the rest), in eval mode."""

@@ -496,7 +496,8 @@ class _NNXRecordedCall:
             def call(module: nnx.Module) -> Any:
                 return self.model._call(module, self.batch, True)
 
-            result = nnx.capture(call, *self.types, init=init)(module)
+            # flax annotates init as an nnx.State, but documents (and walks) any mutable mapping.
+            result = nnx.capture(call, *self.types, init=init)(module)  # type: ignore[arg-type]
         if not self.types:
             return result, module, {}
         output, *states = result

@@ -209,7 +209,7 @@ class StepRunner:
     def _carries(self, due: tuple[StepContributor, ...]) -> tuple[Any, ...]:
         """What each due contributor carries into the step: its ``carry`` (zeros
         shaped like its result when None) if it ``combine``s results, else None."""
-        carries = []
+        carries: list[Any] = []
         for contributor in due:
             if not contributor.combines:
                 carries.append(None)

@@ -19,9 +19,11 @@ from typing import Any, Union
 
 import flax.linen as nn
 import jax
+from flax import nnx
 
-#: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes.
-ModuleFilter = Callable[[nn.Module, str], bool]
+#: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes
+#: (the module is an ``nnx.Module`` under the NNX adapter).
+ModuleFilter = Callable[[nn.Module | nnx.Module, str], bool]
 #: What selects modules: True (every submodule's ``__call__``), a module type
 #: or tuple of types, a name pattern or list of them, or a ``ModuleFilter``.
 ModuleSpec = Union[bool, type, tuple, str, Sequence[str], ModuleFilter, None]  # noqa: UP007
@@ -61,7 +63,7 @@ def select_modules(
     patterns = (names,) if isinstance(names, str) else tuple(names)
     wanted_methods = (methods,) if isinstance(methods, str) else tuple(methods)
 
-    def select(module: nn.Module, method_name: str) -> bool:
+    def select(module: nn.Module | nnx.Module, method_name: str) -> bool:
         if method_name not in wanted_methods:
             return False
         if types and not isinstance(module, types):
@@ -191,7 +193,8 @@ class Tap:
     collection: str
     value: jax.Array
     variable: str = ""
-    origin: tuple[nn.Module, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+    origin: tuple[nn.Module | nnx.Module, str] | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
 
 def output_name(module: tuple[str, ...], name: tuple[str, ...]) -> tuple[str, ...]:

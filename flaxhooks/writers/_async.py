@@ -92,7 +92,7 @@ class AsyncWriter(Writer):
     def __init__(self, writer: Writer, flush_secs: float = 30.0):
         self.writer = as_writer(writer)
         self.flush_secs = flush_secs
-        self._queue: queue.SimpleQueue[Callable[[], None] | _Synced | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], object] | _Synced | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
         self._buffer: list[tuple[int, str, str, Mapping[str, Any]]] = []
@@ -138,7 +138,7 @@ class AsyncWriter(Writer):
             error, self._error = self._error, None
             raise RuntimeError(f"{self.writer!r} failed: {error}") from error
 
-    def _submit(self, job: Callable[[], None] | _Synced) -> None:
+    def _submit(self, job: Callable[[], object] | _Synced) -> None:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         self._raise_failure()
@@ -201,7 +201,7 @@ class AsyncWriter(Writer):
     def images(self, values: Images, step: int) -> None:
         self._submit(lambda: self.writer.images(values, step))
 
-    def call(self, job: Callable[[Any], None]) -> None:
+    def call(self, job: Callable[[Any], object]) -> None:
         """Runs ``job(writer)`` on the thread, in order with the writes (with a
         :class:`TensorBoardWriter`: ``writer.summary(...)`` writes any summary)."""
         self._submit(lambda: job(self.writer))

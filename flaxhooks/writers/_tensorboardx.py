@@ -98,7 +98,7 @@ class TensorBoardWriter(Writer):
 
     def __init__(self, logdir: str, flush_secs: float = 30.0,
                  layout: Mapping[str, Mapping[str, Sequence[str]]] | None = None):
-        self.logdir = logdir
+        self.logdir: str = logdir
         self.flush_secs = flush_secs
         self._files: dict[str, EventFile] = {}
         self._flushed = time.monotonic()

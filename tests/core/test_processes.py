@@ -358,7 +358,9 @@ def test_a_killed_process_is_named_and_the_others_exit(tmp_path):
     survivor = workers.result(0)
     print(f"kill -9: process 0 raised {survivor['error']} after {survivor['seconds']:.1f} s, exited "
           f"{workers.exited[0] - workers.exited[1]:.1f} s after process 1 died")  # type: ignore[operator]
-    assert survivor["error"] == "PeerLost" and "process 1 was lost at step" in survivor["message"]
+    # A step number, whichever check noticed the loss first (the step boundary's once named the Loop).
+    assert survivor["error"] == "PeerLost", survivor
+    assert re.search(r"process 1 was lost at step \d+\b", survivor["message"]), survivor["message"]
     assert survivor["seconds"] < 30
     assert "TensorBoard" not in survivor["message"]
 
