@@ -185,9 +185,9 @@ class Browser:
             f"--window-size={window_size}", "--remote-debugging-pipe", "about:blank",
         ]
         with open(log, "a") as output:
-            # The shell puts the pipe ends on fds 3 and 4, then becomes Chromium.
+            # bash (Debian's sh refuses fds above 9) puts the pipe ends on fds 3 and 4, then becomes Chromium.
             self.process = subprocess.Popen(
-                ["sh", "-c", f'exec "$@" 3<&{to_browser} 4>&{from_browser}', "sh", *command],
+                ["bash", "-c", f'exec "$@" 3<&{to_browser} 4>&{from_browser}', "bash", *command],
                 pass_fds=(to_browser, from_browser), stdin=subprocess.DEVNULL, stdout=output,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )

@@ -18,7 +18,8 @@ import numpy as np
 Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 #: Values of several runs: ``{run: {tag: value}}``, or a function returning that.
 RunValues = Mapping[str, Mapping[str, Any]] | Callable[[], Mapping[str, Mapping[str, Any]]]
-#: Images to write: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}``, or a function returning that.
+#: Images to write: ``{tag: PNG bytes or uint8 [H, W], [H, W, 3] or [H, W, 4] pixels}``, or a
+#: function returning that.
 Images = Mapping[str, bytes | np.ndarray] | Callable[[], Mapping[str, bytes | np.ndarray]]
 
 
@@ -94,7 +95,7 @@ class Writer:
         raise NotImplementedError
 
     def images(self, values: Images, step: int) -> None:
-        """Writes images: ``{tag: PNG bytes or uint8 [H, W, 3] pixels}`` (by default: left out)."""
+        """Writes images: ``{tag: PNG bytes or uint8 pixels}`` (by default: left out)."""
 
     def sync_point(self) -> threading.Event:
         """An event set once everything written so far is on disk."""

@@ -38,7 +38,7 @@ def test_requests_are_checked():
         loop.mark_diverged(3, "NaN")
     with pytest.raises(ValueError, match="1 to 2"):
         loop.mark_diverged(0, "NaN")
-    with pytest.raises(ValueError, match="may emit only 'eval_start', 'eval_end', 'finding'"):
+    with pytest.raises(ValueError, match="may emit only 'loss_read', 'eval_start', 'eval_end', 'finding'"):
         loop.emit(Event.FIT_START)
     with pytest.raises(ValueError, match="may emit only"):
         loop.emit("no_such_event")
