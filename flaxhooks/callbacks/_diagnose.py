@@ -160,7 +160,7 @@ class Diagnose(InstrumentedCallback):
 
     combines = True  # a window's sums, added up inside the step (``combine``)
     #: The shortest time between two writes of the heatmaps to TensorBoard:
-    #: matplotlib takes 0.2-1 s a heatmap, on the writer thread, holding the
+    #: matplotlib takes 0.2-0.5 s a heatmap, on the writer thread, holding the
     #: interpreter. Each fit's end writes the latest windows, whenever it comes.
     HEATMAP_SECONDS = 60.0
 
@@ -579,7 +579,7 @@ class Diagnose(InstrumentedCallback):
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
         """Adds the window to the heatmaps and logs them, drawn and encoded on the
-        writer's thread (matplotlib takes about 0.2 s a heatmap on one CPU core)."""
+        writer's thread (matplotlib takes 0.2-0.5 s a heatmap on one CPU core)."""
         ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
         self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
         self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
