@@ -491,14 +491,17 @@ class Diagnose(InstrumentedCallback):
                 note = self._checked.no_finding(self._fit_start, loop.step)
                 self._write_text(loop, note=note, step=loop.step)
         self._pending.clear()
+        # Drawn once for the report and TensorBoard both (matplotlib is slow).
+        report = self.report_dir is not None and jax.process_index() == 0
+        pngs = {name: draw() for name, draw in self._drawings().items()} if report else None
         if self._undrawn is not None:  # the windows since the last write, whatever ended the fit
-            self._write_heatmaps(loop, self._undrawn)
+            self._write_heatmaps(loop, self._undrawn, pngs)
         self._release_held(loop)
         if jax.process_index() == 0:
             if self.table and self.findings:
                 _print_table(self.findings, self.console)
-            if self.report_dir is not None:
-                self._write_report()
+            if pngs is not None:
+                self._write_report(pngs)
 
     def _close(self, step: int) -> None:
         if self._sums is not None:
@@ -596,10 +599,15 @@ class Diagnose(InstrumentedCallback):
         self._drawn_at = now
         self._write_heatmaps(loop, step)
 
-    def _write_heatmaps(self, loop: Loop, step: int) -> None:
+    def _write_heatmaps(self, loop: Loop, step: int, pngs: dict[str, bytes] | None = None) -> None:
+        """Writes the heatmaps to TensorBoard: ``pngs`` drawn already, or drawn on the writer's thread."""
         self._undrawn = None
-        if loop.writers:
-            # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
+        if not loop.writers:
+            return
+        # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
+        if pngs is not None:
+            loop.writers.images({heatmap_tag(name): png for name, png in pngs.items()}, step)
+        else:
             drawings = self._drawings()
             loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
@@ -618,11 +626,11 @@ class Diagnose(InstrumentedCallback):
         """:meth:`figures` drawn as uint8 RGB pixels ``[H, W, 3]``."""
         return {name: figure_pixels(figure) for name, figure in self.figures().items()}
 
-    def _write_report(self) -> None:
+    def _write_report(self, pngs: dict[str, bytes]) -> None:
         assert self.report_dir is not None
         self.report_dir.mkdir(parents=True, exist_ok=True)
-        for name, draw in self._drawings().items():
-            (self.report_dir / f"{name}.png").write_bytes(draw())
+        for name, png in pngs.items():
+            (self.report_dir / f"{name}.png").write_bytes(png)
         lines = ["# Diagnose", ""] + ([f"- {_markdown(f)}".replace("\n\n", " ") for f in self.findings]
                                      or ["No finding: nothing looked wrong."])
         (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")

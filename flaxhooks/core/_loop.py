@@ -246,7 +246,8 @@ class Loop:
             raise TypeError(f"{emitted.value} takes a {expected}, got {type(payload).__name__}")
         if self._bus is None:
             raise RuntimeError("this Loop is not attached to a Trainer's callbacks: nobody to emit to")
-        self._note("emit", emitted.value)
+        if emitted is not Event.LOSS_READ:  # a reading a step is a fact passed on, not a request:
+            self._note("emit", emitted.value)  # logged, it would push the requests out of the log
         self._bus.emit(emitted, self, payload)
 
     def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:

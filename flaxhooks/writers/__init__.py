@@ -26,7 +26,6 @@ from flaxhooks.writers._service import (
 )
 from flaxhooks.writers._tensorboardx import EventFile as EventFile
 from flaxhooks.writers._tensorboardx import TensorBoardWriter
-from flaxhooks.writers._tensorboardx import pixels_png as pixels_png
 
 __all__ = [
     "AsyncWriter",

@@ -228,8 +228,3 @@ def pixels_image(pixels: np.ndarray) -> Any:
 
     # make_image resizes to the same size (a copy: the pixels as they are) and saves a PNG file.
     return make_image(pixels if pixels.ndim == 3 else np.repeat(pixels[:, :, None], 3, axis=2))
-
-
-def pixels_png(pixels: np.ndarray) -> bytes:
-    """The PNG file of uint8 pixels (what :func:`pixels_image` writes)."""
-    return bytes(pixels_image(pixels).encoded_image_string)

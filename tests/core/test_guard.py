@@ -121,6 +121,9 @@ class ReadsLosses(flaxhooks.Callback):
         self.read.append(loop.payload)
         self.at.append(loop.step)
 
+    def on_fit_end(self, loop):
+        self.requests = loop.requests
+
 
 def test_warn_trains_on_and_off_watches_nothing_and_says_so_to_readers_of_the_losses(caplog):
     for mode in ("warn", "off"):
@@ -179,6 +182,7 @@ def test_every_steps_loss_and_gradient_norm_reach_loss_read_once_in_order_as_a_h
         updates, opt = tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
     assert [r.step for r in reader.read] == [1, 2, 3, 4, 5, 6, 7]
+    assert reader.requests == ()  # readings are facts passed on: the requests' log keeps its room
     np.testing.assert_allclose([(r.step, r.loss, r.grad_norm) for r in reader.read], expected, rtol=1e-5)
     # A step is read once it settled: during a later step_end (or the epoch's end),
     # after the guard's own handler and before the other handlers of that event.
