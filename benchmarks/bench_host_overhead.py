@@ -390,7 +390,7 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
     runner, pipeline = trainer.runner, trainer.pipeline
     run, variant, carries = runner.run, runner.variant, runner._carries
     device_batches = pipeline.device_batches
-    fit_run, clock_batches = flaxhooks.core.Fit.run, flaxhooks.core.FitClock.batches
+    fit_run, clock_batches = flaxhooks.loop.Fit.run, flaxhooks.contract.FitClock.batches
     step_events = {flaxhooks.Event.STEP_START: "HookBus.emit(step_start)",
                    flaxhooks.Event.STEP_END: "HookBus.emit(step_end)"}
 
@@ -423,14 +423,14 @@ def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
     runner._carries = sites.timed("StepRunner._carries", carries)
     pipeline.device_batches = lambda *a: sites.timed_iter("DevicePrefetch.device_batches (queue get)",
                                                           device_batches(*a))
-    flaxhooks.core.Fit.run = timed_fit_run
-    flaxhooks.core.FitClock.batches = lambda clock, b: sites.timed_iter("FitClock.batches (next)",
+    flaxhooks.loop.Fit.run = timed_fit_run
+    flaxhooks.contract.FitClock.batches = lambda clock, b: sites.timed_iter("FitClock.batches (next)",
                                                                         clock_batches(clock, b))
     try:
         yield
     finally:
         del runner.run, runner.variant, runner._carries, pipeline.device_batches
-        flaxhooks.core.Fit.run, flaxhooks.core.FitClock.batches = fit_run, clock_batches
+        flaxhooks.loop.Fit.run, flaxhooks.contract.FitClock.batches = fit_run, clock_batches
 
 
 def worker(args: argparse.Namespace) -> None:

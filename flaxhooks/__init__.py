@@ -1,11 +1,13 @@
 """flaxhooks: a training loop for Flax with a hook bus for callbacks.
 
 The names here are what users write in a training script. The subpackages
-export what users extend: ``core`` (callbacks, the loop's facts and
-requests, schedules), ``step`` (model adapters, step contributors),
-``data`` (loaders, placement), ``eval`` (metrics), ``callbacks`` (the
-built-in callbacks and their bases), ``writers`` (what callbacks write
-through) and ``diagnose`` (thresholds). docs/api.md lists them all.
+export what users extend: ``contract`` (callbacks, events, the loop's facts
+and requests, schedules), ``loop`` (the Trainer), ``processes`` (several
+processes, run directories), ``placement`` (devices, the mesh, sharding
+rules), ``step`` (model adapters, step contributors), ``data`` (loaders,
+positions), ``eval`` (metrics), ``callbacks`` (the built-in callbacks and
+their bases), ``writers`` (what callbacks write through) and ``diagnose``
+(thresholds). docs/api.md lists them all.
 
 Examples:
     >>> import flaxhooks
@@ -13,6 +15,7 @@ Examples:
     ('fit_start', 'epoch_start', 'step_start')
 """
 
+from flaxhooks._moved import moved_names
 from flaxhooks.callbacks import (
     ActivationGradStats,
     ActivationStats,
@@ -30,7 +33,7 @@ from flaxhooks.callbacks import (
     Summary,
     TensorBoard,
 )
-from flaxhooks.core import (
+from flaxhooks.contract import (
     EVENTS,
     PEAK_FLOPS,
     Callback,
@@ -40,26 +43,16 @@ from flaxhooks.core import (
     Finding,
     Loop,
     LossRead,
-    NonFiniteGuard,
     PeerLost,
     PeerTimeout,
     ProcessError,
     StopTraining,
-    Trainer,
-    TrainingInterrupted,
-    run_directory,
 )
-from flaxhooks.data import (
-    FSDP,
-    ArrayLoader,
-    BatchError,
-    DevicePrefetch,
-    EmptyDataError,
-    Replicated,
-    ShardingError,
-    use_cpu_devices,
-)
+from flaxhooks.data import ArrayLoader, BatchError, DevicePrefetch, EmptyDataError
 from flaxhooks.eval import EvalResult, LossAccuracy
+from flaxhooks.loop import NonFiniteGuard, Trainer
+from flaxhooks.placement import FSDP, Replicated, ShardingError, use_cpu_devices
+from flaxhooks.processes import TrainingInterrupted, run_directory
 from flaxhooks.step import AXIS, LossError, TrainState, as_model
 from flaxhooks.writers import LogdirError
 
@@ -123,7 +116,8 @@ def _show_public_paths() -> None:
     class by it. A subpackage's own exceptions are named by the subpackage."""
     import importlib
 
-    for package in ("flaxhooks.core", "flaxhooks.data", "flaxhooks.step", "flaxhooks.callbacks",
+    for package in ("flaxhooks.contract", "flaxhooks.processes", "flaxhooks.loop", "flaxhooks.placement",
+                    "flaxhooks.data", "flaxhooks.step", "flaxhooks.callbacks",
                     "flaxhooks.writers", "flaxhooks.eval", "flaxhooks.diagnose", __name__):
         namespace = importlib.import_module(package)
         for name in namespace.__all__:
@@ -134,22 +128,9 @@ def _show_public_paths() -> None:
 
 _show_public_paths()
 
-#: Names that moved from the top level in 0.8, to the subpackage users extend;
-#: the old names work until 0.9, with a DeprecationWarning.
-_MOVED = {
-    "FitPlan": "flaxhooks.core", "InstrumentedCallback": "flaxhooks.callbacks",
-    "TapStats": "flaxhooks.callbacks", "Tapped": "flaxhooks.step", "Taps": "flaxhooks.step",
-    "select_modules": "flaxhooks.step", "device0_copy": "flaxhooks.data",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        module = _MOVED[name]
-        warnings.warn(f"flaxhooks.{name} moved to {module}.{name} (the top level keeps what a training "
-                      f"script writes); the old name goes in 0.9", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'flaxhooks' has no attribute {name!r}")
+# Names that moved from the top level in 0.8, to the subpackage users extend;
+# the old names work until 0.9, with a DeprecationWarning.
+__getattr__ = moved_names(__name__, {
+    "flaxhooks.contract": "FitPlan", "flaxhooks.callbacks": "InstrumentedCallback TapStats",
+    "flaxhooks.step": "Tapped Taps select_modules", "flaxhooks.placement": "device0_copy",
+})

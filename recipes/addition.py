@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import flaxhooks  # JAX's backends start only when first used, after this
-    from flaxhooks.core import latest_run
+    from flaxhooks.processes import latest_run
 
     flaxhooks.use_cpu_devices(config.cpu_devices)
     if not config.resume:  # refused before a run directory is made (a resumed run's options are its own)

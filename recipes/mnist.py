@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flaxhooks").setLevel(logging.INFO)
     import flaxhooks  # JAX's backends start only when first used, after this
-    from flaxhooks.core import latest_run
+    from flaxhooks.processes import latest_run
 
     several = (bool(config.coordinator or config.num_processes or config.process_id is not None)
                or _common.launched_processes() is not None)

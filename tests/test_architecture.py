@@ -16,15 +16,20 @@ import flaxhooks
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flaxhooks"
-#: What each subpackage may import, besides itself.
+#: What each subpackage may import, besides itself and the module of old import paths.
 LAYERS = {
-    "data": set(),
+    "placement": set(),
     "writers": set(),
-    "step": {"data"},
-    "eval": {"step", "data"},
-    "core": {"step", "data", "eval", "writers"},
-    "diagnose": {"core", "step", "data", "writers"},
-    "callbacks": {"core", "step", "data", "eval", "writers", "diagnose"},
+    "data": {"placement"},
+    "step": {"placement", "data"},
+    "eval": {"placement", "data", "step"},
+    "contract": {"placement", "data", "step", "eval", "writers"},
+    "processes": {"placement", "data", "contract"},
+    "loop": {"placement", "data", "step", "eval", "writers", "contract", "processes"},
+    "diagnose": {"placement", "data", "step", "writers", "contract"},
+    "callbacks": {"placement", "data", "step", "eval", "writers", "contract", "processes", "diagnose"},
+    "core": set(),  # 0.7's path, until 0.9
+    "_moved": set(),
 }
 
 
@@ -57,7 +62,7 @@ def test_each_layer_imports_only_the_layers_below_it():
         layer = parts[1]
         for target in imported:
             target_layer = target.split(".")[1] if target.count(".") else None
-            assert target_layer == layer or target_layer in LAYERS[layer], (
+            assert target_layer in (layer, "_moved") or target_layer in LAYERS[layer], (
                 f"{module} imports {target}: {layer} may import only {sorted(LAYERS[layer])}"
             )
 
@@ -88,13 +93,13 @@ def test_there_is_no_import_circle_between_modules():
 
 
 def test_the_trainer_imports_no_callback():
-    trainer = PACKAGE / "core" / "_trainer.py"
+    trainer = PACKAGE / "loop" / "_trainer.py"
     assert not any(target.startswith("flaxhooks.callbacks") for target in imports(trainer))
 
 
 #: Private names of other modules that may be read, and why.
 FOREIGN_PRIVATE_READS = {
-    ("core/_peers.py", "os._exit"),  # past JAX's shutdown barrier, which aborts (docs: Several hosts)
+    ("processes/_peers.py", "os._exit"),  # past JAX's shutdown barrier, which aborts (docs: Several hosts)
 }
 
 
@@ -139,8 +144,8 @@ def test_tests_and_benchmarks_use_only_public_names():
 
 def test_only_the_loops_own_code_writes_the_loop():
     """Callbacks read the loop's facts and make requests; the record behind
-    the facts (``LoopRecord``, ``record_of``) is the core's and the step
-    runner's, which is handed it."""
+    the facts (``LoopRecord``, ``record_of``) is the loop's, the process
+    layer's and the step runner's, which is handed it."""
     writers = re.compile(r"\brecord_of\b|\bLoopRecord\b|\._record\b")
     for path in [*(PACKAGE / "callbacks").rglob("*.py"), *(PACKAGE / "diagnose").rglob("*.py")]:
         for line in path.read_text().splitlines():
@@ -152,14 +157,41 @@ def test_names_moved_from_the_top_level_still_work_for_a_minor_version_with_a_wa
 
     import pytest
 
-    moved = {"FitPlan": "flaxhooks.core", "InstrumentedCallback": "flaxhooks.callbacks",
+    moved = {"FitPlan": "flaxhooks.contract", "InstrumentedCallback": "flaxhooks.callbacks",
              "TapStats": "flaxhooks.callbacks", "Tapped": "flaxhooks.step", "Taps": "flaxhooks.step",
-             "select_modules": "flaxhooks.step", "device0_copy": "flaxhooks.data"}
+             "select_modules": "flaxhooks.step", "device0_copy": "flaxhooks.placement"}
     for name, module in moved.items():
         assert name not in flaxhooks.__all__ and name in importlib.import_module(module).__all__
         with pytest.warns(DeprecationWarning, match=rf"flaxhooks\.{name} moved to {module}\.{name}"):
             moved = getattr(flaxhooks, name)
         assert moved is getattr(importlib.import_module(module), name)
+
+
+#: 0.7's public names of flaxhooks.core, and of flaxhooks.data that moved to flaxhooks.placement.
+OLD_PATHS = {
+    "flaxhooks.core": "ALWAYS_RUN EVENTS Callback CallbackError Event Every Fit Finding FitPlan HookBus "
+                      "KINDS Loop PeerLost PeerTimeout Phase ProcessError Rate SavedRun Restorer "
+                      "NonFiniteError NonFiniteGuard StopTraining Trainer TrainingInterrupted as_every "
+                      "handlers_of latest_run run_directory",
+    "flaxhooks.data": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError cpu_pool_size "
+                      "cpu_threads_needed default_mesh device0_copy first_replica host_scalars spec_text "
+                      "unreplicate use_cpu_devices",
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_0_7_import_paths_still_work_until_0_9_with_a_warning_naming_the_new_one(old):
+    import importlib
+
+    module = importlib.import_module(old)
+    for name in OLD_PATHS[old].split():
+        warning = rf"{old}\.{name} moved to flaxhooks\.\w+\.{name};"
+        with pytest.warns(DeprecationWarning, match=warning) as seen:
+            value = getattr(module, name)
+        new = re.search(r"moved to (flaxhooks\.\w+)\.", str(seen[0].message))[1]
+        assert new != old and getattr(importlib.import_module(new), name) is value
+    with pytest.raises(AttributeError, match="no attribute 'Nonsense'"):
+        _ = module.Nonsense
 
 
 def test_the_api_page_lists_every_public_name_and_no_other():
@@ -171,7 +203,7 @@ def test_the_api_page_lists_every_public_name_and_no_other():
     for line in section.splitlines():
         if match := re.match(r"- `(flaxhooks(?:\.\w+)?)`: (.*)", line):
             listed[match[1]] = set(re.findall(r"`(\w+)`", match[2]))
-    modules = ["flaxhooks", *(f"flaxhooks.{layer}" for layer in LAYERS)]
+    modules = ["flaxhooks", *(f"flaxhooks.{layer}" for layer in LAYERS if layer not in ("core", "_moved"))]
     assert sorted(listed) == sorted(modules)
     for module in modules:
         names = set(importlib.import_module(module).__all__)
@@ -219,14 +251,14 @@ def test_flaxhooks_uses_only_jaxs_public_api_and_never_reads_an_errors_text():
 
 def test_only_the_peers_module_talks_to_jaxs_key_value_store():
     """Everything processes say to each other goes through
-    ``flaxhooks/core/_peers.py``; checkpoints and loader positions go
+    ``flaxhooks/processes/_peers.py``; checkpoints and loader positions go
     through orbax, which needs no word between processes of flaxhooks'."""
     talking = set()
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         if re.search(r"\.(key_value_\w+|blocking_key_value_get|wait_at_barrier)\(", text):
             talking.add(path.relative_to(PACKAGE).as_posix())
-    assert talking == {"core/_peers.py"}, talking
+    assert talking == {"processes/_peers.py"}, talking
 
 
 def test_every_exception_is_shown_and_pickled_by_the_path_users_import_it_from():

@@ -17,7 +17,7 @@ from flaxhooks.callbacks._profile import Profile
 from flaxhooks.callbacks._progress import Progress
 from flaxhooks.callbacks._summary import Summary
 from flaxhooks.callbacks._tensorboard import TensorBoard
-from flaxhooks.core import NonFiniteError
+from flaxhooks.contract import NonFiniteError
 
 __all__ = [
     "ActivationGradStats",

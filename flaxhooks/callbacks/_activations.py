@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 
 from flaxhooks.callbacks._contributor import InstrumentedCallback
-from flaxhooks.core import Every, Loop, as_every
-from flaxhooks.data import device0_copy
+from flaxhooks.contract import Every, Loop, as_every
+from flaxhooks.placement import device0_copy
 from flaxhooks.step import (
     ACTIVATION_STATS,
     GRADIENT_STATS,

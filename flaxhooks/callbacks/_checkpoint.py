@@ -29,22 +29,14 @@ from flaxhooks.callbacks._data_positions import (
     read_legacy_positions,
     read_positions,
 )
-from flaxhooks.core import (
-    WAIT_NOTE_SECONDS,
-    Callback,
-    Every,
-    Loop,
-    PeerLost,
-    ProcessError,
-    as_every,
-    peer_gone,
-    wait_ready,
-)
-from flaxhooks.data import DataPosition, device0_copy
+from flaxhooks.contract import Callback, Every, Loop, PeerLost, ProcessError, as_every
+from flaxhooks.data import DataPosition
+from flaxhooks.placement import device0_copy
+from flaxhooks.processes import WAIT_NOTE_SECONDS, peer_gone, wait_ready
 from flaxhooks.writers import check_writable
 
 if TYPE_CHECKING:
-    from flaxhooks.core import FitPlan
+    from flaxhooks.contract import FitPlan
     from flaxhooks.eval import EvalResult
     from flaxhooks.step import TrainState
 
@@ -488,7 +480,7 @@ _managers = iter(range(1 << 62))
 class Checkpoint(Callback):
     """Saves the train state and every callback's state with orbax, and restores
     the latest good checkpoint for ``Trainer.fit(..., resume=True)`` (it is the
-    fit's :class:`~flaxhooks.core.Restorer`).
+    fit's :class:`~flaxhooks.contract.Restorer`).
 
     Saves are atomic and asynchronous: the loop waits only while this process's
     shards are copied to the host. A non-finite state is never saved; each

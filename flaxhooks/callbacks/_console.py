@@ -10,12 +10,12 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from flaxhooks.core import Callback, Every, Rate, as_every
+from flaxhooks.contract import Callback, Every, Rate, as_every
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from flaxhooks.core import Loop
+    from flaxhooks.contract import Loop
     from flaxhooks.eval import EvalResult
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from flaxhooks.core import Callback, Every, FitPlan, refuse_time_on_several_processes
+from flaxhooks.contract import Callback, Every, FitPlan, refuse_time_on_several_processes
 from flaxhooks.step import StepContributor
 
 

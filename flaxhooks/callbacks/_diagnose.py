@@ -20,8 +20,7 @@ from flax import nnx
 
 from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.callbacks._spike_source import Source, spike_source
-from flaxhooks.core import KINDS, Event, Every, Finding, FitPlan, Loop, LossRead, as_every
-from flaxhooks.data import first_replica
+from flaxhooks.contract import KINDS, Event, Every, Finding, FitPlan, Loop, LossRead, as_every
 from flaxhooks.diagnose import (
     ATTENTION,
     FIGURES_EXTRA,
@@ -58,6 +57,7 @@ from flaxhooks.diagnose import (
     step_window,
     update_ratios,
 )
+from flaxhooks.placement import first_replica
 from flaxhooks.step import ModuleSpec, RepeatedTap, Tapped, Taps, WithLayout, as_module_filter
 
 if TYPE_CHECKING:
@@ -729,7 +729,7 @@ def heatmap_tag(name: str) -> str:
 
 
 def _severity(finding: Finding | str) -> int:
-    """A kind's rank, the worst first: its place in :data:`~flaxhooks.core.KINDS` (a report's order)."""
+    """A kind's rank, the worst first: its place in :data:`~flaxhooks.contract.KINDS` (a report's order)."""
     kind = finding if isinstance(finding, str) else finding.kind
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from flaxhooks.core import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
+from flaxhooks.contract import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
 from flaxhooks.eval import EvalResult, Metrics
 
 

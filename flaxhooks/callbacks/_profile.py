@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from flaxhooks.core import Callback, Loop
+from flaxhooks.contract import Callback, Loop
 from flaxhooks.writers import check_writable
 
 _log = logging.getLogger("flaxhooks")

@@ -27,11 +27,11 @@ from flaxhooks.callbacks._console import (
     position_text,
     print_line,
 )
-from flaxhooks.core import Callback, Every, Reading, Window, as_every
-from flaxhooks.data import host_scalars
+from flaxhooks.contract import Callback, Every, Reading, Window, as_every
+from flaxhooks.placement import host_scalars
 
 if TYPE_CHECKING:
-    from flaxhooks.core import Loop
+    from flaxhooks.contract import Loop
     from flaxhooks.eval import EvalResult
 
 

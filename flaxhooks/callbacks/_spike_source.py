@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxhooks.core import Finding, Loop
-from flaxhooks.data import first_replica
+from flaxhooks.contract import Finding, Loop
 from flaxhooks.diagnose import first_spiked_layer
+from flaxhooks.placement import first_replica
 from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 

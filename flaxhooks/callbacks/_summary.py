@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from flaxhooks.core import Callback, Loop
-from flaxhooks.data import spec_text
+from flaxhooks.contract import Callback, Loop
+from flaxhooks.placement import spec_text
 
 if TYPE_CHECKING:
     import rich.console

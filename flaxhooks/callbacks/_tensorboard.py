@@ -10,9 +10,9 @@ from typing import Any
 import jax
 
 from flaxhooks.callbacks._summary import parameter_count
-from flaxhooks.core import Callback, Every, FitPlan, Loop, PeerLost, Rate, Reading, as_every
-from flaxhooks.data import device0_copy
+from flaxhooks.contract import Callback, Every, FitPlan, Loop, PeerLost, Rate, Reading, as_every
 from flaxhooks.eval import EvalResult
+from flaxhooks.placement import device0_copy
 from flaxhooks.step import OPTIMIZER_METRICS, Totals, combine_windows, window_means, window_sums
 from flaxhooks.writers import (
     AsyncWriter,

@@ -1,11 +1,12 @@
-"""The data side: host batches and their layout, arrays in memory, the input
-pipeline that puts batches on the devices, and the devices themselves.
+"""The data side: host batches and their layout, arrays in memory, data
+sources and their positions, and the input pipeline that puts batches on the
+devices.
 
-``__all__`` is what users write and extend (loaders, placement rules, positions,
-errors); the other names here are the layers' own interface and may change in
-any release.
+``__all__`` is what users write and extend (loaders, positions, errors); the
+other names here are the layers' own interface and may change in any release.
 """
 
+from flaxhooks._moved import moved_names
 from flaxhooks.data._batches import (
     ArrayLoader,
     BatchError,
@@ -13,28 +14,6 @@ from flaxhooks.data._batches import (
     EmptyDataError,
     HostBatch,
     check_layout,
-)
-from flaxhooks.data._devices import InFlight as InFlight  # for step and eval, not in __all__
-from flaxhooks.data._devices import (
-    cpu_pool_size,
-    cpu_threads_needed,
-    device0_copy,
-    first_replica,
-    host_scalars,
-    unreplicate,
-    use_cpu_devices,
-)
-from flaxhooks.data._mesh import (
-    DATA_AXIS,
-    FSDP,
-    Annotation,
-    AxisRules,
-    Placement,
-    Replicated,
-    ShardingError,
-    ShardRule,
-    default_mesh,
-    spec_text,
 )
 from flaxhooks.data._pipeline import DevicePrefetch
 from flaxhooks.data._sources import (
@@ -47,7 +26,6 @@ from flaxhooks.data._sources import (
 
 __all__ = [
     "ArrayLoader",
-    "AxisRules",
     "BatchError",
     "BatchSpec",
     "Data",
@@ -55,11 +33,12 @@ __all__ = [
     "DataResumeError",
     "DevicePrefetch",
     "EmptyDataError",
-    "FSDP",
     "HostBatch",
-    "Replicated",
-    "ShardRule",
-    "ShardingError",
-    "device0_copy",
-    "use_cpu_devices",
 ]
+
+# Moved to flaxhooks.placement in 0.8: the old paths work until 0.9, with a warning.
+__getattr__ = moved_names(__name__, {
+    "flaxhooks.placement": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError "
+                           "cpu_pool_size cpu_threads_needed default_mesh device0_copy first_replica "
+                           "host_scalars spec_text unreplicate use_cpu_devices",
+})

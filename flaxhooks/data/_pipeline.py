@@ -10,8 +10,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 from flaxhooks.data._batches import BatchError, BatchSpec, HostBatch
-from flaxhooks.data._mesh import Placement
 from flaxhooks.data._sources import DataPosition
+from flaxhooks.placement import Placement
 
 _log = logging.getLogger("flaxhooks")
 

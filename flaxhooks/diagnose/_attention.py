@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
-from flaxhooks.core import Finding
+from flaxhooks.contract import Finding
 from flaxhooks.diagnose._instep import _groups, chosen_rows
 
 #: The collection (Linen) and variable type name (NNX) attention statistics are sown into.

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from flaxhooks.core import Finding
+from flaxhooks.contract import Finding
 from flaxhooks.diagnose._instep import COLUMNS, SLOPE_BINS
 
 _BINS = len(SLOPE_BINS) + 1

@@ -9,7 +9,7 @@ import math
 from collections import deque
 from typing import Any
 
-from flaxhooks.core import Finding
+from flaxhooks.contract import Finding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from flax import errors as flax_errors
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from flaxhooks.core import Finding
+from flaxhooks.contract import Finding
 from flaxhooks.step import Model, NNXModel, axis_name
 
 _Label = TypeVar("_Label", bound=Hashable)

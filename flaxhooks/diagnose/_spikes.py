@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from flaxhooks.core import Finding
+from flaxhooks.contract import Finding
 from flaxhooks.diagnose._loss import _Level, _Window
 
 

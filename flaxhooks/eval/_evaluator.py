@@ -16,16 +16,8 @@ from clu import metrics as clu_metrics
 from flax import errors as flax_errors
 from jax import lax
 
-from flaxhooks.data import (
-    ArrayLoader,
-    BatchError,
-    EmptyDataError,
-    HostBatch,
-    InFlight,
-    Placement,
-    check_layout,
-    first_replica,
-)
+from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout
+from flaxhooks.placement import InFlight, Placement, first_replica
 from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, split_loss
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ import numpy as np
 from flax.core.scope import in_filter
 from flax.linen.module import TestScope  # the scope of Flax's abstract check of setup
 
-from flaxhooks.data import Annotation
+from flaxhooks.placement import Annotation
 from flaxhooks.step._call import INVERTED_MODE_ARGS, InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
 from flaxhooks.step._recording import (
@@ -155,7 +155,7 @@ class LinenModel:
         return self.eval_module.init(rngs, *args, **kwargs)
 
     def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
-        """Each variable's :class:`~flaxhooks.data.Annotation` from
+        """Each variable's :class:`~flaxhooks.placement.Annotation` from
         ``nn.with_logical_partitioning`` (logical names) or
         ``nn.with_partitioning`` (mesh axes), None where it has none, by
         collection; on abstract values."""

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 
-from flaxhooks.data import Annotation
+from flaxhooks.placement import Annotation
 from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._model import AXIS, Batch
 from flaxhooks.step._recording import (

@@ -13,7 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxhooks.data import BatchSpec, InFlight, Placement
+from flaxhooks.data import BatchSpec
+from flaxhooks.placement import InFlight, Placement
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor, WithLayout, contributors_among
 from flaxhooks.step._model import Model, axis_name

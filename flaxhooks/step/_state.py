@@ -15,7 +15,8 @@ import numpy as np
 import optax
 from flax import struct
 
-from flaxhooks.data import BatchError, BatchSpec, Placement
+from flaxhooks.data import BatchError, BatchSpec
+from flaxhooks.placement import Placement
 from flaxhooks.step._model import Model
 
 _log = logging.getLogger("flaxhooks")

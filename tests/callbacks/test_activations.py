@@ -290,7 +290,7 @@ class ProbeSteps(flaxhooks.callbacks.InstrumentedCallback):
         return optax.tree.norm(tapped.grads)
 
     def take(self, loop, result):
-        self.seen.append((loop.step, float(flaxhooks.data.first_replica(result))))
+        self.seen.append((loop.step, float(flaxhooks.placement.first_replica(result))))
 
 
 def test_a_contributor_of_07s_shape_still_contributes_with_a_deprecation_warning():
@@ -312,7 +312,7 @@ def test_a_contributor_of_07s_shape_still_contributes_with_a_deprecation_warning
             return optax.tree.norm(tapped.grads)
 
         def take(self, loop, result):
-            self.seen.append((loop.step, float(flaxhooks.data.first_replica(result))))
+            self.seen.append((loop.step, float(flaxhooks.placement.first_replica(result))))
 
     batches = make_batches(12, batch_size=16)
     old, new = OldStyle(), ProbeSteps(every=4)

@@ -18,7 +18,7 @@ from rich.text import Text
 
 import flaxhooks
 from flaxhooks import Summary, TensorBoard
-from flaxhooks.core import HookBus
+from flaxhooks.contract import HookBus
 from tests.helpers import BatchNormNet, make_batches, sgd_trainer
 
 TAG = Summary.tag

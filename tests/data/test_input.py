@@ -256,7 +256,7 @@ def test_cpu_devices_across_processes_size_xlas_cpu_pool_for_their_collectives(g
 
 
 def test_xlas_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
-    from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+    from flaxhooks.placement import cpu_pool_size, cpu_threads_needed
 
     for name in ("PJRT_NPROC", "NPROC"):
         monkeypatch.delenv(name, raising=False)

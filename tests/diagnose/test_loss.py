@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flaxhooks import Finding
-from flaxhooks.core import KINDS
+from flaxhooks.contract import KINDS
 from flaxhooks.diagnose import LossThresholds, LossWatch
 
 STEPS = np.arange(5000)

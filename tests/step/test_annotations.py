@@ -319,7 +319,7 @@ def _lookup(tree, path):
 ])
 def test_logical_names_are_read_as_flax_reads_them(names, rules):
     mesh = _mesh((4, 2))
-    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), rules)
+    placement = flaxhooks.placement.Placement.of(mesh, None, "data", flaxhooks.Replicated(), rules)
     shape = (8,) * len(names)
     got = placement.mesh_spec(names, "x", shape)
     assert NamedSharding(mesh, got).is_equivalent_to(
@@ -327,10 +327,10 @@ def test_logical_names_are_read_as_flax_reads_them(names, rules):
 
 
 def test_mesh_axis_names_are_renamed_by_rules_else_must_be_the_meshs():
-    from flaxhooks.data import Annotation
+    from flaxhooks.placement import Annotation, Placement
 
     mesh = _mesh((4, 2))
-    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), (("mlp", "model"),))
+    placement = Placement.of(mesh, None, "data", flaxhooks.Replicated(), (("mlp", "model"),))
     assert placement.mesh_spec(Annotation(("mlp", "data"), logical=False), "x", (8, 8)) == P("model", "data")
     own = Annotation(("hidden", None), logical=False, rules=(("hidden", "data"),))  # nnx sharding_rules
     assert placement.mesh_spec(own, "x", (8, 8)) == P("data", None)
@@ -342,7 +342,7 @@ def test_mesh_axis_names_are_renamed_by_rules_else_must_be_the_meshs():
 
 def test_only_a_shorter_annotation_splitting_a_later_dimension_is_ambiguous():
     mesh = _mesh((4, 2))
-    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), LM1B_RULES)
+    placement = flaxhooks.placement.Placement.of(mesh, None, "data", flaxhooks.Replicated(), LM1B_RULES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert placement.mesh_spec(("heads", "embed"), "first", (2, 8, 16)) == P("model", None, None)

@@ -352,7 +352,7 @@ def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_a
     from flaxhooks.step import optimizer_metrics
 
     mesh = _mesh((4, 2), ("data", "model"))
-    placement = flaxhooks.data.Placement.of(mesh, None, "data", flaxhooks.Replicated(), ())
+    placement = flaxhooks.placement.Placement.of(mesh, None, "data", flaxhooks.Replicated(), ())
     rng = np.random.default_rng(3)
     shapes = {"big": (64, 128), "odd": (4097,), "small": (10,)}
     trees = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}

@@ -15,32 +15,22 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from flaxhooks.core._bus import HookBus
-from flaxhooks.core._callback import Callback, NonFiniteError
-from flaxhooks.core._events import Event
-from flaxhooks.core._fit import Fit, Start
-from flaxhooks.core._guard import NonFiniteGuard
-from flaxhooks.core._loop import Loop
-from flaxhooks.core._plan import FitPlan, check_fit
-from flaxhooks.core._restore import restore_latest
-from flaxhooks.core._signals import TrainingInterrupted, stop_on_signals
-from flaxhooks.core._stops import stops_for, wait_ready
-from flaxhooks.data import (
-    DATA_AXIS,
-    AxisRules,
-    BatchSpec,
-    Data,
-    DataSource,
-    DevicePrefetch,
-    EmptyDataError,
-    HostBatch,
-    Placement,
-    Replicated,
-    ShardRule,
-    fingerprint,
-    first_replica,
+from flaxhooks.contract import (
+    Callback,
+    Event,
+    FitPlan,
+    HookBus,
+    Loop,
+    NonFiniteError,
+    check_fit,
+    restore_latest,
 )
+from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, fingerprint
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
+from flaxhooks.loop._fit import Fit, Start
+from flaxhooks.loop._guard import NonFiniteGuard
+from flaxhooks.placement import DATA_AXIS, AxisRules, Placement, Replicated, ShardRule, first_replica
+from flaxhooks.processes import TrainingInterrupted, stop_on_signals, stops_for, wait_ready
 from flaxhooks.step import LossFn, Model, StatePlan, StepRunner, TrainState, as_model
 from flaxhooks.step import abstract as abstract
 from flaxhooks.step import placed as placed

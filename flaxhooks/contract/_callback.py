@@ -6,11 +6,11 @@ import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flaxhooks.core._events import EVENTS
+from flaxhooks.contract._events import EVENTS
 
 if TYPE_CHECKING:
-    from flaxhooks.core._loop import Loop
-    from flaxhooks.core._plan import FitPlan
+    from flaxhooks.contract._loop import Loop
+    from flaxhooks.contract._plan import FitPlan
 
 
 class NonFiniteError(FloatingPointError):

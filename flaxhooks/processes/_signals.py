@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from flaxhooks.core._loop import Loop, record_of
+from flaxhooks.contract import Loop, record_of
 
 _log = logging.getLogger("flaxhooks")
 
@@ -36,7 +36,7 @@ def stop_on_signals(loop: Loop, signums: tuple[int, ...] = (signal.SIGINT, signa
 
     Under ``jax.distributed`` SIGTERM is left to JAX's preemption notifier
     (``signums`` is SIGINT alone): the stop then comes from JAX's preemption
-    sync point (see :mod:`flaxhooks.core._stops`).
+    sync point (see :mod:`flaxhooks.processes._stops`).
 
     On several processes a signal sent to all of them reaches each at its
     own time, and a late one may come after they agreed to stop for the

@@ -10,7 +10,7 @@ import pytest
 
 import flaxhooks
 from flaxhooks import Callback, CallbackError, Event, Loop
-from flaxhooks.core import HookBus
+from flaxhooks.contract import HookBus
 from tests.helpers import make_batches, sgd_trainer, tree_allclose
 
 FACTS = [name for name, value in vars(Loop).items() if isinstance(value, property)]

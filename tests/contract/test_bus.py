@@ -7,7 +7,7 @@ import pytest
 
 import flaxhooks
 from flaxhooks import EVENTS, Callback, CallbackError, Event, StopTraining
-from flaxhooks.core import ALWAYS_RUN, HookBus, Phase
+from flaxhooks.contract import ALWAYS_RUN, HookBus, Phase
 from tests.helpers import Recorder, make_arrays, make_batches, sgd_trainer
 
 

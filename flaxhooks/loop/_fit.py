@@ -7,21 +7,20 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
-from flaxhooks.core._bus import HookBus
-from flaxhooks.core._callback import CallbackError, StopTraining
-from flaxhooks.core._clock import FitClock
-from flaxhooks.core._events import Event, Phase
-from flaxhooks.core._loop import Loop, LoopRecord
-from flaxhooks.core._restore import SavedRun
-from flaxhooks.core._stops import LocalStops
-from flaxhooks.data import (
-    DataPosition,
-    DataSource,
-    DevicePrefetch,
-    EmptyDataError,
-    HostBatch,
-    Placement,
+from flaxhooks.contract import (
+    CallbackError,
+    Event,
+    FitClock,
+    HookBus,
+    Loop,
+    LoopRecord,
+    Phase,
+    SavedRun,
+    StopTraining,
 )
+from flaxhooks.data import DataPosition, DataSource, DevicePrefetch, EmptyDataError, HostBatch
+from flaxhooks.placement import Placement
+from flaxhooks.processes import LocalStops
 from flaxhooks.step import StepRunner, TrainState
 from flaxhooks.writers import WriterCallback, Writers
 

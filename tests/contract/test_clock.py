@@ -17,7 +17,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import flaxhooks
-from flaxhooks.core import FitClock, Window
+from flaxhooks.contract import FitClock, Window
 from tests.helpers import HostReads, cross_entropy, make_batches, sgd_trainer
 
 SLEEP = 0.02  # seconds the slowed loader takes per batch

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from flaxhooks.core._peers import from_process_zero
+from flaxhooks.processes._peers import from_process_zero
 
 #: A run directory's name: the local time it was made, and a count after a
 #: second run made in the same second.

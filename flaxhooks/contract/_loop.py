@@ -11,11 +11,12 @@ from typing import Any
 
 import jax
 
-from flaxhooks.core._clock import FitClock
-from flaxhooks.core._events import Event, LossRead
-from flaxhooks.core._findings import Finding
-from flaxhooks.data import BatchSpec, DataPosition, host_scalars
+from flaxhooks.contract._clock import FitClock
+from flaxhooks.contract._events import Event, LossRead
+from flaxhooks.contract._findings import Finding
+from flaxhooks.data import BatchSpec, DataPosition
 from flaxhooks.eval import EvalResult, EvalStart
+from flaxhooks.placement import host_scalars
 from flaxhooks.step import Model, TrainState
 from flaxhooks.writers import Writers
 
@@ -137,7 +138,7 @@ class Loop:
     model = _fact("model", "The model adapter (:class:`flaxhooks.step.Model`).")
     spec = _fact("spec", "The layout of the training batches.")
     writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
-    clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.core.FitClock`); None outside ``fit``.")
+    clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); None outside fit.")
 
     # Set once in __init__ (through object.__setattr__, as facts are read-only).
     _record: LoopRecord

@@ -1,7 +1,7 @@
 """The stop protocol: every process of a run stops at one agreed step.
 
 A stop or fault on one process stops every process at the same step
-boundary, agreed through :class:`~flaxhooks.core._peers.Peers` (JAX's
+boundary, agreed through :class:`~flaxhooks.processes._peers.Peers` (JAX's
 key-value store) in rounds that cost nothing while nothing happens; SIGTERM
 is left to JAX's preemption sync point. docs/architecture.md ("The stop
 protocol") walks through it: the start records, the rounds, preemption,
@@ -24,14 +24,11 @@ from typing import Any
 
 import jax
 
-from flaxhooks.core._loop import Loop, record_of
-from flaxhooks.core._peers import (
+from flaxhooks.contract import Loop, PeerLost, PeerTimeout, ProcessError, record_of
+from flaxhooks.processes._peers import (
     END_GRACE_SECONDS,
     HEARTBEAT_SECONDS,
-    PeerLost,
     Peers,
-    PeerTimeout,
-    ProcessError,
     abandoned,
     cause_within,
     describe,

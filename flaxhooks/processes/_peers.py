@@ -6,7 +6,7 @@ The processes talk through the key-value store (the coordination service
 ``jax.distributed.initialize`` starts), never through a collective, so a
 process that waits for another can time out, say whom it waits for, and tell
 a slow peer from a lost one. Each process's watcher thread (see
-:mod:`flaxhooks.core._stops`) posts a heartbeat every
+:mod:`flaxhooks.processes._stops`) posts a heartbeat every
 :data:`HEARTBEAT_SECONDS`; a peer whose heartbeat has not moved for
 :data:`LOST_AFTER_SECONDS` is lost, and one that gives up on the others says
 so in place of its heartbeat.
@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from flaxhooks.data import cpu_pool_size, cpu_threads_needed
+from flaxhooks.contract import PeerLost, PeerTimeout, ProcessError
+from flaxhooks.placement import cpu_pool_size, cpu_threads_needed
 
 _log = logging.getLogger("flaxhooks")
 _Error = TypeVar("_Error", bound=BaseException)
@@ -49,32 +50,6 @@ WAIT_NOTE_SECONDS = 5.0
 END_GRACE_SECONDS = 4.0
 
 _fits = itertools.count()
-
-class ProcessError(RuntimeError):
-    """Training failed on one of the processes, so it stopped on all of them.
-
-    Every process raises it, at the same step, naming the process(es) that
-    failed and their original error (on a failing process it is also the
-    ``__cause__``).
-
-    Attributes:
-        processes: the indices of the processes that failed.
-        step: the step at which every process stopped (None if before training).
-    """
-
-    def __init__(self, message: str, processes: Sequence[int] = (), step: int | None = None):
-        super().__init__(message)
-        self.processes = tuple(processes)
-        self.step = step
-
-
-class PeerLost(ProcessError):
-    """A process stopped answering (killed, crashed, or its host went down)."""
-
-
-class PeerTimeout(ProcessError, TimeoutError):
-    """A process waited longer than ``peer_timeout`` for another one."""
-
 
 def describe(error: BaseException) -> str:
     """``error`` in one line, with its type, as the other processes are told it."""

@@ -18,12 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxhooks.core._callback import Callback, handlers_of
-from flaxhooks.core._events import Event, LossRead
-from flaxhooks.core._findings import Finding
-from flaxhooks.core._loop import Loop
-from flaxhooks.core._plan import FitPlan
-from flaxhooks.data import first_replica
+from flaxhooks.contract import Callback, Event, Finding, FitPlan, Loop, LossRead, handlers_of
+from flaxhooks.placement import first_replica
 from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 _log = logging.getLogger("flaxhooks")

@@ -136,9 +136,9 @@ def unreplicate(tree: Any) -> Any:
     with no device axis to take a copy from. Returns a replicated tree's local
     copy (see :func:`device0_copy`)."""
     warnings.warn(
-        "flaxhooks.data.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
-        "(no device axis) since 0.7; use them as they are, or flaxhooks.data.device0_copy for a replicated "
-        "value's local copy", DeprecationWarning, stacklevel=2)
+        "flaxhooks.placement.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
+        "(no device axis) since 0.7; use them as they are, or flaxhooks.placement.device0_copy for a "
+        "replicated value's local copy", DeprecationWarning, stacklevel=2)
     return device0_copy(tree)
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import jax
 
-from flaxhooks.core._callback import Callback, CallbackError, StopTraining, handlers_of
-from flaxhooks.core._events import ALWAYS_RUN, Event, Phase
-from flaxhooks.core._loop import Loop, record_of
-from flaxhooks.core._peers import ProcessError
+from flaxhooks.contract._callback import Callback, CallbackError, StopTraining, handlers_of
+from flaxhooks.contract._errors import ProcessError
+from flaxhooks.contract._events import ALWAYS_RUN, Event, Phase
+from flaxhooks.contract._loop import Loop, record_of
 
 _log = logging.getLogger("flaxhooks")
 

@@ -1,0 +1,23 @@
+"""Old import paths that keep working for one minor version, with a warning."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+
+
+def moved_names(old: str, new: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``old``, whose names moved to the modules
+    ``new`` maps to (each to a space-separated list of names): the old path
+    works until 0.9 with a ``DeprecationWarning`` naming the new one."""
+    where = {name: module for module, names in new.items() for name in names.split()}
+
+    def __getattr__(name: str) -> object:
+        if name not in where:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warnings.warn(f"{old}.{name} moved to {where[name]}.{name}; the old path goes in 0.9",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where[name]), name)
+
+    return __getattr__

@@ -1,0 +1,31 @@
+"""The errors every process raises together when one of them fails."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ProcessError(RuntimeError):
+    """Training failed on one of the processes, so it stopped on all of them.
+
+    Every process raises it, at the same step, naming the process(es) that
+    failed and their original error (on a failing process it is also the
+    ``__cause__``).
+
+    Attributes:
+        processes: the indices of the processes that failed.
+        step: the step at which every process stopped (None if before training).
+    """
+
+    def __init__(self, message: str, processes: Sequence[int] = (), step: int | None = None):
+        super().__init__(message)
+        self.processes = tuple(processes)
+        self.step = step
+
+
+class PeerLost(ProcessError):
+    """A process stopped answering (killed, crashed, or its host went down)."""
+
+
+class PeerTimeout(ProcessError, TimeoutError):
+    """A process waited longer than ``peer_timeout`` for another one."""
