@@ -364,7 +364,7 @@ def _time_texts(window: Window) -> list[str]:
     """``['1,234 ex/s', 'data 3%', '41.2 TFLOP/s', 'MFU 38%']``, each where known.
 
     Examples:
-        >>> from flaxhooks.core import Window
+        >>> from flaxhooks.contract import Window
         >>> _time_texts(Window(10.0, 100, 1234.4, 0.62, 0.01, 4.12e13, 0.376))
         ['1,234 ex/s', 'data 62% (input-bound)', '41.2 TFLOP/s', 'MFU 38%']
         >>> _time_texts(Window(10.0, 100, 12.34, 0.004, 0.5))

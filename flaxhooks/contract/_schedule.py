@@ -89,7 +89,7 @@ class Rate:
         clock: the time source (seconds), for tests.
 
     Examples:
-        >>> from flaxhooks.core import Rate
+        >>> from flaxhooks.contract import Rate
         >>> ticks = iter([0.0, 2.0])
         >>> rate = Rate(clock=lambda: next(ticks))
         >>> rate.start(step=10)
