@@ -9,7 +9,7 @@ layers' own interface and may change in any release.
 
 from flaxhooks.contract._bus import HookBus
 from flaxhooks.contract._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
-from flaxhooks.contract._clock import PEAK_FLOPS, FitClock, Reading, Window
+from flaxhooks.contract._clock import PEAK_FLOPS, FitClock, Interval, Reading
 from flaxhooks.contract._errors import PeerLost, PeerTimeout, ProcessError
 from flaxhooks.contract._events import ALWAYS_RUN, EVENTS, Event, LossRead, Phase
 from flaxhooks.contract._findings import KINDS, Finding
@@ -32,6 +32,7 @@ __all__ = [
     "Finding",
     "FitClock",
     "FitPlan",
+    "Interval",
     "KINDS",
     "Loop",
     "LossRead",
@@ -45,5 +46,4 @@ __all__ = [
     "Restorer",
     "SavedRun",
     "StopTraining",
-    "Window",
 ]

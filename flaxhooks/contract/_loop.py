@@ -136,7 +136,7 @@ class Loop:
     exception = _fact("exception", "The error that is ending training, if any.")
     callbacks = _fact("callbacks", "The registered callbacks, in the order their handlers run.")
     model = _fact("model", "The model adapter (:class:`flaxhooks.step.Model`).")
-    spec = _fact("spec", "The layout of the training batches.")
+    spec = _fact("spec", "The keys, shapes and dtypes of the training batches.")
     writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
     clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); None outside fit.")
 

@@ -23,7 +23,7 @@ class FitPlan:
             when there was none); else None.
         state: the global train state as abstract values (shapes, dtypes and
             each leaf's sharding over the mesh): nothing is built yet.
-        spec: the layout of the training batches.
+        spec: the keys, shapes and dtypes of the training batches.
         model: the model adapter.
         callbacks: the registered callbacks, in the order their handlers run.
         check_evaluation: ``check_evaluation(data, batch_size=None,

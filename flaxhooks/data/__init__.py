@@ -1,4 +1,4 @@
-"""The data side: host batches and their layout, arrays in memory, data
+"""The data side: host batches and their structure, arrays in memory, data
 sources and their positions, and the input pipeline that puts batches on the
 devices.
 
@@ -13,7 +13,7 @@ from flaxhooks.data._batches import (
     BatchSpec,
     EmptyDataError,
     HostBatch,
-    check_layout,
+    check_batch,
 )
 from flaxhooks.data._pipeline import DevicePrefetch
 from flaxhooks.data._sources import (
@@ -36,9 +36,9 @@ __all__ = [
     "HostBatch",
 ]
 
-# Moved to flaxhooks.placement in 0.8: the old paths work until 0.9, with a warning.
+# Moved to flaxhooks.placement, or renamed, in 0.8: the old names work until 0.9, with a warning.
 __getattr__ = moved_names(__name__, {
     "flaxhooks.placement": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError "
                            "cpu_pool_size cpu_threads_needed default_mesh device0_copy first_replica "
                            "host_scalars spec_text unreplicate use_cpu_devices",
-})
+}, renamed={"check_layout": "flaxhooks.data.check_batch"})

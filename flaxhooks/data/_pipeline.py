@@ -20,7 +20,7 @@ class DevicePrefetch:
 
     A background thread reads each host batch from the data (a loader's own
     workers, such as grain's, run beside it), checks it against the first
-    one's layout and puts it on the mesh as global arrays split over the
+    one's structure and puts it on the mesh as global arrays split over the
     data axis (one transfer call per batch; on several processes each feeds
     its share, with ``jax.make_array_from_process_local_data``), ``size``
     batches ahead of the step that takes it. Give one to the Trainer
@@ -110,7 +110,7 @@ class DevicePrefetch:
     STOP_SECONDS = 60.0
 
     def zeros(self, spec: BatchSpec, placement: Placement) -> Any:
-        """A device batch of zeros of ``spec``'s layout."""
+        """A device batch of zeros of ``spec``'s structure."""
         return placement.put_batch(spec.zeros())
 
     def _sharded(

@@ -61,7 +61,7 @@ class Fit:
             totals=runner.zero_totals())
         record.clock = clock = FitClock.of(record, runner.step_flops, placement.mesh)
         bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
-        # The clock's windows leave evaluations out.
+        # The clock's intervals leave evaluations out.
         loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
                     replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
         return cls(loop, record, bus, runner, trainer.pipeline, placement, stops)

@@ -141,7 +141,7 @@ class NNXModel:
         >>> from flax import nnx
         >>> from flaxhooks.step import NNXModel
         >>> model = NNXModel(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "x")
-        >>> sorted(model.layout())
+        >>> sorted(model.variable_paths())
         ['params']
     """
 
@@ -165,7 +165,7 @@ class NNXModel:
     def __repr__(self) -> str:
         return f"NNXModel({type(self.module).__name__}, input_keys={self.input_keys})"
 
-    def layout(self) -> dict[str, list[Path]]:
+    def variable_paths(self) -> dict[str, list[Path]]:
         """The variable paths of each collection."""
         found: dict[str, list[Path]] = {}
         for leaf in self._leaves:

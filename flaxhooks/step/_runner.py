@@ -160,7 +160,7 @@ class StepRunner:
 
     def check(self, state: Any, spec: BatchSpec) -> None:
         """Traces the lean step and the one with every contributor on abstract
-        values (the global ``state`` and batch), once per layout, so a batch,
+        values (the global ``state`` and batch), once per batch spec, so a batch,
         a loss or an in-step function they cannot take fails before anything compiles.
 
         Raises:

@@ -1,5 +1,5 @@
 """The train state, an immutable pytree the compiled step maps to the next one,
-and how it is planned for a model and a batch layout."""
+and how it is planned for a model and a batch spec."""
 
 from __future__ import annotations
 
@@ -105,11 +105,11 @@ def explained(spec: BatchSpec) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class StatePlan:
-    """How the train state of a model is made for a batch layout and placed on
+    """How the train state of a model is made for a batch spec and placed on
     a mesh, worked out on abstract values (compiles nothing).
 
     Attributes:
-        spec: the batch layout.
+        spec: the batch's keys, shapes and dtypes.
         carried: the collections carried from step to step besides ``params``.
         abstract: the global state, as abstract values with their shardings.
         shardings: the sharding of every leaf of the state.
@@ -171,7 +171,7 @@ class StatePlan:
 
     def build(self, seed: int, batch: Mapping[str, Any]) -> TrainState:
         """The initial state from ``seed`` and a host batch of the planned
-        layout, made in place on the mesh: no leaf is ever whole on one device
+        spec, made in place on the mesh: no leaf is ever whole on one device
         unless its sharding says so."""
         if jax.process_count() > 1:  # the same inputs on every process: its shapes, not its data
             share = {k: np.zeros(x.shape, x.dtype) for k, x in self.spec.per_device().items()}

@@ -32,7 +32,7 @@ class Totals:
 
     Two arrays rather than four per metric: every array a compiled step
     takes and returns costs it host and device time, which made the 2-device
-    CPU step at batch 4 about 6% slower with the 0.6 layout
+    CPU step at batch 4 about 6% slower with the 0.6 format
     (``benchmarks/bench_mesh.py``).
 
     Attributes:
@@ -59,7 +59,7 @@ class Totals:
         return self.counts[2, 0] if self.names else 0
 
     def __getitem__(self, key: str) -> Any:
-        """0.6's layout, ``totals["sum"]["loss"]`` (also ``"error"``,
+        """0.6's format, ``totals["sum"]["loss"]`` (also ``"error"``,
         ``"finite"``, ``"taken"``, ``"steps"``), for code that reads it."""
         rows = {"sum": self.sums[0], "error": self.sums[1], "finite": self.counts[0],
                 "taken": self.counts[1]}

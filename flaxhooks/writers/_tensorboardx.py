@@ -102,7 +102,7 @@ class TensorBoardWriter(Writer):
         self.flush_secs = flush_secs
         self._files: dict[str, EventFile] = {}
         self._flushed = time.monotonic()
-        # {category: {title: (tag regex, ...)}}: the layout as last written.
+        # {category: {title: (tag regex, ...)}}: the custom-scalars layout as last written.
         self._layout: dict[str, dict[str, tuple[str, ...]]] = {
             category: {title: tuple(tags) for title, tags in found.items()}
             for category, found in (layout or {}).items()}
@@ -142,7 +142,7 @@ class TensorBoardWriter(Writer):
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
         """Sets the charts of ``category`` (Custom Scalars), replacing what it
-        held; the whole layout is written again at ``step`` when it changes
+        held; the whole custom-scalars layout is written again at ``step`` when it changes
         (TensorBoard reads the latest). Categories keep their first order."""
         from tensorboardX.summary import custom_scalars
 
