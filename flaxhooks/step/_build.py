@@ -43,9 +43,7 @@ def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 def mean_over_devices(tree: Any, axis: str) -> Any:
     """Averages floating leaves over the device axis (integer ones are the same on every device)."""
-    return jax.tree.map(
-        lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
-    )
+    return jax.tree.map(lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
 
 
 def metrics_over_devices(metrics: Mapping[str, jax.Array], axis: str) -> dict[str, jax.Array]:

@@ -295,17 +295,11 @@ def scan_axis(variable_axes: Mapping[Any, Any], collection: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Scan:
-    """A lifted scan whose body an instrumented call ran.
+    """A lifted scan whose body an instrumented call ran."""
 
-    Attributes:
-        variable_axes: the collections it hands out, stacked along an axis.
-        what: the scan as a person finds it in the model.
-        fix: how to make it hand out more collections, ``{axes}`` standing for them.
-    """
-
-    variable_axes: Mapping[Any, Any]
-    what: str
-    fix: str
+    variable_axes: Mapping[Any, Any]  # the collections it hands out, stacked along an axis
+    what: str  # the scan as a person finds it in the model
+    fix: str  # how to make it hand out more collections, ``{axes}`` standing for them
 
     @property
     def recurrent(self) -> bool:
@@ -327,17 +321,14 @@ class _LinenCallRecorder:
         self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None,
         sown: Sequence[str] = (),
     ):
-        self.perturb = perturb
-        self.capture = capture
-        self.sown = tuple(sown)
+        self.perturb, self.capture, self.sown = perturb, capture, tuple(sown)
         self.order = CallOrder()
         #: (path, collection, name, entry) -> rank of the call that sowed that entry of the
         #: sown tuple (entry None: a value that is no tuple, by the call that last wrote it).
         self._sown_ranks: dict[tuple[tuple[str, ...], str, str, int | None], int] = {}
         self.scans: dict[tuple[str, ...], Scan] = {}  # path of the module a scan runs -> the scan
-        #: (module path, variable) -> (module, method) of each perturbed output.
+        #: (module path, variable or method) -> (module, method) of each perturbed / captured output.
         self.perturbed: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
-        #: (module path, method) -> (module, method) of each captured output.
         self.captured: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
         self._scanned_classes: dict[str, Mapping[Any, Any]] = {}  # name -> variable_axes
         self._rnn_cells: dict[tuple[str, ...], Scan] = {}  # path of an nn.RNN's cell -> its scan

@@ -351,8 +351,7 @@ class _NNXCallRecorder:
         self.shapes: dict[str, jax.ShapeDtypeStruct] = {}
         self.unseen: dict[str, str] = {}  # type of a module run inside a transform -> its caller
         self._returned: dict[int, ReturnedBy] = {}  # id of each array a submodule returned -> its call
-        #: (call, leaf) of the model's captured / perturbed outputs that a captured / perturbed
-        #: submodule returned -> its path.
+        #: (call, leaf) of the model's outputs that a captured / perturbed submodule returned -> its path.
         self.repeated_outputs: dict[tuple[int, int], Path] = {}
         self.repeated_sites: dict[tuple[int, int], Path] = {}
         self._stack: list[Any] = []

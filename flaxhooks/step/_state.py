@@ -26,10 +26,8 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
         step: optimizer steps taken (a device scalar).
-        params: the model's ``params`` collection.
         model_state: the other collections carried from step to step (``batch_stats``);
             never per-step ones (``perturbations``, ``intermediates``, sown values).
-        opt_state: the optimizer's state.
         rng: the base PRNG key (never changes: steps fold in the step and device).
         tx: the optax optimizer (static).
     """

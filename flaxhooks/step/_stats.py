@@ -24,14 +24,9 @@ PARAM_STATS = ("grad_norm", "update_ratio")
 
 # The sums each statistic needs ("extremes": min/max and their pmax); NaN and inf reach the squares.
 _NEEDS: Mapping[str, frozenset[str]] = {
-    "mean": frozenset({"sum"}),
-    "std": frozenset({"sum", "squares"}),
-    "rms": frozenset({"squares"}),
-    "l2": frozenset({"squares"}),
-    "min": frozenset({"extremes"}),
-    "max": frozenset({"extremes"}),
-    "zero_fraction": frozenset({"nonzero"}),
-    "nonfinite": frozenset({"squares"}),
+    "mean": frozenset({"sum"}), "std": frozenset({"sum", "squares"}), "rms": frozenset({"squares"}),
+    "l2": frozenset({"squares"}), "min": frozenset({"extremes"}), "max": frozenset({"extremes"}),
+    "zero_fraction": frozenset({"nonzero"}), "nonfinite": frozenset({"squares"}),
 }
 _SUMS = ("count", "sum", "squares", "nonzero")
 
