@@ -178,11 +178,9 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
     else:
         bar = figure.colorbar(image, ax=axes)
     bar.ax.tick_params(labelsize=8)
-    special = []  # a legend of the colours that are no value's
-    if cells.nonfinite.any():
-        special.append(Patch(color=NON_FINITE, label="non-finite"))
-    if cells.missing.any():
-        special.append(Patch(color=MISSING, label="no value"))
+    special = [Patch(color=color, label=label) for color, label, shown in (  # the colours of no value
+        (NON_FINITE, "non-finite", cells.nonfinite.any()), (MISSING, "no value", cells.missing.any()))
+        if shown]
     if special:
         figure.legend(handles=special, loc="lower right", ncols=len(special), fontsize=8, frameon=False,
                       borderaxespad=0.1)
@@ -223,7 +221,7 @@ class Heatmaps:
         self._layers: dict[str, None] = {}  # in the order first seen
         self._steps: list[int] = []  # each column's first step
         self._cells: list[dict[str, list[Any]]] = []  # per column: {layer: [sum, count, non-finite]}
-        self._stride, self._filled, self._last = 1, 0, 0  # steps a full column gathers; the last one's
+        self._stride, self._filled = 1, 0  # steps a full column gathers; the last one's
 
     @property
     def layers(self) -> list[str]:
@@ -246,7 +244,7 @@ class Heatmaps:
             self._cells.append({})
             self._steps.append(step)
             self._filled = 0
-        self._filled, self._last = self._filled + 1, step
+        self._filled += 1
         for layer, value in values.items():
             self._layers.setdefault(layer, None)
             cell, value = self._cells[-1].setdefault(layer, [0.0, 0, False]), float(value)

@@ -60,10 +60,8 @@ class Window:
     @classmethod
     def unpack(cls, vector: Any, layers: int, units: int, modules: int) -> Window:
         """The sums of a packed vector (numpy or jax)."""
-        parts, start = [], 0
-        for size in cls.sizes(layers, units, modules):
-            parts.append(vector[start:start + size])
-            start += size
+        bounds = np.cumsum((0, *cls.sizes(layers, units, modules))).tolist()
+        parts = (vector[start:end] for start, end in zip(bounds, bounds[1:], strict=False))
         table, reached, fired, mass, params, steps = parts
         return cls(table.reshape(layers, len(COLUMNS)), reached, fired, mass, params.reshape(modules, 4),
                    steps[0])

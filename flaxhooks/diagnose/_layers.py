@@ -82,8 +82,7 @@ def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str,
                   thresholds: Thresholds) -> list[LayerFigures]:
     """Each layer's figures from a window's sums, read on the host."""
     table = np.asarray(sums["layers"], np.float64)
-    reached, mass = np.asarray(sums["reached"], np.float64), np.asarray(sums["mass"], np.float64)
-    fired = np.asarray(sums["fired"], np.float64)
+    reached, fired, mass = (np.asarray(sums[key], np.float64) for key in ("reached", "fired", "mass"))
     col = {c: i for i, c in enumerate(COLUMNS)}
     bin_counts = table[:, col["bin0_count"]:col["bin0_count"] + _BINS]
     bin_grads = table[:, col["bin0_abs_g"]:col["bin0_abs_g"] + _BINS]
@@ -94,9 +93,8 @@ def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str,
         offset += n
         count = max(row[col["count"]], 1.0)
         relu_like = row[col["nonpositive_with_gradient"]] == 0 and row[col["nonpositive"]] > 0
-        dormant = float("nan")
-        if relu_like and unit_mass.mean() > 0:
-            dormant = float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
+        dormant = (float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
+                   if relu_like and unit_mass.mean() > 0 else float("nan"))
         with np.errstate(divide="ignore", invalid="ignore"):
             mean_g = bin_grads[i] / bin_counts[i]
             known = bin_counts[i, 0] > 0 and bin_grads[i, 0] > 0
@@ -129,10 +127,8 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
         if f.name in unused:
             continue
         before = first.get(f.name)
-        trend = ""
-        if before is not None and before is not f:
-            trend = (f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the "
-                     f"first window")
+        trend = (f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the "
+                 "first window" if before is not None and before is not f else "")
         if f.dead >= thresholds.dead_fraction:
             found.append(Finding(
                 "dead_units", end, f.name,
@@ -237,8 +233,7 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
     start, end = steps
     rms = np.array([f.grad_rms for f in figures])
     usable = np.isfinite(rms) & (rms > 0)
-    found = []
-    vanishing, exploding = [], []
+    found, vanishing, exploding = [], [], []
     for i in range(len(figures) - 1):
         later = rms[i + 1:][usable[i + 1:]]
         if not usable[i] or not later.size:
