@@ -48,11 +48,8 @@ MAX_ENTROPY_LOGITS = 4096
 
 
 def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The logits ``[examples, heads, queries, keys]`` (and validity) whose entropies a step computes.
-
-    All of them within :data:`MAX_ENTROPY_LOGITS`, else the rows :func:`chosen_rows` picks,
-    gathered where each device's share of the batch lives.
-    """
+    """The logits ``[examples, heads, queries, keys]`` (and validity) whose entropies a step computes:
+    all within :data:`MAX_ENTROPY_LOGITS`, else the rows :func:`chosen_rows` picks."""
     examples, heads, queries, keys = logits.shape
     rows = chosen_rows(examples, queries, heads * keys, MAX_ENTROPY_LOGITS)
     if len(rows) == examples * queries:
@@ -68,11 +65,8 @@ def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax
 
 
 def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Per head, float32 ``[heads, len(HEAD_COLUMNS)]``, of logits ``[batch..., heads, queries, keys]``.
-
-    ``mask`` (broadcastable, True: valid) picks the keys; entropy is over ``log(valid keys)``
-    (1: uniform, 0: one-hot), queries with fewer than two valid keys left out.
-    """
+    """Per head, float32 ``[heads, len(HEAD_COLUMNS)]``, of logits ``[batch..., heads, queries, keys]``
+    where ``mask`` (broadcastable, True: valid) allows; entropy is over ``log(valid keys)``."""
     # Nothing to differentiate (and the variadic reduction has no derivative rule).
     logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
     heads = logits.shape[-3]

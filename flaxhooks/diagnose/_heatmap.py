@@ -114,9 +114,7 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
                    vmax: float | None = None, missing: np.ndarray | None = None,
                    rows: Sequence[str] | None = None, steps: Sequence[int] | None = None,
                    title: str | None = None, columns: int = MAX_COLUMNS) -> Figure:
-    """The heatmap of ``values[layer, step]``, dark for low values, with a colour bar.
-
-    A matplotlib ``Figure`` made without pyplot: it may be drawn off the training thread.
+    """The heatmap of ``values[layer, step]``, a matplotlib ``Figure`` made without pyplot (any thread).
 
     Args:
         values: ``[layers, steps]``; NaN and infinities are drawn in :data:`NON_FINITE`.
@@ -205,10 +203,8 @@ def figure_pixels(figure: Figure) -> np.ndarray:
 
 
 class Heatmaps:
-    """The history of one statistic per layer, as a heatmap of at most ``columns`` columns.
-
-    A full heatmap merges neighbouring columns pairwise: later ones gather twice as many steps.
-    Layers are rows in the order they first appear; one with no value at a step leaves a grey cell.
+    """The history of one statistic per layer (rows in the order they first appear), as a heatmap of
+    at most ``columns`` columns: a full one merges neighbouring columns pairwise.
 
     Args:
         log: merged steps take the geometric mean (else the mean); the picture is coloured by ``log10``.

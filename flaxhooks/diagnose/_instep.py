@@ -111,11 +111,8 @@ def _groups(examples: int) -> int:
 
 
 def chosen_rows(examples: int, positions: int, units: int, entries: int = MAX_ENTRIES) -> np.ndarray:
-    """The rows (flat indices) a step reads of a layer of ``examples x positions`` rows.
-
-    Every example while :func:`rows_read` allows, else evenly spaced ones, each at as many evenly
-    spaced positions, shifted by one from one example to the next; the layer's shape alone decides.
-    """
+    """The rows (flat indices) a step reads of a layer of ``examples x positions`` rows: evenly spaced
+    examples, each at evenly spaced positions shifted by one from the last; its shape alone decides."""
     rows, read = examples * positions, rows_read(examples * positions, units, entries)
     if read >= rows:
         return np.arange(rows)
@@ -143,11 +140,8 @@ def _sum_rows(features: Sequence[jax.Array], axis: int = 1) -> tuple[jax.Array, 
 
 
 def layer_partials(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES) -> tuple[jax.Array, int]:
-    """One layer's per-unit sums ``[16, groups, units]`` over a step's batch, and the rows read.
-
-    The groups (:func:`_groups`) keep each device's sums on it: :func:`step_window` adds
-    every layer's up at once.
-    """
+    """One layer's per-unit sums ``[16, groups, units]`` over a step's batch, and the rows read; the
+    groups keep each device's sums on it (:func:`step_window` adds every layer's up at once)."""
     units = z.shape[-1] if z.ndim else 1
     examples = z.shape[0] if z.ndim > 1 else 1
     positions = math.prod(z.shape[1:-1]) if z.ndim > 2 else 1

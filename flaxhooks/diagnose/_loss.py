@@ -284,14 +284,12 @@ def _initial_finding(step: int, loss: float, num_classes: int, thresholds: LossT
 class LossWatch:
     """Finds ``loss_spike``, ``not_learning``, ``loss_plateau`` and ``initial_loss``, each once.
 
-    Non-finite losses are skipped; :meth:`state_dict` keeps it across a resume.
-
     Args:
         fresh: whether the first loss it takes is training's first (False for a resumed run).
 
     Attributes:
-        num_classes: a classifier's classes (:meth:`initial` sets it), else None: its loss's scale
-            is ``log(num_classes)``, and a loss at it is at chance.
+        num_classes: a classifier's classes (:meth:`initial` sets it): a loss of ``log(num_classes)``
+            is at chance.
     """
 
     def __init__(self, thresholds: LossThresholds = LossThresholds(), *, fresh: bool = True):

@@ -34,11 +34,8 @@ _MISSING = re.compile(r'^(?P<module>\S+) needs PRNG for "(?P<stream>[^"]+)"')
 
 
 def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources[_Label]]) -> list[Sources[_Label]]:
-    """The labels of the inputs each output of ``jaxpr`` depends on (its constants: none).
-
-    Calls, ``scan``, ``while`` and ``cond`` are walked inside; any other equation with a
-    sub-jaxpr depends on all its inputs.
-    """
+    """The labels of the inputs each output of ``jaxpr`` depends on; calls, ``scan``, ``while`` and
+    ``cond`` are walked inside, any other equation with a sub-jaxpr depends on all its inputs."""
     inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     env: dict[Any, Sources[_Label]] = dict(zip(inner.invars, inputs, strict=True))
 
@@ -118,12 +115,8 @@ class DropoutCall:
 
 @dataclasses.dataclass(frozen=True)
 class CallSources:
-    """The random inputs one traced call's outputs and new state depend on.
-
-    Attributes:
-        missing: streams the call asked for that were not given (then given to trace the rest).
-        error: Flax's message when a stream it asked for could not be named.
-    """
+    """The random inputs one traced call's outputs and new state depend on; ``missing``: streams it
+    asked for that were not given; ``error``: Flax's message when one could not be named."""
 
     outputs: Sources[RandomInput]
     state: Sources[RandomInput]
@@ -193,11 +186,8 @@ def _trace(model: Model, params: Any, model_state: Mapping[str, Any], batch: Map
 
 def call_sources(model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *,
                  train: bool, streams: Sequence[str] | None = None) -> CallSources:
-    """Which random inputs one call of ``model`` depends on, on abstract values (compiles nothing).
-
-    Keys are given for ``streams`` (default: ``model.rng_names``); a stream the model asks for
-    beyond them is noted in ``missing`` and given, to trace the rest.
-    """
+    """Which random inputs one call of ``model`` depends on, given keys for ``streams`` (default:
+    ``model.rng_names``); a stream it asks for beyond them is noted in ``missing``. Compiles nothing."""
     given = tuple(model.rng_names if streams is None else streams)
     found: list[str] = []
     for _ in range(16):
@@ -236,11 +226,8 @@ def _nnx_dropout_holders(model: Model) -> set[str]:
 
 def dropout_in_eval(model: Model, train: CallSources, evaluation: CallSources,
                     step: int = 0) -> list[Finding]:
-    """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a dropout stream.
-
-    Other streams (a sampling model's ``noise``) are taken as meant. An NNX RNG state is
-    dropout's when an ``nnx.Dropout`` holds it or its stream is ``dropout``.
-    """
+    """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a dropout stream (an NNX RNG
+    state is dropout's when an ``nnx.Dropout`` holds it or its stream is ``dropout``)."""
     streams, holders = _dropout_streams(model, train, evaluation), _nnx_dropout_holders(model)
     drawn = sorted((s, w) for s, w in evaluation.outputs if s in streams or w in holders)
     if not drawn:
@@ -268,12 +255,8 @@ def dropout_in_eval(model: Model, train: CallSources, evaluation: CallSources,
 
 def rng_streams(model: Model, train: CallSources, step: int = 0, *,
                 rng_names_given: bool | None = None) -> list[Finding]:
-    """An ``rng_streams`` finding when the train-mode call and ``rng_names`` disagree.
-
-    Said for streams drawn that ``rng_names`` lacks, and for streams named that are never
-    drawn when dropout layers are off in train mode or ``rng_names`` was given
-    (``rng_names_given``; None: when it is not :data:`DEFAULT_RNG_NAMES`).
-    """
+    """An ``rng_streams`` finding for streams drawn that ``rng_names`` lacks, and for streams named but
+    never drawn when dropout is off in train mode or ``rng_names_given`` (None: not the default)."""
     names = tuple(model.rng_names)
     if rng_names_given is None:
         rng_names_given = names != DEFAULT_RNG_NAMES
@@ -309,12 +292,9 @@ def rng_streams(model: Model, train: CallSources, step: int = 0, *,
 
 def setup_findings(model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any],
                    step: int = 0, *, rng_names_given: bool | None = None) -> list[Finding]:
-    """The ``dropout_in_eval`` and ``rng_streams`` findings of a model about to train.
-
-    Traces the train- and eval-mode calls as the step and evaluation make them; compiles nothing.
+    """The ``dropout_in_eval`` and ``rng_streams`` findings of a model about to train, on abstract values.
 
     Args:
-        params: the state's (only shapes are read), as ``model_state``.
         batch: the global batch (``FitPlan.spec.global_batch()``).
         rng_names_given: whether ``as_model(model, rng_names=...)`` was given (None: when not the default).
     """

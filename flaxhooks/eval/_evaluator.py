@@ -52,10 +52,8 @@ _created: dict[Any, type[clu_metrics.Collection]] = {}
 
 
 def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_metrics.Collection]:
-    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}``; None: the default.
-
-    The same metrics give the same class, so the compiled eval step is reused.
-    """
+    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}`` (None: the default);
+    the same metrics give the same class, so the compiled eval step is reused."""
     if metrics is None:
         return LossAccuracy if has_labels else LossOnly
     if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Collection):
@@ -125,11 +123,8 @@ class EvalResult:
 
 
 class Evaluator:
-    """Compiles and runs an exact evaluation for one Trainer and one metrics collection.
-
-    Each process pads its share of a batch to the size the first batch fixes (larger ones are
-    split), masked out of every metric; metrics accumulate on the devices.
-    """
+    """Compiles and runs an exact evaluation for one Trainer and one metrics collection: each process
+    pads its share of a batch to the size the first fixes, masked out of every metric."""
 
     def __init__(self, model: Model, metrics: type[clu_metrics.Collection], example_loss_fn: ExampleLossFn,
                  label_key: str | None, placement: Placement,
@@ -243,11 +238,8 @@ class Evaluator:
 
     def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str,
             labels_checked: bool = False, layout: Mapping[str, np.ndarray] | None = None) -> EvalResult:
-        """Evaluates ``state`` on every example of ``batches``; the first is checked and sets the size.
-
-        On several processes all run the step alike until none has an example left; one with no
-        batch feeds padding shaped like ``layout`` (arrays of the batch's keys and example shapes).
-        """
+        """Evaluates ``state`` on every example of ``batches``; on several processes one with no batch
+        feeds padding shaped like ``layout`` (arrays of the batch's keys and example shapes)."""
         several = jax.process_count() > 1
         variables = (state.params, state.model_state)
         totals: Any = self._no_totals()
@@ -398,9 +390,8 @@ class Evaluations:
 
     def check(self, state: TrainState, data: Any, batch_size: int | None, metrics: Metrics | None,
               name: str) -> None:
-        """Checks on abstract values that the model, loss and metrics can evaluate ``data``'s first batch.
-
-        A one-shot iterator is not read (its first batch would be lost).
+        """Checks on abstract values that the model, loss and metrics can evaluate ``data``'s first batch
+        (a one-shot iterator is not read: its first batch would be lost).
 
         Raises:
             BatchError, EmptyDataError: naming the evaluation and the cause.
