@@ -140,13 +140,6 @@ def record_attention(module: Any, logits: jax.Array, mask: jax.Array | None = No
         module.sow(collection, SOWN_NAME, logit_stats(logits, mask))
 
 
-def _combined_mask(mask: Any, is_causal: bool, queries: int, keys: int) -> Any:
-    if not is_causal:
-        return mask
-    causal = jnp.tril(jnp.ones((queries, keys), jnp.bool_))
-    return causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(jnp.bool_), causal)
-
-
 def recorded_attention_fn(attention_fn: Callable[..., Any], module: Any) -> Callable[..., Any]:
     """``attention_fn`` recording its logits on ``module`` first; ``functools.wraps`` keeps the
     signature, by which Linen picks the keyword arguments it passes."""
@@ -157,7 +150,9 @@ def recorded_attention_fn(attention_fn: Callable[..., Any], module: Any) -> Call
     def recorded(query: jax.Array, key: jax.Array, value: jax.Array, *args: Any, **kwargs: Any) -> Any:
         bias = args[0] if args else kwargs.get("bias")
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
-        mask = _combined_mask(mask, bool(kwargs.get("is_causal", False)), query.shape[-3], key.shape[-3])
+        if kwargs.get("is_causal", False):
+            causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), jnp.bool_))
+            mask = causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(jnp.bool_), causal)
         record_attention(module, attention_logits(query, key, bias, kwargs.get("dtype")), mask)
         return attention_fn(query, key, value, *args, **kwargs)
 

@@ -102,14 +102,6 @@ def _short(name: str) -> str:
     return name if len(name) <= _NAME_LENGTH else "\u2026" + name[-(_NAME_LENGTH - 1):]
 
 
-def _size(rows: int, columns: int, names: Sequence[str]) -> tuple[float, float]:
-    """The figure's ``(width, height)`` in inches: at least about TensorBoard's card (scaled down only)."""
-    name_width = 0.06 * max((len(name) for name in names), default=0)
-    width = min(max(2.6 + name_width + 0.03 * columns, 4.0), 14.0)
-    height = min(max(1.2 + 0.2 * rows, 2.4), 11.0)
-    return width, height
-
-
 def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None = None,
                    vmax: float | None = None, missing: np.ndarray | None = None,
                    rows: Sequence[str] | None = None, steps: Sequence[int] | None = None,
@@ -144,7 +136,9 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
     if len(steps) != np.shape(values)[-1]:
         raise ValueError(f"{len(steps)} steps for {np.shape(values)[-1]} columns")
     starts = np.linspace(0, len(steps), n_columns + 1).round().astype(int)[:-1]  # merged: the first step
-    size = _size(n_rows, n_columns, names)
+    # In inches: at least about TensorBoard's card (it scales a picture down to fit, not up).
+    name_width = 0.06 * max((len(name) for name in names), default=0)
+    size = (min(max(2.6 + name_width + 0.03 * n_columns, 4.0), 14.0), min(max(1.2 + 0.2 * n_rows, 2.4), 11.0))
     figure = Figure(figsize=size, dpi=DPI)
     FigureCanvasAgg(figure)
     # Margins from the labels' lengths: constrained layout draws the figure twice.

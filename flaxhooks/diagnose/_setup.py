@@ -210,25 +210,21 @@ def _names(items: Iterable[str]) -> str:
     return ", ".join(repr(i) for i in sorted(set(items)))
 
 
-def _dropout_streams(model: Model, *calls: CallSources) -> set[str]:
+def _dropout_streams(model: Model, *calls: CallSources) -> tuple[set[str], set[str]]:
+    """The streams dropout draws from, and where an NNX model's dropout layers hold their RNG state."""
     streams = {"dropout", *(d.stream for c in calls for d in c.dropouts)}
-    if isinstance(model, NNXModel):
-        streams |= {m.rng_collection for _, m in nnx.iter_modules(model.module) if isinstance(m, nnx.Dropout)}
-    return streams
-
-
-def _nnx_dropout_holders(model: Model) -> set[str]:
     if not isinstance(model, NNXModel):
-        return set()
-    return {"/".join((*map(str, path), "rngs")) for path, m in nnx.iter_modules(model.module)
-            if isinstance(m, nnx.Dropout)}
+        return streams, set()
+    layers = [(path, m) for path, m in nnx.iter_modules(model.module) if isinstance(m, nnx.Dropout)]
+    return (streams | {m.rng_collection for _, m in layers},
+            {"/".join((*map(str, path), "rngs")) for path, _ in layers})
 
 
 def dropout_in_eval(model: Model, train: CallSources, evaluation: CallSources,
                     step: int = 0) -> list[Finding]:
     """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a dropout stream (an NNX RNG
     state is dropout's when an ``nnx.Dropout`` holds it or its stream is ``dropout``)."""
-    streams, holders = _dropout_streams(model, train, evaluation), _nnx_dropout_holders(model)
+    streams, holders = _dropout_streams(model, train, evaluation)
     drawn = sorted((s, w) for s, w in evaluation.outputs if s in streams or w in holders)
     if not drawn:
         return []

@@ -153,19 +153,14 @@ class Evaluator:
         self.eval_step = eval_step
         #: How many times the eval step was traced (each trace compiles).
         self.traces = 0
-
-        def counted(*args: Any) -> Any:
-            self.traces += 1
-            return eval_step(*args)
-
-        whole = in_global_view(counted, axis)
+        whole = in_global_view(eval_step, axis)
 
         def traced(variables: Any, totals: MetricsSoFar, batch: Batch) -> Any:
+            self.traces += 1
             with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
                 return whole(variables, batch, totals)
 
-        self._whole = lambda variables, totals, batch: (
-            in_global_view(eval_step, axis)(variables, batch, totals))
+        self._whole = lambda variables, totals, batch: whole(variables, batch, totals)
         self._step = jax.jit(traced, out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
         self._no_totals = placement.replicated_constant(lambda: (metrics.empty(), jnp.zeros((), jnp.int32)))
