@@ -1,13 +1,8 @@
-"""What ``Diagnose`` reasons with: pure functions and small host-side
-watchers that turn statistics into findings (:class:`flaxhooks.Finding`),
-and the pictures that show them. The callback itself is
-:class:`flaxhooks.Diagnose`.
+"""What :class:`flaxhooks.Diagnose` reasons with: functions and watchers that turn statistics into
+findings, and the pictures that show them.
 
-``__all__`` is what users set (the thresholds); the other names here are
-``Diagnose``'s own and may change in any release.
+``__all__`` is what users set; the other names are ``Diagnose``'s own and may change in any release.
 """
-
-from typing import Any
 
 from flaxhooks.diagnose._attention import (
     ATTENTION,

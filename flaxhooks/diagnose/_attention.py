@@ -1,14 +1,6 @@
-"""What ``Diagnose`` sees of a Transformer: per attention head, the largest
-pre-softmax logit and the entropy of the attention distributions, and, of
-the model's output logits, the softmax normalizer ``log Z``.
-
-Attention statistics are sown, reduced per head, into the :data:`ATTENTION`
-collection while an instrumented step runs: by :func:`record_attention`,
-which a model's own attention calls with its logits, and by
-:func:`attention_interceptor`, which wraps the ``attention_fn`` of Flax's
-``nn.MultiHeadDotProductAttention`` (Linen) and ``nnx.MultiHeadAttention``
-(NNX) for the duration of the call. Outside an instrumented step both do nothing.
-"""
+"""What ``Diagnose`` sees of a Transformer: per attention head the largest logit and the
+entropy, sown into :data:`ATTENTION` in an instrumented step (:func:`record_attention`,
+:func:`attention_interceptor`), and the output logits' ``log Z``."""
 
 from __future__ import annotations
 
@@ -26,17 +18,15 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from flaxhooks.contract import Finding
-from flaxhooks.diagnose._instep import _groups, chosen_rows
+from flaxhooks.diagnose._instep import _groups, _sum_rows, chosen_rows
 
 #: The collection (Linen) and variable type name (NNX) attention statistics are sown into.
 ATTENTION = "attention_stats"
 #: The name each statistic is sown under in its module.
 SOWN_NAME = "attention_logit_stats"  # a name no submodule takes
 
-#: The columns of a head's statistics (:func:`logit_stats`): the largest
-#: ``|logit|`` over valid keys, the sum over queries of the attention's
-#: entropy divided by ``log(valid keys)``, and how many queries (with at
-#: least two valid keys) that sum is over.
+#: A head's statistics (:func:`logit_stats`): the largest ``|logit|``, the sum of entropy over
+#: ``log(valid keys)`` over queries with two valid keys or more, and how many such queries.
 HEAD_COLUMNS: tuple[str, ...] = ("max_abs_logit", "entropy_sum", "queries")
 #: Which head columns add up over steps by their maximum (the rest by their sum).
 HEAD_MAXED: tuple[bool, ...] = (True, False, False)
@@ -52,34 +42,14 @@ class AttentionStats(nnx.Intermediate):
 variablelib.register_variable_name(ATTENTION, AttentionStats, overwrite=True)
 
 
-# -- in the step -----------------------------------------------------------------------------------
-
-def _valid(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
-    if mask is None:
-        return jnp.ones(logits.shape, jnp.bool_)
-    return jnp.broadcast_to(jnp.asarray(mask).astype(jnp.bool_), logits.shape)
-
-
-#: The most logits of an attention layer whose entropies a step computes:
-#: a larger layer's are computed at evenly spaced queries (chosen as a layer's
-#: rows are, :func:`~flaxhooks.diagnose.chosen_rows`), its largest logit over
-#: all of them. Entropy is a mean, added up over the window's steps.
+#: The most logits of an attention layer whose entropies a step computes (a larger
+#: layer's at evenly spaced queries, :func:`entropy_queries`); its largest logit is over all.
 MAX_ENTROPY_LOGITS = 4096
 
 
 def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The queries ``[examples, heads, queries, keys]`` logits (and their
-    validity) whose entropies a step computes: all of them within
-    :data:`MAX_ENTROPY_LOGITS`, else the rows :func:`chosen_rows` picks of
-    ``examples x queries`` rows of ``heads x keys`` logits, gathered where each
-    device's share of the batch lives.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> logits = jnp.arange(64 * 4 * 11 * 11, dtype=jnp.float32).reshape(64, 4, 11, 11)
-        >>> entropy_queries(logits, logits > 0)[0].shape  # one query of each example
-        (64, 4, 1, 11)
-    """
+    """The logits ``[examples, heads, queries, keys]`` (and validity) whose entropies a step computes:
+    all within :data:`MAX_ENTROPY_LOGITS`, else the rows :func:`chosen_rows` picks."""
     examples, heads, queries, keys = logits.shape
     rows = chosen_rows(examples, queries, heads * keys, MAX_ENTROPY_LOGITS)
     if len(rows) == examples * queries:
@@ -88,52 +58,30 @@ def entropy_queries(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax
     spacing = examples // picked.shape[0]
     if spacing > 1:  # evenly spaced examples, as many in each group (on one device each)
         groups = _groups(examples)
-
-        def spaced(x: jax.Array) -> jax.Array:
-            return x.reshape(groups, examples // groups, *x.shape[1:])[:, ::spacing].reshape(-1, *x.shape[1:])
-
-        logits, valid = spaced(logits), spaced(valid)
+        logits, valid = (x.reshape(groups, examples // groups, *x.shape[1:])[:, ::spacing]
+                         .reshape(-1, *x.shape[1:]) for x in (logits, valid))
     index = jnp.asarray((picked % queries)[:, None, :, None], jnp.int32)
     return jnp.take_along_axis(logits, index, axis=2), jnp.take_along_axis(valid, index, axis=2)
 
 
 def logit_stats(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Per head, float32 ``[heads, len(HEAD_COLUMNS)]``, of pre-softmax
-    attention logits ``[batch..., heads, queries, keys]`` where ``mask``
-    (broadcastable to them, True: valid) allows.
-
-    The entropy of each query's distribution over its valid keys is divided
-    by ``log(valid keys)`` (1: uniform, 0: one-hot); queries with fewer than
-    two valid keys (the first of a causal mask) are left out.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> logits = jnp.array([[[[0.0, 9.0], [1.0, 1.0]]]])  # one head, two queries
-        >>> causal = jnp.tril(jnp.ones((2, 2), bool))  # 9.0 is masked out
-        >>> [round(float(v), 3) for v in logit_stats(logits, causal)[0]]  # the 2nd query is uniform
-        [1.0, 1.0, 1.0]
-    """
-    # Statistics, not part of the loss: nothing to differentiate (and the
-    # variadic reduction below has no derivative rule).
+    """Per head, float32 ``[heads, len(HEAD_COLUMNS)]``, of logits ``[batch..., heads, queries, keys]``
+    where ``mask`` (broadcastable, True: valid) allows; entropy is over ``log(valid keys)``."""
+    # Nothing to differentiate (and the variadic reduction has no derivative rule).
     logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
     heads = logits.shape[-3]
-    valid = _valid(logits, mask).reshape(-1, *logits.shape[-3:])
-    return _head_stats(logits.reshape(valid.shape), valid, heads)
-
-
-def _head_stats(logits: jax.Array, valid: jax.Array, heads: int) -> jax.Array:
-    # One pass per reduction and nothing stacked: on CPU XLA writes a stack of
-    # features out before summing it (1.9 ms of op time a step on the
-    # Transformer benchmark's 2 devices), where a variadic reduction keeps every sum.
-    # The largest logit over every query (0 for a head with no valid key), entropy at some.
+    valid = (jnp.ones(logits.shape, jnp.bool_) if mask is None
+             else jnp.broadcast_to(jnp.asarray(mask).astype(jnp.bool_), logits.shape))
+    valid = valid.reshape(-1, *logits.shape[-3:])
+    logits = logits.reshape(valid.shape)
+    # The largest logit over every query (0 for a head with no valid key), entropy at the chosen ones.
     largest = jnp.max(jnp.where(valid, jnp.abs(logits), 0.0), axis=(0, 2, 3))
     logits, valid = entropy_queries(logits, valid)
     top = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1)  # [examples, heads, q]
     shifted = jnp.where(valid, logits - jnp.where(jnp.isfinite(top), top, 0.0)[..., None], 0.0)
     weights = jnp.where(valid, jnp.exp(shifted), 0.0)
-    keys, total, weighted = jax.lax.reduce(
-        (valid.astype(jnp.float32), weights, weights * shifted), (jnp.float32(0),) * 3,
-        lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (logits.ndim - 1,))
+    # One variadic reduction, nothing stacked: XLA on CPU writes a stack out before summing it.
+    keys, total, weighted = _sum_rows([valid.astype(jnp.float32), weights, weights * shifted], axis=-1)
     # H = log Z - E[l - top], over valid keys; 0 for a row of one key.
     safe = jnp.maximum(total, 1e-30)
     counted = keys >= 2
@@ -144,10 +92,8 @@ def _head_stats(logits: jax.Array, valid: jax.Array, heads: int) -> jax.Array:
 
 def attention_logits(query: jax.Array, key: jax.Array, bias: jax.Array | None = None,
                      dtype: Any = None) -> jax.Array:
-    """The pre-softmax logits ``[batch..., heads, queries, keys]`` as Flax's
-    ``dot_product_attention_weights`` computes them: ``query / sqrt(depth)``
-    dotted with ``key`` (in their promoted dtype), plus ``bias``. Keys with
-    fewer heads than queries (grouped-query attention) serve consecutive query heads."""
+    """The logits ``[batch..., heads, queries, keys]`` as Flax's ``dot_product_attention_weights``
+    computes them; keys with fewer heads (grouped-query attention) serve consecutive query heads."""
     dtype = dtype or jnp.result_type(query, key)
     query, key = query.astype(dtype), key.astype(dtype)
     if key.shape[-2] != query.shape[-2]:
@@ -157,40 +103,24 @@ def attention_logits(query: jax.Array, key: jax.Array, bias: jax.Array | None = 
     return logits if bias is None else logits + bias
 
 
-# -- recording ---------------------------------------------------------------------------------------
-
-def _linen_recording(module: nn.Module) -> bool:
-    return (module.scope is not None and not module.is_initializing()
-            and module.is_mutable_collection(ATTENTION))
-
-
-def _nnx_recording(module: nnx.Module) -> bool:
-    # nnx.capture sets __captures__ for its call; the step's capture asks for AttentionStats.
-    return any(type(var) is AttentionStats for var in getattr(module, "__captures__", ()))
-
-
 def recording(module: Any) -> bool:
-    """Whether ``module`` runs in a step that collects attention statistics
-    (a Linen module's :data:`ATTENTION` collection is mutable, an NNX module
-    runs under an ``nnx.capture`` of :class:`AttentionStats`)."""
+    """Whether ``module`` runs in a step that collects attention statistics."""
     if isinstance(module, nn.Module):
-        return _linen_recording(module)
-    return isinstance(module, nnx.Module) and _nnx_recording(module)
+        return (module.scope is not None and not module.is_initializing()
+                and module.is_mutable_collection(ATTENTION))
+    # nnx.capture sets __captures__ for its call; the step's capture asks for AttentionStats.
+    return isinstance(module, nnx.Module) and any(
+        type(var) is AttentionStats for var in getattr(module, "__captures__", ()))
 
 
 def record_attention(module: Any, logits: jax.Array, mask: jax.Array | None = None) -> None:
-    """Hands a model's own attention to :class:`flaxhooks.Diagnose`: call it
-    from the attention module with its pre-softmax logits
-    ``[batch..., heads, queries, keys]`` (scaled, any bias added, before the
-    mask) and the mask (broadcastable to them, True where a query may see a
-    key). It sows the logits' per-head statistics (:func:`logit_stats`) when
-    an instrumented step asks for them, and does nothing otherwise (nothing is
-    computed in a lean step, at ``init`` or outside the Trainer).
+    """Hands a model's own attention to :class:`flaxhooks.Diagnose`; nothing outside its sampled steps.
 
     Args:
-        module: the calling module (``self``): a Linen or NNX module.
-        logits: the pre-softmax attention logits.
-        mask: which keys each query may see, or None (all).
+        module: the calling Linen or NNX module (``self``).
+        logits: the pre-softmax logits ``[batch..., heads, queries, keys]`` (scaled, any bias
+            added, before the mask).
+        mask: broadcastable to them, True where a query may see a key; None: all.
 
     Examples:
         >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -205,27 +135,14 @@ def record_attention(module: Any, logits: jax.Array, mask: jax.Array | None = No
         >>> sown[ATTENTION][SOWN_NAME][0].shape  # heads, statistics
         (2, 3)
     """
-    if not recording(module):
-        return
-    stats = logit_stats(logits, mask)
-    if isinstance(module, nn.Module):
-        module.sow(ATTENTION, SOWN_NAME, stats)
-    else:
-        module.sow(AttentionStats, SOWN_NAME, stats)
-
-
-def _combined_mask(mask: Any, is_causal: bool, queries: int, keys: int) -> Any:
-    if not is_causal:
-        return mask
-    causal = jnp.tril(jnp.ones((queries, keys), jnp.bool_))
-    return causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(jnp.bool_), causal)
+    if recording(module):
+        collection = ATTENTION if isinstance(module, nn.Module) else AttentionStats
+        module.sow(collection, SOWN_NAME, logit_stats(logits, mask))
 
 
 def recorded_attention_fn(attention_fn: Callable[..., Any], module: Any) -> Callable[..., Any]:
-    """``attention_fn`` that first records its logits' statistics on ``module``
-    (:func:`record_attention`), then runs unchanged. It keeps the original's
-    signature (``functools.wraps``), by which Linen's attention picks the
-    keyword arguments it passes."""
+    """``attention_fn`` recording its logits on ``module`` first; ``functools.wraps`` keeps the
+    signature, by which Linen picks the keyword arguments it passes."""
     if getattr(attention_fn, "_flaxhooks_records", False):
         return attention_fn
 
@@ -233,7 +150,9 @@ def recorded_attention_fn(attention_fn: Callable[..., Any], module: Any) -> Call
     def recorded(query: jax.Array, key: jax.Array, value: jax.Array, *args: Any, **kwargs: Any) -> Any:
         bias = args[0] if args else kwargs.get("bias")
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
-        mask = _combined_mask(mask, bool(kwargs.get("is_causal", False)), query.shape[-3], key.shape[-3])
+        if kwargs.get("is_causal", False):
+            causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), jnp.bool_))
+            mask = causal if mask is None else jnp.logical_and(jnp.asarray(mask).astype(jnp.bool_), causal)
         record_attention(module, attention_logits(query, key, bias, kwargs.get("dtype")), mask)
         return attention_fn(query, key, value, *args, **kwargs)
 
@@ -246,10 +165,8 @@ ATTENTION_MODULES: tuple[type, ...] = (nn.MultiHeadDotProductAttention, nnx.Mult
 
 
 def attention_interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """A method interceptor (``flax.linen.intercept_methods``'s form; the NNX
-    adapter calls it alike) that records the attention of Flax's attention
-    modules: their ``attention_fn`` is wrapped by :func:`recorded_attention_fn`
-    for the call, then put back. Other calls run unchanged."""
+    """A ``flax.linen.intercept_methods`` interceptor (NNX's adapter calls it alike) wrapping the
+    ``attention_fn`` of :data:`ATTENTION_MODULES` for the call (:func:`recorded_attention_fn`)."""
     module = context.module
     ours = context.method_name == "__call__" and isinstance(module, ATTENTION_MODULES)
     if not ours or not recording(module):
@@ -266,41 +183,26 @@ def attention_interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, 
 
 
 def log_z_stats(logits: jax.Array) -> jax.Array:
-    """Sums over every position of ``log Z = logsumexp(logits, -1)``, float32
-    ``[len(LOG_Z_COLUMNS)]``: positions, sum, sum of ``|log Z|``, largest ``|log Z|``.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> [round(float(v), 3) for v in log_z_stats(jnp.zeros((2, 4)))]
-        [2.0, 2.773, 2.773, 1.386]
-    """
+    """Sums over the positions of ``log Z = logsumexp(logits, -1)``, float32 ``[len(LOG_Z_COLUMNS)]``."""
     log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1).reshape(-1)
     return jnp.stack([jnp.asarray(log_z.size, jnp.float32), log_z.sum(), jnp.abs(log_z).sum(),
                       jnp.max(jnp.abs(log_z))])
 
 
 def output_logits(outputs: Any, batch: Mapping[str, Any], label_key: str | None) -> jax.Array | None:
-    """The model's output when it is a sequence model's token logits: a
-    floating array ``[batch, positions..., vocabulary]`` (at least 2) whose
-    leading shape an integer batch array (``label_key``'s, else any) labels,
-    else None. A classifier's ``[batch, classes]`` is left out: confident
-    classifiers grow their logits, and z-loss is a language model's remedy."""
-    if not isinstance(outputs, jax.Array) or outputs.ndim < 3 or outputs.shape[-1] < 2:
-        return None
-    if not jnp.issubdtype(outputs.dtype, jnp.floating):
+    """The outputs if they are a sequence model's token logits ``[batch, positions..., vocabulary]``
+    labelled by an integer batch array (``label_key``'s, else any); a classifier's are not."""
+    if (not isinstance(outputs, jax.Array) or outputs.ndim < 3 or outputs.shape[-1] < 2
+            or not jnp.issubdtype(outputs.dtype, jnp.floating)):
         return None
     keys = [label_key] if label_key is not None and label_key in batch else list(batch)
-    for name in keys:
-        labels = batch.get(name)
-        if isinstance(labels, jax.Array) and jnp.issubdtype(labels.dtype, jnp.integer) \
-                and labels.shape == outputs.shape[:-1]:
-            return outputs
-    return None
+    labels = [batch.get(name) for name in keys]
+    return outputs if any(isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer)
+                          and x.shape == outputs.shape[:-1] for x in labels) else None
 
 
 def attention_layers(taps: Sequence[Any]) -> list[tuple[str, jax.Array]]:
-    """``(layer, per-head statistics)`` of the :data:`ATTENTION` taps: a layer
-    by its module's path (its tap's name where a module recorded several)."""
+    """``(layer, per-head statistics)`` of the :data:`ATTENTION` taps, by module path (or tap name)."""
     found = [t for t in taps if t.collection == ATTENTION and t.value.ndim == 2
              and t.value.shape[-1] == len(HEAD_COLUMNS)]
     paths = ["/".join(t.module) or "model" for t in found]
@@ -308,22 +210,16 @@ def attention_layers(taps: Sequence[Any]) -> list[tuple[str, jax.Array]]:
             for path, t in zip(paths, found, strict=True)]
 
 
-# -- on the host -------------------------------------------------------------------------------------
-
 @dataclasses.dataclass(frozen=True)
 class AttentionThresholds:
     """When a Transformer's figures become a finding; docs/guides/diagnose.md gives the evidence.
 
     Attributes:
-        max_logit: an attention layer's largest ``|logit|`` above this
-            (MaxText and Kimi K2 cap or clip them around 50 to 100).
-        logit_growth: its largest ``|logit|`` grown this many times since its
-            first window, and at least ``growth_floor``.
-        growth_floor: the least ``|logit|`` that growth alone reports.
-        entropy_floor: an attention layer's mean entropy over ``log(keys)``
-            below this (0: one-hot) ...
-        entropy_drop: ... and below this share of its first window's (or
-            below the floor from the first window on).
+        max_logit: an attention layer's largest ``|logit|`` above this.
+        logit_growth: its largest ``|logit|`` grown this many times since its first window ...
+        growth_floor: ... and at least this.
+        entropy_floor: an attention layer's mean entropy over ``log(keys)`` below this (0: one-hot) ...
+        entropy_drop: ... and below this share of its first window's (or below the floor from it on).
         log_z: the mean ``|log Z|`` of the output logits above this.
     """
 
@@ -354,8 +250,7 @@ class AttentionFigures:
 
 
 def attention_figures(layers: Sequence[tuple[str, int]], table: Any) -> list[AttentionFigures]:
-    """Each attention layer's figures from the window's per-head sums
-    ``[heads in all, len(HEAD_COLUMNS)]``."""
+    """Each attention layer's figures from the window's per-head sums ``[heads, len(HEAD_COLUMNS)]``."""
     table = np.asarray(table, np.float64).reshape(-1, len(HEAD_COLUMNS))
     figures, start = [], 0
     for name, heads in layers:
@@ -391,10 +286,9 @@ def attention_findings(figures: Sequence[AttentionFigures], first: Mapping[str, 
                 "soft-cap the logits (`cap * tanh(logits / cap)`, cap about 50), or lower the learning rate "
                 "or lengthen its warmup",
                 since=start, values={"max_logit": top, "first_max_logit": was,
-                                     "per_head": list(f.max_logit)},
-            ))
+                                     "per_head": list(f.max_logit)}))
         entropy, was_entropy = f.layer_entropy, base.layer_entropy
-        # Fallen well below its first window's, or one-hot from the start (random weights attend broadly).
+        # Random weights attend broadly: one-hot from the start is a collapse too.
         fallen = entropy < thresholds.entropy_drop * was_entropy or was_entropy < thresholds.entropy_floor
         collapsed = np.isfinite(entropy) and np.isfinite(was_entropy) and entropy < thresholds.entropy_floor
         if collapsed and fallen:
@@ -407,8 +301,7 @@ def attention_findings(figures: Sequence[AttentionFigures], first: Mapping[str, 
                 "normalize queries and keys (QK-norm: `normalize_qk=True`), or lower the learning rate or "
                 "lengthen its warmup (entropy collapse, Zhai et al. 2023)",
                 since=start, values={"entropy": entropy, "first_entropy": was_entropy,
-                                     "per_head": list(f.entropy)},
-            ))
+                                     "per_head": list(f.entropy)}))
     return found
 
 
@@ -429,10 +322,9 @@ def log_z_findings(figures: Mapping[str, float], first: Mapping[str, float] | No
     return [Finding(
         "output_logit_drift", steps[1], None,
         "the output softmax's normalizer has drifted: mean log Z = logsumexp(logits) is "
-        f"{figures['mean']:.3g} "
-        f"(mean |log Z| {figures['mean_abs']:.3g}, at most {figures['max_abs']:.3g}; {was:.3g} in the first "
-        f"window), over {thresholds.log_z:g}: the loss cannot see it, but large logits lose precision",
+        f"{figures['mean']:.3g} (mean |log Z| {figures['mean_abs']:.3g}, at most {figures['max_abs']:.3g}; "
+        f"{was:.3g} in the first window), over {thresholds.log_z:g}: the loss cannot see it, but large "
+        "logits lose precision",
         "add PaLM's z-loss, 1e-4 * log(Z)**2 averaged over positions (`optax.losses."
         "softmax_cross_entropy_with_integer_labels` plus that term), or lower the learning rate",
-        since=steps[0], values={**figures, "first_mean": was},
-    )]
+        since=steps[0], values={**figures, "first_mean": was})]

@@ -1,7 +1,5 @@
-"""A statistic over layers and steps as a picture read at a glance: a heatmap
-whose rows are the layers in depth order (the first at the top) and whose
-columns are the steps, drawn with matplotlib (an optional extra:
-``pip install 'flaxhooks[figures]'``) on viridis, with a colour bar."""
+"""A statistic over layers (rows, the first at the top) and steps (columns) as a heatmap,
+drawn with matplotlib (:data:`FIGURES_EXTRA`)."""
 
 from __future__ import annotations
 
@@ -25,16 +23,15 @@ NON_FINITE = "#e22424"
 MISSING = "#c8c8c8"
 #: The colour map: perceptually uniform, dark for low values.
 COLORMAP = "viridis"
-#: Pixels per inch of the pictures (their size in inches grows with the rows and columns).
+#: Pixels per inch of the pictures.
 DPI = 100
-#: The most columns drawn: more steps share columns (their mean), so that no step is
-#: resampled away (a lone non-finite step stays visible).
+#: The most columns drawn: more steps share columns (their mean), none resampled away.
 MAX_COLUMNS = 512
 _MAX_ROW_LABELS, _STEP_TICKS, _NAME_LENGTH = 40, 8, 32
 
 
 def figures_available() -> bool:
-    """Whether matplotlib, which draws the heatmaps, is installed (without importing it)."""
+    """Whether matplotlib is installed (without importing it)."""
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -44,10 +41,8 @@ def _need_matplotlib() -> None:
 
 
 class _Cells(NamedTuple):
-    """What a heatmap shows: ``values`` (masked where ``missing`` or
-    ``nonfinite``; on a log scale values <= 0 are ``low``, the lowest colour),
-    the colour bar's ends, whether it is a log scale, and whether every
-    finite value is the same (``constant``: the bar is spread around it)."""
+    """What a heatmap shows: ``values`` masked where missing or non-finite, the colour bar's ends,
+    whether it is a log scale, and whether every finite value is the same."""
 
     values: np.ma.MaskedArray
     missing: np.ndarray
@@ -60,8 +55,7 @@ class _Cells(NamedTuple):
 
 def _cells(values: np.ndarray, missing: np.ndarray | None, log: bool, vmin: float | None,
            vmax: float | None, columns: int) -> _Cells:
-    """The cells of ``values[layer, step]`` and their colour scale: a log scale
-    where ``log`` is asked and the range is positive and spans a decade."""
+    """The cells of ``values[layer, step]``: a log scale where asked and the range spans a decade."""
     values = np.asarray(values, np.float64)
     values = values[None] if values.ndim == 1 else values
     if values.ndim != 2 or not values.size:
@@ -93,8 +87,8 @@ def _cells(values: np.ndarray, missing: np.ndarray | None, log: bool, vmin: floa
 
 def _merge_columns(values: np.ndarray, nonfinite: np.ndarray, missing: np.ndarray, columns: int,
                    log: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Groups of neighbouring columns as one: the mean of their values (a
-    geometric mean on a log scale); non-finite if any is, missing if all are."""
+    """Groups of neighbouring columns as one: their (geometric on a log scale) mean; non-finite if
+    any is, missing if all are."""
     starts = np.linspace(0, values.shape[1], columns + 1).round().astype(int)[:-1]
     ok = ~(nonfinite | missing)
     x = np.log10(np.where(ok, values, 1.0)) if log else np.where(ok, values, 0.0)
@@ -108,44 +102,20 @@ def _short(name: str) -> str:
     return name if len(name) <= _NAME_LENGTH else "\u2026" + name[-(_NAME_LENGTH - 1):]
 
 
-def _size(rows: int, columns: int, names: Sequence[str]) -> tuple[float, float]:
-    """The figure's ``(width, height)`` in inches: growing with the columns, the
-    rows and the names' length, within a readable range."""
-    # At least about TensorBoard's card (it scales a picture down to fit, not up).
-    name_width = 0.06 * max((len(name) for name in names), default=0)
-    width = min(max(2.6 + name_width + 0.03 * columns, 4.0), 14.0)
-    height = min(max(1.2 + 0.2 * rows, 2.4), 11.0)
-    return width, height
-
-
 def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None = None,
                    vmax: float | None = None, missing: np.ndarray | None = None,
                    rows: Sequence[str] | None = None, steps: Sequence[int] | None = None,
                    title: str | None = None, columns: int = MAX_COLUMNS) -> Figure:
-    """The heatmap of ``values[layer, step]``: one row per layer (the first at
-    the top), one column per step, dark for low values, with a colour bar.
-
-    A matplotlib ``Figure`` on an Agg canvas, made without pyplot (no global
-    state: it may be drawn off the training thread).
+    """The heatmap of ``values[layer, step]``, a matplotlib ``Figure`` made without pyplot (any thread).
 
     Args:
-        values: ``[layers, steps]``; NaN and infinities are drawn in red (:data:`NON_FINITE`).
-        log: colour by ``log10(value)`` (values <= 0 take the lowest colour) where
-            the range spans a decade; fractions read better on a linear scale
-            (``log=False, vmin=0, vmax=1``).
-        vmin, vmax: the values of the lowest and highest colours (default: the
-            smallest and largest finite values; positive ones on a log scale).
-        missing: ``[layers, steps]``, True where a layer has no value (drawn grey, :data:`MISSING`).
-        rows: the layers' names, left of their rows.
-        steps: each column's step, under the columns (default: 0, 1, ...).
-        title: above the picture.
-        columns: the most columns drawn: beyond it neighbouring steps share a
-            column (their mean, geometric on a log scale; non-finite if any is).
-
-    Examples:
-        >>> figure = heatmap_figure(np.array([[1e-3, 1e-2, 1e-1], [1.0, np.nan, 1.0]]))
-        >>> figure.axes[0].images[0].get_array().shape
-        (2, 3)
+        values: ``[layers, steps]``; NaN and infinities are drawn in :data:`NON_FINITE`.
+        log: colour by ``log10(value)`` (values <= 0: the lowest colour) where the range spans a decade.
+        vmin, vmax: the values of the lowest and highest colours (default: the finite values' range).
+        missing: ``[layers, steps]``, True where a layer has no value (drawn :data:`MISSING`).
+        rows: the layers' names.
+        steps: each column's step (default: 0, 1, ...).
+        columns: the most columns drawn: beyond it neighbouring steps share one.
     """
     _need_matplotlib()
     import matplotlib
@@ -166,22 +136,22 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
     if len(steps) != np.shape(values)[-1]:
         raise ValueError(f"{len(steps)} steps for {np.shape(values)[-1]} columns")
     starts = np.linspace(0, len(steps), n_columns + 1).round().astype(int)[:-1]  # merged: the first step
-    size = _size(n_rows, n_columns, names)
+    # In inches: at least about TensorBoard's card (it scales a picture down to fit, not up).
+    name_width = 0.06 * max((len(name) for name in names), default=0)
+    size = (min(max(2.6 + name_width + 0.03 * n_columns, 4.0), 14.0), min(max(1.2 + 0.2 * n_rows, 2.4), 11.0))
     figure = Figure(figsize=size, dpi=DPI)
     FigureCanvasAgg(figure)
-    # Margins from the labels' lengths, not constrained layout: it measures every
-    # label by drawing the figure twice, more than half the time of a heatmap.
+    # Margins from the labels' lengths: constrained layout draws the figure twice.
     special_row = 0.3 if (cells.nonfinite.any() or cells.missing.any()) else 0.0
     left = (0.25 + 0.065 * max((len(name) for name in names), default=1)) / size[0]
     bottom = (0.45 + special_row) / size[1]
     top = 1 - (0.35 if title else 0.15) / size[1]
-    # Right: the colour bar's ticks and label, beside the bar the axes give up.
     figure.subplots_adjust(left=left, right=1 - 0.75 / size[0], bottom=bottom, top=top)
     axes = figure.add_subplot()
     colormap = matplotlib.colormaps[COLORMAP].with_extremes(bad=MISSING)
     norm = LogNorm(cells.low, cells.high) if cells.log else Normalize(cells.low, cells.high)
     image = axes.imshow(cells.values, cmap=colormap, norm=norm, aspect="auto", interpolation="nearest")
-    # Non-finite cells over the map, in a colour of their own (the map's bad colour is for missing ones).
+    # Non-finite cells over the map in their own colour (the map's bad colour is for missing ones).
     axes.imshow(np.ma.masked_array(np.zeros(cells.values.shape), ~cells.nonfinite),
                 cmap=ListedColormap([NON_FINITE]), vmin=0, vmax=1, aspect="auto", interpolation="nearest")
     every = math.ceil(n_rows / _MAX_ROW_LABELS)  # a label per row while they fit
@@ -191,7 +161,7 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
     axes.set_xlabel("step", fontsize=8)
     if title:
         axes.set_title(title, fontsize=10)
-    if cells.constant:  # one value: the bar is its one colour and says it, not a spread no cell has
+    if cells.constant:  # the bar is the one value's colour, not a spread no cell has
         value = float(np.ma.min(cells.values))
         bar = figure.colorbar(ScalarMappable(norm, ListedColormap([colormap(norm(value))])), ax=axes)
         bar.minorticks_off()
@@ -200,11 +170,9 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
     else:
         bar = figure.colorbar(image, ax=axes)
     bar.ax.tick_params(labelsize=8)
-    special = []  # a legend of the colours that are no value's
-    if cells.nonfinite.any():
-        special.append(Patch(color=NON_FINITE, label="non-finite"))
-    if cells.missing.any():
-        special.append(Patch(color=MISSING, label="no value"))
+    special = [Patch(color=color, label=label) for color, label, shown in (  # the colours of no value
+        (NON_FINITE, "non-finite", cells.nonfinite.any()), (MISSING, "no value", cells.missing.any()))
+        if shown]
     if special:
         figure.legend(handles=special, loc="lower right", ncols=len(special), fontsize=8, frameon=False,
                       borderaxespad=0.1)
@@ -212,7 +180,7 @@ def heatmap_figure(values: np.ndarray, *, log: bool = True, vmin: float | None =
 
 
 def heatmap_png(values: np.ndarray, **options: Any) -> bytes:
-    """The PNG file of :func:`heatmap_figure` (``options`` are its keyword arguments)."""
+    """The PNG file of :func:`heatmap_figure`."""
     figure = heatmap_figure(values, **options)
     with io.BytesIO() as png:
         figure.savefig(png, format="png", dpi=DPI)
@@ -229,27 +197,11 @@ def figure_pixels(figure: Figure) -> np.ndarray:
 
 
 class Heatmaps:
-    """The history of one statistic per layer, as a heatmap of bounded width:
-    once it holds ``columns`` columns, neighbouring columns merge pairwise and
-    each later column gathers twice as many steps, so the whole run fits.
-
-    Layers are rows in the order they first appear (pass them in depth
-    order); a layer that has no value at a step leaves a grey cell there.
+    """The history of one statistic per layer (rows in the order they first appear), as a heatmap of
+    at most ``columns`` columns: a full one merges neighbouring columns pairwise.
 
     Args:
-        columns: the most columns kept (at least 2).
-        log: whether values are compared on a log scale: merged steps take
-            the geometric mean (else the mean), and the picture is coloured by
-            ``log10``. A non-finite value marks its column's cell non-finite.
-
-    Examples:
-        >>> maps = Heatmaps(columns=4)
-        >>> for step in range(1, 11):
-        ...     maps.add(step, {"dense_0": 1.0, "dense_1": 10.0 ** -step})
-        >>> maps.steps, maps.layers
-        ([1, 5, 9], ['dense_0', 'dense_1'])
-        >>> maps.arrays()[0].shape
-        (2, 3)
+        log: merged steps take the geometric mean (else the mean); the picture is coloured by ``log10``.
     """
 
     def __init__(self, columns: int = 256, *, log: bool = True):
@@ -259,7 +211,7 @@ class Heatmaps:
         self._layers: dict[str, None] = {}  # in the order first seen
         self._steps: list[int] = []  # each column's first step
         self._cells: list[dict[str, list[Any]]] = []  # per column: {layer: [sum, count, non-finite]}
-        self._stride, self._filled, self._last = 1, 0, 0  # steps a full column gathers; the last one's
+        self._stride, self._filled = 1, 0  # steps a full column gathers; the last one's
 
     @property
     def layers(self) -> list[str]:
@@ -275,14 +227,14 @@ class Heatmaps:
         return len(self._cells)
 
     def add(self, step: int, values: Mapping[str, float]) -> None:
-        """Adds one step's value of each layer (host floats)."""
+        """Adds one step's value of each layer."""
         if self._cells and self._filled == self._stride and len(self._cells) == self.columns:
             self._halve()
         if not self._cells or self._filled == self._stride:
             self._cells.append({})
             self._steps.append(step)
             self._filled = 0
-        self._filled, self._last = self._filled + 1, step
+        self._filled += 1
         for layer, value in values.items():
             self._layers.setdefault(layer, None)
             cell, value = self._cells[-1].setdefault(layer, [0.0, 0, False]), float(value)
@@ -302,9 +254,7 @@ class Heatmaps:
         self._filled, self._stride = self._stride * len(pairs[-1]), self._stride * 2
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(values, missing)``, each ``[layers, columns]``: a column's mean
-        (geometric on a log scale; NaN if any value was non-finite), and
-        whether a layer had no value there."""
+        """``(values, missing)``, each ``[layers, columns]`` (NaN where a value was non-finite)."""
         values = np.full((len(self._layers), len(self._cells)), np.nan)
         missing = np.ones(values.shape, bool)
         for j, column in enumerate(self._cells):
@@ -317,13 +267,11 @@ class Heatmaps:
         return values, missing
 
     def figure(self, **options: Any) -> Figure:
-        """The heatmap (:func:`heatmap_figure`, with the layers' names and each
-        column's first step; ``options`` are its keyword arguments)."""
+        """The heatmap (:func:`heatmap_figure`), with the layers' names and each column's first step."""
         return self._later(heatmap_figure, options)()
 
     def drawing(self, **options: Any) -> Callable[[], bytes]:
-        """The PNG file of :meth:`figure` of the values as they are now, drawn when
-        called (on another thread: adding values meanwhile changes nothing of it)."""
+        """The PNG of :meth:`figure` of the values as they are now, drawn when called (on any thread)."""
         return self._later(heatmap_png, options)
 
     def _later(self, draw: Callable[..., Any], options: dict[str, Any]) -> Callable[[], Any]:

@@ -1,7 +1,5 @@
-"""What ``Diagnose`` computes inside the train step: per layer, sums over the
-batch of its pre-activations (the outputs of its affine modules) and of the
-loss's gradient with respect to them, added up on the devices over a window
-of steps. Pure functions, traced into the step."""
+"""What ``Diagnose`` computes inside the train step: per layer, sums of its pre-activations and
+of the loss's gradient with respect to them, added up on the devices over a window of steps."""
 
 from __future__ import annotations
 
@@ -16,35 +14,28 @@ import numpy as np
 
 from flaxhooks.step import param_modules
 
-#: Edges of the bins of ``|z|``: the gradient's mean in each shows the slope
-#: of the activation that follows (flat beyond 2.5 after tanh, 5 after sigmoid).
+#: Edges of the ``|z|`` bins: the mean gradient in each is the slope of the activation after.
 SLOPE_BINS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0)
 
 #: The columns of a layer's sums (see :func:`layer_sums`).
 COLUMNS: tuple[str, ...] = (
     "count", "sum_z", "sum_z2", "sum_g2", "nonpositive", "nonpositive_with_gradient",
     *(f"bin{i}_count" for i in range(len(SLOPE_BINS) + 1)),
-    *(f"bin{i}_abs_g" for i in range(len(SLOPE_BINS) + 1)),
-)
+    *(f"bin{i}_abs_g" for i in range(len(SLOPE_BINS) + 1)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """Sums over the steps of a window. A step hands them out packed in one
-    vector (:meth:`pack`: one output of the step, and one input and output
-    of the sum that adds steps up, whose host cost is per array).
+    """Sums over the steps of a window, handed out packed in one vector (:meth:`pack`).
 
     Attributes:
         layers: float32 ``[layers, len(COLUMNS)]``: each layer's sums.
-        reached: float32 ``[units]``, every layer's units one after another: 1
-            where the unit's pre-activation got a non-zero gradient at some
-            entry of some step, else 0.
-        fired: float32 ``[units]``: 1 where the unit's pre-activation was positive
-            at some entry of some step, else 0.
+        reached: float32 ``[units]``, every layer's units one after another: 1 where the unit's
+            pre-activation got a non-zero gradient at some entry of some step.
+        fired: float32 ``[units]``: 1 where the unit's pre-activation was ever positive.
         mass: float32 ``[units]``: the sum of each unit's ``max(z, 0)``.
-        params: float32 ``[modules, 4]``: per module with parameters, the sum
-            of its update ratio, 0 (kept for the layout), the steps its update
-            was exactly zero, and its largest update ratio.
+        params: float32 ``[modules, 4]``: per module, the sum of its update ratio, 0 (kept for the
+            layout), the steps its update was exactly zero, and its largest update ratio.
         steps: float32 ``[]``: the steps added up.
     """
 
@@ -55,9 +46,8 @@ class Window:
     params: Any
     steps: Any
 
-
     def pack(self) -> jax.Array:
-        """The sums as one float32 vector (inside the step)."""
+        """The sums as one float32 vector (one array: the host's cost is per array)."""
         parts = [self.layers.reshape(-1), self.reached, self.fired, self.mass, self.params.reshape(-1),
                  jnp.reshape(self.steps, (1,))]
         return jnp.concatenate([jnp.asarray(p, jnp.float32) for p in parts])
@@ -69,20 +59,16 @@ class Window:
 
     @classmethod
     def unpack(cls, vector: Any, layers: int, units: int, modules: int) -> Window:
-        """The sums of a packed vector (numpy or jax) of ``layers`` layers of
-        ``units`` units in all and ``modules`` modules."""
-        parts, start = [], 0
-        for size in cls.sizes(layers, units, modules):
-            parts.append(vector[start:start + size])
-            start += size
+        """The sums of a packed vector (numpy or jax)."""
+        bounds = np.cumsum((0, *cls.sizes(layers, units, modules))).tolist()
+        parts = (vector[start:end] for start, end in zip(bounds, bounds[1:], strict=False))
         table, reached, fired, mass, params, steps = parts
         return cls(table.reshape(layers, len(COLUMNS)), reached, fired, mass, params.reshape(modules, 4),
                    steps[0])
 
     @classmethod
     def maxed(cls, layers: int, units: int, modules: int) -> np.ndarray:
-        """Which entries of the packed vector add up by their maximum (whether a
-        unit was reached or fired, a module's largest ratio); the rest by their sum."""
+        """Which entries of the packed vector add up by their maximum; the rest by their sum."""
         sizes = cls.sizes(layers, units, modules)
         table, reached, fired, mass, params, steps = (np.zeros(n, bool) for n in sizes)
         reached[:], fired[:] = True, True
@@ -90,18 +76,10 @@ class Window:
         return np.concatenate([table, reached, fired, mass, params, steps])
 
 
-#: The most entries (rows x units) of a layer's pre-activations that a step
-#: reduces: a larger layer is read at evenly spaced rows, between
-#: :data:`MIN_ROWS` and :data:`MAX_ROWS` of them. XLA on CPU sums a layer's
-#: entries at scalar speed, 20 times over (its 16 sums and their inputs),
-#: where its matrix product reads each entry once per input unit, vectorized:
-#: over every row of a 128-wide Transformer layer the sums cost more than the
-#: layer itself.
+#: The most entries (rows x units) of a layer a step reads (at evenly spaced rows): XLA on CPU
+#: sums entries at scalar speed, which over every row costs more than a Transformer's layer.
 MAX_ENTRIES = 16384
-#: The most entries of a layer a window reads: a window that samples more
-#: steps than the default's 20 (every 10 of 200) reads fewer of them a step
-#: (:func:`step_entries`), so that sampling every step costs little more than
-#: the default, and its window still reads more of each layer.
+#: The most entries of a layer a window reads: one sampling more than 20 steps reads fewer a step.
 WINDOW_ENTRIES = 20 * MAX_ENTRIES
 #: The fewest rows of a layer read a step, however wide the layer.
 MIN_ROWS = 64
@@ -110,68 +88,35 @@ MAX_ROWS = 1024
 
 
 def step_entries(sampled: int | None) -> int:
-    """The most entries of a layer a step reads when its window samples
-    ``sampled`` steps (None: not known, as with a schedule in seconds):
-    :data:`MAX_ENTRIES`, or :data:`WINDOW_ENTRIES` spread over more than 20
-    sampled steps.
-
-    Examples:
-        >>> step_entries(None), step_entries(20), step_entries(200)  # every 10 / 1 of 200 steps
-        (16384, 16384, 1638)
-    """
+    """The most entries of a layer a step reads when its window samples ``sampled`` steps (None: unknown)."""
     if sampled is None or sampled <= WINDOW_ENTRIES // MAX_ENTRIES:
         return MAX_ENTRIES
     return WINDOW_ENTRIES // sampled
 
 
 def rows_read(rows: int, units: int, entries: int = MAX_ENTRIES) -> int:
-    """How many of a layer's ``rows`` (of ``units`` units each) a step reads
-    at most, within ``entries`` (:func:`step_entries`).
-
-    Examples:
-        >>> rows_read(704, 128), rows_read(704, 512), rows_read(50176, 8), rows_read(32, 4096)
-        (128, 64, 1024, 32)
-        >>> rows_read(704, 128, step_entries(200))  # sampled every step of a 200-step window
-        64
-    """
+    """How many of a layer's ``rows`` of ``units`` a step reads, within ``entries``."""
     return min(rows, max(MIN_ROWS, min(MAX_ROWS, entries // max(units, 1))))
 
 
-#: The most groups a layer's batch is summed in on the devices (see
-#: :func:`_groups`); the examples read are spaced so that they divide evenly
-#: among any power of two of groups up to this.
+#: The most groups a layer's batch is summed in (:func:`_groups`); the examples read divide
+#: evenly among any power of two of groups up to this.
 _MAX_GROUPS = 64
 
 
 def _groups(examples: int) -> int:
-    """In how many groups a layer's ``examples`` are summed before the devices
-    add their groups up: as many as divide both them and the mesh's devices
-    (at most :data:`_MAX_GROUPS`), so that a group never spans two devices'
-    shares of the batch."""
+    """How many groups a layer's ``examples`` are summed in on the devices: none spans two devices."""
     mesh = jax.sharding.get_abstract_mesh()
     return math.gcd(examples, 1 if mesh.empty else mesh.size, _MAX_GROUPS)
 
 
 def chosen_rows(examples: int, positions: int, units: int, entries: int = MAX_ENTRIES) -> np.ndarray:
-    """The rows a step reads of a layer of ``examples x positions`` rows (the
-    leading axis, and every axis between it and the units), as flat indices.
-
-    Every example is read while the budget (:func:`rows_read`) allows, else
-    evenly spaced ones; each at the same number of evenly spaced positions,
-    shifted by one from one example to the next, so that every position is
-    read, not the same few of every example. The choice depends on the
-    layer's shape alone, never on the mesh: one device and a sharded batch
-    read the same entries.
-
-    Examples:
-        >>> rows = chosen_rows(8, 16, 2048)  # 8 of 16 positions of each of 8 examples
-        >>> len(rows), rows[:8].tolist(), rows[8:16].tolist()
-        (64, [0, 2, 4, 6, 8, 10, 12, 14], [17, 19, 21, 23, 25, 27, 29, 31])
-    """
+    """The rows (flat indices) a step reads of a layer of ``examples x positions`` rows: evenly spaced
+    examples, each at evenly spaced positions shifted by one from the last; its shape alone decides."""
     rows, read = examples * positions, rows_read(examples * positions, units, entries)
     if read >= rows:
         return np.arange(rows)
-    spacing = 1  # between the examples read: a power of two dividing their groups
+    spacing = 1  # a power of two dividing the groups
     while examples // (2 * spacing) >= read and examples % (2 * spacing * _MAX_GROUPS) == 0:
         spacing *= 2
     picked = np.arange(0, examples, spacing)
@@ -181,12 +126,8 @@ def chosen_rows(examples: int, positions: int, units: int, entries: int = MAX_EN
     return (picked[:, None] * positions + offsets).reshape(-1)
 
 
-def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """Each ``[groups, rows, units]`` feature's sum over its rows, in one pass.
-
-    One variadic reduction reads the layer's entries once and keeps every
-    feature's per-unit sum, where a sum per feature (or one over the stacked
-    features, which XLA on CPU writes out first) reads them once per feature.
+def _sum_rows(features: Sequence[jax.Array], axis: int = 1) -> tuple[jax.Array, ...]:
+    """Each feature's sum over ``axis`` in one variadic reduction: the entries are read once.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -194,20 +135,13 @@ def _sum_rows(features: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         [[[4.0, 6.0]], [[2.0, 2.0]]]
     """
     return tuple(jax.lax.reduce(tuple(features), tuple(jnp.float32(0) for _ in features),
-                                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (1,)))
+                                lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
+                                (axis % features[0].ndim,)))
 
 
 def layer_partials(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES) -> tuple[jax.Array, int]:
-    """One layer's per-unit sums over one step's batch, still in groups of
-    the batch: float32 ``[16, groups, units]``, and the rows each unit was read at.
-
-    ``z`` is the layer's pre-activation, ``g`` the loss's gradient with
-    respect to it (same shape); units are the last axis, every other axis is
-    rows, of which evenly spaced ones are read (:func:`rows_read`). The
-    groups (:func:`_groups`) keep every device's sums on the device: the
-    devices add them up once for every layer (:func:`step_window`), not once
-    per layer and sum.
-    """
+    """One layer's per-unit sums ``[16, groups, units]`` over a step's batch, and the rows read; the
+    groups keep each device's sums on it (:func:`step_window` adds every layer's up at once)."""
     units = z.shape[-1] if z.ndim else 1
     examples = z.shape[0] if z.ndim > 1 else 1
     positions = math.prod(z.shape[1:-1]) if z.ndim > 2 else 1
@@ -216,25 +150,22 @@ def layer_partials(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES) -> tu
     g = g.astype(jnp.float32).reshape(z.shape)
     rows = chosen_rows(examples, positions, units, entries)
     if len(rows) < groups * z.shape[1]:
-        # Each group's rows among them (as many in each), read where the group lives.
+        # Each group's rows, read where the group lives.
         local = rows.reshape(groups, -1) - (np.arange(groups) * z.shape[1])[:, None]
         index = jnp.asarray(local[:, :, None], jnp.int32)
         z, g = jnp.take_along_axis(z, index, axis=1), jnp.take_along_axis(g, index, axis=1)
-    # Floats throughout (XLA sums them far faster than booleans), and every
-    # per-unit sum in one variadic reduction (:func:`_sum_rows`).
+    # Floats throughout: XLA sums them far faster than booleans.
     abs_z, abs_g = jnp.abs(z), jnp.abs(g)
     nonpositive = (z <= 0).astype(jnp.float32)
     above = [(abs_z >= edge).astype(jnp.float32) for edge in SLOPE_BINS]
     features = _sum_rows([
         z, z * z, g * g, nonpositive, nonpositive * (abs_g > 0).astype(jnp.float32),
-        *above, abs_g, *(a * abs_g for a in above), jnp.maximum(z, 0.0), (z > 0).astype(jnp.float32),
-    ])
+        *above, abs_g, *(a * abs_g for a in above), jnp.maximum(z, 0.0), (z > 0).astype(jnp.float32)])
     return jnp.stack(features), groups * z.shape[1]
 
 
 def _layer_row(features: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A layer's ``(row, reached, fired, mass)`` from its per-unit sums ``[16, units]``
-    over ``rows`` rows (see :func:`layer_sums`)."""
+    """A layer's ``(row, reached, fired, mass)`` from its per-unit sums ``[16, units]``."""
     per_unit = jnp.concatenate([jnp.full_like(features[:1], rows), features])  # every entry counts
     sums = jnp.sum(per_unit, axis=1)
     edges = len(SLOPE_BINS)
@@ -250,32 +181,16 @@ def _layer_row(features: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, ja
 
 def layer_sums(z: jax.Array, g: jax.Array, entries: int = MAX_ENTRIES,
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One layer's sums over one step's batch: ``(row, reached, fired, mass)``.
-
-    ``z`` is the layer's pre-activation, ``g`` the loss's gradient with
-    respect to it (same shape); units are the last axis, every other axis is
-    rows, of which evenly spaced ones are read (:func:`rows_read`).
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> row, reached, fired, mass = layer_sums(jnp.array([[1.0, -2.0], [3.0, -1.0]]),
-        ...                                        jnp.array([[0.5, 0.0], [0.5, 0.0]]))
-        >>> [float(v) for v in row[:6]], reached.tolist(), fired.tolist(), mass.tolist()
-        ([4.0, 1.0, 15.0, 0.5, 2.0, 0.0], [1.0, 0.0], [1.0, 0.0], [4.0, 0.0])
-    """
+    """One layer's ``(row, reached, fired, mass)`` over one step's batch of ``z`` and its gradient ``g``."""
     partials, rows = layer_partials(z, g, entries)
     return _layer_row(jnp.sum(partials, axis=1), rows)
 
 
-#: The most entries of a parameter leaf an update ratio reads a step: two
-#: passes over every parameter cost the recipe CNN's 2-device CPU step 7%,
-#: evenly spaced samples a fraction of that, and the ratio of two norms is
-#: estimated to a few percent from them.
+#: The most entries of a parameter leaf an update ratio reads a step (evenly spaced: a few percent).
 MAX_PARAM_SAMPLES = 1024
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
-    """``sum(x**2)``, estimated from at most :data:`MAX_PARAM_SAMPLES` evenly spaced entries."""
     flat = x.astype(jnp.float32).reshape(-1)
     if flat.size <= MAX_PARAM_SAMPLES:
         return jnp.sum(flat * flat)
@@ -284,17 +199,7 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
 
 
 def update_ratios(params: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array]:
-    """Per module (:func:`flaxhooks.step.param_modules`): ``|update| / |params|``
-    (0 while its parameters are all 0), each norm estimated from evenly
-    spaced entries of each leaf (all of them for leaves of at most
-    :data:`MAX_PARAM_SAMPLES`).
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> params = {"Dense_0": {"kernel": jnp.full(4, 2.0)}}
-        >>> update_ratios(params, {"Dense_0": {"kernel": jnp.full(4, 0.02)}})
-        (('Dense_0',), Array([0.01], dtype=float32))
-    """
+    """Per module: ``|update| / |params|`` (0 while its parameters are 0), from sampled entries."""
     modules = param_modules(params)
     if not modules:
         return (), jnp.zeros(0, jnp.float32)
@@ -307,13 +212,9 @@ def update_ratios(params: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array
 
 def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array,
                 entries: int = MAX_ENTRIES) -> Window:
-    """One step's :class:`Window` from each layer's ``(z, g)``, of which at
-    most ``entries`` are read (:func:`step_entries`), and each module's
-    update ratio (:func:`update_ratios`)."""
+    """One step's :class:`Window` from each layer's ``(z, g)`` and each module's update ratio."""
     partials = [layer_partials(z, g, entries) for z, g in pairs]
-    # Layers summed in as many groups are added up over the groups together: on a
-    # mesh, one exchange between the devices for all of them (one per layer and
-    # sum cost the Transformer recipe's 2-device CPU step a third of its time).
+    # Layers of as many groups are summed together: one exchange between devices, not one per layer.
     totals: list[Any] = [None] * len(partials)
     for groups in sorted({p.shape[1] for p, _ in partials}):
         members = [i for i, (p, _) in enumerate(partials) if p.shape[1] == groups]
@@ -331,5 +232,5 @@ def step_window(pairs: Sequence[tuple[jax.Array, jax.Array]], ratio: jax.Array,
 
 
 def add_windows(a: jax.Array, b: jax.Array, maxed: np.ndarray) -> jax.Array:
-    """Two packed windows' sums as one (pure: compiled once per layout, run on the devices)."""
+    """Two packed windows' sums as one (compiled once per layout)."""
     return jnp.where(maxed, jnp.maximum(a, b), a + b)

@@ -1,6 +1,4 @@
-"""From a window's sums to each layer's figures, and from the figures to
-findings: dead and dormant units, saturation, vanishing and exploding
-gradients, update ratios far from 1e-3, parameters that never change."""
+"""From a window's sums to each layer's figures, and from the figures to findings."""
 
 from __future__ import annotations
 
@@ -20,15 +18,13 @@ class Thresholds:
     """When a layer's figures become a finding; docs/guides/diagnose.md gives each one's source.
 
     Attributes:
-        dead_fraction: the share of a layer's units with no gradient over a window
-            from which it is reported (0.3; keras-contrib's is 0.1).
-        dormant_score: a unit is dormant when its mean ``max(z, 0)`` is at most this
-            share of its layer's mean (ReDo's tau).
-        dormant_fraction: the share of dormant units from which a layer is reported.
-        flat_slope: a ``|z|`` bin is flat when its mean gradient is below this share
-            of the mean at ``|z| < 0.5``.
-        saturated_fraction: the share of pre-activations in the flat region from
-            which a layer is reported.
+        dead_fraction: a layer is reported from this share of its units with no gradient over a window.
+        dormant_score: a unit is dormant when its mean ``max(z, 0)`` is at most this share of its
+            layer's mean (ReDo's tau) ...
+        dormant_fraction: ... and a layer is reported from this share of dormant units.
+        flat_slope: a ``|z|`` bin is flat when its mean gradient is below this share of that at
+            ``|z| < 0.5`` ...
+        saturated_fraction: ... and a layer is reported from this share of pre-activations there.
         vanishing_ratio: a gradient RMS below this share of the largest after it.
         exploding_ratio: a gradient RMS above this multiple of the smallest after it.
         exploding_growth: the largest gradient RMS grown this many times since the first window.
@@ -36,12 +32,10 @@ class Thresholds:
         update_ratio_step: one step's ``|update| / |params|`` above this is too fast.
         update_ratio_low: a mean below this (but not 0) is barely learning.
         exploding_depth: a gradient RMS grown this many times down through consecutive layers
-            that each amplify it (100, as ``exploding_growth``) ...
-        exploding_depth_layers: ... over at least this many layers (4): gradients exploding
-            through depth, named with the layers and the growth per layer.
-        early_steps: a fit's first this many steps (when a window is longer) are judged on
-            their own as well, for what is conclusive from the start: a layer dead to its last
-            unit, layers the loss does not reach, gradients exploding through depth (20; 0: none).
+            that each amplify it ...
+        exploding_depth_layers: ... over at least this many layers.
+        early_steps: a fit's first steps, judged on their own for what is conclusive from the
+            start: a layer dead to its last unit, unused layers, gradients exploding through depth.
     """
 
     dead_fraction: float = 0.30
@@ -65,18 +59,12 @@ class LayerFigures:
     """One layer's figures over one window (host floats).
 
     Attributes:
-        name: the layer, by the statistics' path.
         mean: its pre-activations' mean.
         grad_rms: the RMS of the loss's gradient with respect to them.
-        dead: the share of its units that got no gradient at any entry and were
-            never positive (dead ReLU units).
-        silent: the share of its units that got no gradient at any entry (the
-            dead ones, and those that fire but that the layers after them
-            pass no gradient back to).
-        dormant: the share of its units whose ReDo score is at most the threshold
-            (NaN unless a ReLU follows: no gradient wherever ``z <= 0``).
-        saturated: the share of its pre-activations in the flat region of the
-            activation that follows (NaN unless that activation flattens).
+        dead: the share of its units never positive that got no gradient (dead ReLU units).
+        silent: the share of its units that got no gradient (dead, or passed none back).
+        dormant: the share of its units whose ReDo score is at most the threshold (NaN unless a ReLU follows).
+        saturated: the share of pre-activations where the activation after is flat (NaN if none).
         slopes: the mean gradient in each ``|z|`` bin over that at ``|z| < 0.5``.
     """
 
@@ -92,10 +80,9 @@ class LayerFigures:
 
 def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str, np.ndarray],
                   thresholds: Thresholds) -> list[LayerFigures]:
-    """Each layer's figures from a window read on the host (``layers``, ``reached``, ``fired``, ``mass``)."""
+    """Each layer's figures from a window's sums, read on the host."""
     table = np.asarray(sums["layers"], np.float64)
-    reached, mass = np.asarray(sums["reached"], np.float64), np.asarray(sums["mass"], np.float64)
-    fired = np.asarray(sums["fired"], np.float64)
+    reached, fired, mass = (np.asarray(sums[key], np.float64) for key in ("reached", "fired", "mass"))
     col = {c: i for i, c in enumerate(COLUMNS)}
     bin_counts = table[:, col["bin0_count"]:col["bin0_count"] + _BINS]
     bin_grads = table[:, col["bin0_abs_g"]:col["bin0_abs_g"] + _BINS]
@@ -106,19 +93,15 @@ def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str,
         offset += n
         count = max(row[col["count"]], 1.0)
         relu_like = row[col["nonpositive_with_gradient"]] == 0 and row[col["nonpositive"]] > 0
-        dormant = float("nan")
-        if relu_like and unit_mass.mean() > 0:
-            dormant = float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
+        dormant = (float(np.mean(unit_mass / unit_mass.mean() <= thresholds.dormant_score))
+                   if relu_like and unit_mass.mean() > 0 else float("nan"))
         with np.errstate(divide="ignore", invalid="ignore"):
             mean_g = bin_grads[i] / bin_counts[i]
             known = bin_counts[i, 0] > 0 and bin_grads[i, 0] > 0
             slopes = mean_g / mean_g[0] if known else np.full(_BINS, np.nan)
         flat = np.isfinite(slopes) & (slopes < thresholds.flat_slope) & (bin_counts[i] > 0)
-        # A flat region is the top of the range: every bin beyond the first flat one
-        # (ReLU's negative half gives no gradient at any |z|, which is not saturation).
+        # Flat from a bin up (ReLU's negative half is not saturation); the last layer's is the loss's shape.
         saturated = float("nan")
-        # The last layer feeds the loss: a confident, right prediction gets a small
-        # gradient at large |z| by the loss's own shape, which is no saturation.
         if flat.any() and not relu_like and i < len(names) - 1:
             first = int(np.argmax(flat))
             if first > 0 and np.all(flat[first:] | (bin_counts[i, first:] == 0)):
@@ -126,8 +109,7 @@ def layer_figures(names: Sequence[str], units: Sequence[int], sums: Mapping[str,
         figures.append(LayerFigures(
             name, float(row[col["sum_z"]] / count), float(np.sqrt(row[col["sum_g2"]] / count)),
             float(np.mean((unit_reached == 0) & (unit_fired == 0))) if n else 0.0,
-            float(np.mean(unit_reached == 0)) if n else 0.0, dormant, saturated, tuple(map(float, slopes)),
-        ))
+            float(np.mean(unit_reached == 0)) if n else 0.0, dormant, saturated, tuple(map(float, slopes))))
     return figures
 
 
@@ -137,8 +119,7 @@ def _pct(x: float) -> str:
 
 def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFigures], steps: tuple[int, int],
                    thresholds: Thresholds, first_max_grad: float | None = None) -> list[Finding]:
-    """The findings of one window's figures; ``first``: each layer's figures in
-    its first window (for the trend); ``steps``: the window's first and last step."""
+    """The findings of one window's figures, ``first`` each layer's in its first window."""
     start, end = steps
     found: list[Finding] = []
     unused = unused_layers(figures)
@@ -146,18 +127,15 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
         if f.name in unused:
             continue
         before = first.get(f.name)
-        trend = ""
-        if before is not None and before is not f:
-            trend = (f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the "
-                     f"first window")
+        trend = (f"; its pre-activations' mean went from {before.mean:.3g} to {f.mean:.3g} since the "
+                 "first window" if before is not None and before is not f else "")
         if f.dead >= thresholds.dead_fraction:
             found.append(Finding(
                 "dead_units", end, f.name,
                 f"{_pct(f.dead)} of its units were never positive and got no gradient on any example over "
                 f"steps {start}-{end} (dead ReLU units; threshold {_pct(thresholds.dead_fraction)}){trend}",
                 "a lower learning rate, LeakyReLU or GELU, or check the bias init (a large negative bias "
-                "kills ReLU units)", since=start, values={"dead": f.dead, "mean": f.mean},
-            ))
+                "kills ReLU units)", since=start, values={"dead": f.dead, "mean": f.mean}))
         elif f.silent >= thresholds.dead_fraction:
             found.append(Finding(
                 "dead_units", end, f.name,
@@ -165,18 +143,15 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
                 f"though some were positive: what comes after them (a normalization and ReLU, or a dead "
                 f"layer) passes nothing back (threshold {_pct(thresholds.dead_fraction)}){trend}",
                 "look at the layers after it; a lower learning rate, or LeakyReLU/GELU",
-                since=start, values={"silent": f.silent, "mean": f.mean},
-            ))
+                since=start, values={"silent": f.silent, "mean": f.mean}))
         elif np.isfinite(f.dormant) and f.dormant >= thresholds.dormant_fraction:
             found.append(Finding(
                 "dormant_units", end, f.name,
                 f"{_pct(f.dormant)} of its ReLU units are dormant over steps {start}-{end} (mean output at "
                 f"most {thresholds.dormant_score} of the layer's, ReDo; threshold "
-                f"{_pct(thresholds.dormant_fraction)})"
-                f"{trend}",
+                f"{_pct(thresholds.dormant_fraction)}){trend}",
                 "reinitialize dormant units (ReDo), a lower learning rate, or LeakyReLU/GELU",
-                since=start, values={"dormant": f.dormant},
-            ))
+                since=start, values={"dormant": f.dormant}))
         if np.isfinite(f.saturated) and f.saturated >= thresholds.saturated_fraction:
             found.append(Finding(
                 "saturation", end, f.name,
@@ -185,8 +160,7 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
                 f"{start}-{end}",
                 "normalize the inputs of that layer (LayerNorm/BatchNorm), a smaller init scale "
                 "(Glorot/He), or ReLU/GELU instead of tanh/sigmoid", since=start,
-                values={"saturated": f.saturated},
-            ))
+                values={"saturated": f.saturated}))
     if unused:
         found.append(_unused_finding(figures, unused, steps))
     found += _gradient_findings(figures, steps, thresholds, first_max_grad)
@@ -194,9 +168,8 @@ def layer_findings(figures: Sequence[LayerFigures], first: Mapping[str, LayerFig
 
 
 def unused_layers(figures: Sequence[LayerFigures]) -> list[str]:
-    """The layers whose outputs do not reach the loss: no unit got a gradient at any
-    entry while some fired, and no layer after them is dead to its last unit
-    (which would explain the silence: :func:`layer_findings` names that one).
+    """The layers whose outputs do not reach the loss: silent while firing, with no layer
+    after them dead to its last unit (which :func:`layer_findings` names instead).
 
     Examples:
         >>> from flaxhooks.diagnose import LayerFigures
@@ -229,14 +202,11 @@ def _unused_finding(figures: Sequence[LayerFigures], unused: Sequence[str],
         "not reach the loss (a second head the loss ignores, an output left unused, a stop_gradient)",
         "add its output's loss to the total (weighted), or remove it; if it is trained apart on purpose, "
         "ignore this",
-        since=start, values={"layers": list(unused)},
-    )
+        since=start, values={"layers": list(unused)})
 
 
 def _root_causes(found: list[Finding], figures: Sequence[LayerFigures]) -> list[Finding]:
-    """A layer dead to its last unit passes nothing on and no gradient back: the
-    layers after it see a constant input, those before it get no gradient. Their
-    dead units are its doing; they are named in its finding, not in their own."""
+    """The dead units of the layers around one dead to its last unit, named in its finding only."""
     names = [f.name for f in figures]
     root = next((i for i, f in enumerate(figures) if f.dead >= 1.0), None)
     if root is None:
@@ -263,8 +233,7 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
     start, end = steps
     rms = np.array([f.grad_rms for f in figures])
     usable = np.isfinite(rms) & (rms > 0)
-    found = []
-    vanishing, exploding = [], []
+    found, vanishing, exploding = [], [], []
     for i in range(len(figures) - 1):
         later = rms[i + 1:][usable[i + 1:]]
         if not usable[i] or not later.size:
@@ -279,11 +248,9 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
             "vanishing_gradients", end, figures[i].name,
             f"its gradient RMS is {rms[i]:.2g}, {ratio:.1g} of the largest of the layers after it over steps "
             f"{start}-{end} ({len(vanishing)} layer{'s' if len(vanishing) > 1 else ''} from the input up to "
-            f"it; "
-            f"threshold {thresholds.vanishing_ratio:g})",
+            f"it; threshold {thresholds.vanishing_ratio:g})",
             "residual connections, normalization (LayerNorm/BatchNorm), ReLU/GELU instead of sigmoid/tanh, "
-            "or He/Glorot init", since=start, values={"ratio": float(ratio)},
-        ))
+            "or He/Glorot init", since=start, values={"ratio": float(ratio)}))
     run = _amplifying_run(rms, usable, thresholds.exploding_depth_layers)
     if run is not None and rms[run[0]] >= thresholds.exploding_depth * rms[run[1]]:
         found.append(_depth_finding(figures, run, steps, thresholds))
@@ -294,8 +261,7 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
             f"its gradient RMS is {rms[i]:.2g}, {ratio:.2g} times the smallest of the layers after it over "
             f"steps {start}-{end} (threshold {thresholds.exploding_ratio:g})",
             "clip gradients (optax.clip_by_global_norm), a lower learning rate, or normalization",
-            since=start, values={"ratio": float(ratio)},
-        ))
+            since=start, values={"ratio": float(ratio)}))
     elif first_max_grad and usable.any() and rms[usable].max() > thresholds.exploding_growth * first_max_grad:
         i = int(np.nanargmax(np.where(usable, rms, np.nan)))
         growth = rms[i] / first_max_grad
@@ -304,14 +270,13 @@ def _gradient_findings(figures: Sequence[LayerFigures], steps: tuple[int, int], 
             f"the largest gradient RMS, this layer's, grew {growth:.3g} times since the first window, to "
             f"{rms[i]:.2g} over steps {start}-{end} (threshold {thresholds.exploding_growth:g} times)",
             "clip gradients (optax.clip_by_global_norm), a lower learning rate, or warmup",
-            since=start, values={"growth": float(growth)},
-        ))
+            since=start, values={"growth": float(growth)}))
     return found
 
 
 def _amplifying_run(rms: np.ndarray, usable: np.ndarray, min_layers: int) -> tuple[int, int] | None:
-    """The ``(bottom, top)`` layers of the run of consecutive layers, each with a larger gradient
-    RMS than the one after it, over which the RMS grows most; None if none spans ``min_layers``."""
+    """The ``(bottom, top)`` of the run of at least ``min_layers`` layers, each with a larger gradient
+    RMS than the next, over which it grows most."""
     best, best_growth = None, 1.0
     top = len(rms) - 1
     while top > 0:
@@ -326,8 +291,6 @@ def _amplifying_run(rms: np.ndarray, usable: np.ndarray, min_layers: int) -> tup
 
 def _depth_finding(figures: Sequence[LayerFigures], run: tuple[int, int], steps: tuple[int, int],
                    thresholds: Thresholds) -> Finding:
-    """Gradients that grow at every layer back from the loss: the cause of a large first
-    loss, of updates too large in the first layers, and of the NaN that follows."""
     start, end = steps
     bottom, top = run
     growth = figures[bottom].grad_rms / figures[top].grad_rms
@@ -345,15 +308,13 @@ def _depth_finding(figures: Sequence[LayerFigures], run: tuple[int, int], steps:
         "tanh: variance 2/fan_in or less), normalization (LayerNorm/BatchNorm) or residual connections; "
         "clip gradients (optax.clip_by_global_norm) meanwhile",
         since=start, values={"ratio": float(growth), "per_layer": float(per_layer), "layers": names,
-                             "rule": "depth"},
-    )
+                             "rule": "depth"})
 
 
 def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float, steps: tuple[int, int],
                    thresholds: Thresholds, reached: Mapping[str, bool] | None = None) -> list[Finding]:
-    """Findings from each module's ``[update ratio sum, 0, zero updates,
-    largest update ratio]`` over a window; ``reached`` says of the layers
-    named like modules whether any gradient reached them."""
+    """Findings from each module's ``Window.params`` sums; ``reached``: whether a gradient reached
+    each layer named like a module."""
     start, end = steps
     if steps_added <= 0 or not len(modules):
         return []
@@ -362,8 +323,7 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
     found = []
     frozen = [i for i in range(len(modules)) if zero[i] >= 1.0]
     if len(frozen) == len(modules):
-        # Every module at once: gradient accumulation (optax.MultiSteps updates every k-th
-        # step only) or a schedule at 0, not a mask; nothing a layer can be named for.
+        # Every module at once: gradient accumulation or a schedule at 0, not a mask.
         frozen = []
     for i in frozen:
         gets = (reached or {}).get(modules[i])
@@ -374,8 +334,7 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
             f"its parameters did not change at any step over steps {start}-{end}{why}",
             "check the optimizer's masks (optax.masked, multi_transform, set_to_zero) and the learning "
             "rate schedule, or freeze it on purpose and ignore this", since=start,
-            values={"reached": gets} if gets is not None else {},
-        ))
+            values={"reached": gets} if gets is not None else {}))
     moving = [i for i in range(len(modules)) if i not in frozen]
     high = sorted((i for i in moving if ratio[i] > thresholds.update_ratio_high
                    or peak[i] > thresholds.update_ratio_step), key=lambda i: -peak[i])
@@ -388,8 +347,7 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
             f"{thresholds.update_ratio_high:g} on the mean and {thresholds.update_ratio_step:g} at one step",
             "a lower learning rate (each decade above 1e-3 is about 10x too high), warmup, or gradient "
             "clipping (optax.clip_by_global_norm)",
-            since=start, values={modules[i]: float(ratio[i]) for i in high},
-        ))
+            since=start, values={modules[i]: float(ratio[i]) for i in high}))
     low = sorted((i for i in moving if 0 < ratio[i] < thresholds.update_ratio_low), key=lambda i: ratio[i])
     if low:
         listed = _listed(modules, low, lambda i: f"{ratio[i]:.2g}")
@@ -400,12 +358,10 @@ def param_findings(modules: Sequence[str], sums: np.ndarray, steps_added: float,
             f"1e-3, CS231n)",
             "a higher learning rate, or check the schedule and weight decay; where the gradient vanishes "
             "before these modules, that comes first", since=start,
-            values={modules[i]: float(ratio[i]) for i in low},
-        ))
+            values={modules[i]: float(ratio[i]) for i in low}))
     return found
 
 
 def _listed(modules: Sequence[str], chosen: Sequence[int], figure: Callable[[int], str]) -> str:
-    """The first four chosen modules with their figures, and how many more there are."""
     listed = ", ".join(f"{modules[i]!r} {figure(i)}" for i in chosen[:4])
     return listed + (f" and {len(chosen) - 4} more" if len(chosen) > 4 else "")

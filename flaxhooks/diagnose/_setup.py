@@ -1,18 +1,5 @@
-"""Set-up traps, found before training starts: dropout that evaluation
-leaves on, and RNG streams the model and ``rng_names`` disagree about.
-
-Everything works on abstract values: the model's train- and eval-mode calls
-are traced to jaxprs (``jax.make_jaxpr``) with the RNG keys as inputs, and a
-small walk over the equations tells which keys each output depends on.
-Nothing compiles and nothing runs on a device.
-
-What Flax does, which decides what is worth saying (Flax 0.12): a Linen
-module that draws from a stream ``apply`` was not given raises
-``InvalidRngError``, unless a ``params`` key was given, which it then draws
-from silently; streams given but never drawn are ignored. The Trainer gives
-the eval-mode call keys for the same ``rng_names`` as the train-mode call,
-so dropout that evaluation leaves on runs without a word.
-"""
+"""Set-up traps found before training, on abstract values: dropout that evaluation leaves on,
+and RNG streams the model and ``rng_names`` disagree about (docs/guides/diagnose.md)."""
 
 from __future__ import annotations
 
@@ -33,11 +20,10 @@ from flaxhooks.step import Model, NNXModel, axis_name
 
 _Label = TypeVar("_Label", bound=Hashable)
 
-#: The labels of the inputs an array depends on (``Sources[L]``: labels of type L).
+#: The labels (of type L in ``Sources[L]``) of the inputs an array depends on.
 Sources = frozenset[_Label]
 
-#: The label of a random input of a model's call: ``(stream, None)`` for a
-#: key given as ``rngs``, ``(tag, where)`` for an NNX module's RNG state.
+#: A random input of a model's call: ``(stream, None)`` for a key in ``rngs``, ``(tag, where)`` for NNX's.
 RandomInput = tuple[str, str | None]
 
 #: The streams the Trainer gives keys for when ``rng_names`` is not given.
@@ -47,28 +33,9 @@ _NOTHING: Sources[Any] = frozenset()
 _MISSING = re.compile(r'^(?P<module>\S+) needs PRNG for "(?P<stream>[^"]+)"')
 
 
-# --- which inputs each output of a jaxpr depends on ------------------------------------------------
-
-
 def output_sources(jaxpr: Jaxpr | ClosedJaxpr, inputs: Sequence[Sources[_Label]]) -> list[Sources[_Label]]:
-    """The labels of the inputs each output of ``jaxpr`` depends on.
-
-    An equation's outputs depend on everything its inputs depend on. The
-    bodies of calls (``jit``, ``remat``, custom derivatives), ``scan``,
-    ``while`` and ``cond`` are walked inside, so a key that only passes
-    through one unused counts for nothing; any other equation with a
-    sub-jaxpr counts as depending on all its inputs (conservative).
-
-    Args:
-        jaxpr: the jaxpr (closed or open); its constants depend on nothing.
-        inputs: one set of labels per input variable.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> closed = jax.make_jaxpr(lambda x, y: (x * 2, y + x, 3.0))(1.0, 2.0)
-        >>> [sorted(s) for s in output_sources(closed, [frozenset("x"), frozenset("y")])]
-        [['x'], ['x', 'y'], []]
-    """
+    """The labels of the inputs each output of ``jaxpr`` depends on; calls, ``scan``, ``while`` and
+    ``cond`` are walked inside, any other equation with a sub-jaxpr depends on all its inputs."""
     inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     env: dict[Any, Sources[_Label]] = dict(zip(inner.invars, inputs, strict=True))
 
@@ -85,7 +52,6 @@ def _union(sets: Iterable[Sources[_Label]]) -> Sources[_Label]:
 
 
 def _equation_sources(eqn: Any, inputs: list[Sources[_Label]]) -> list[Sources[_Label]]:
-    """The sources of one equation's outputs."""
     count = len(eqn.outvars)
     if not any(inputs):
         return [_NOTHING] * count
@@ -106,10 +72,9 @@ def _equation_sources(eqn: Any, inputs: list[Sources[_Label]]) -> list[Sources[_
     return [_union(inputs)] * count
 
 
-def _fixed_point(
-    body: Any, before: list[Sources[_Label]], after: list[Sources[_Label]], carry: list[Sources[_Label]],
-) -> tuple[list[Sources[_Label]], list[Sources[_Label]]]:
-    """Loop ``body(*before, *carry, *after)`` until the carry's sources stop growing."""
+def _fixed_point(body: Any, before: list[Sources[_Label]], after: list[Sources[_Label]],
+                 carry: list[Sources[_Label]]) -> tuple[list[Sources[_Label]], list[Sources[_Label]]]:
+    """Runs ``body(*before, *carry, *after)`` until the carry's sources stop growing."""
     while True:
         outputs = output_sources(body, [*before, *carry, *after])
         grown = [a | b for a, b in zip(carry, outputs[: len(carry)], strict=True)]
@@ -118,9 +83,8 @@ def _fixed_point(
         carry = grown
 
 
-def _scan_sources(
-    body: Any, consts: int, carries: int, inputs: list[Sources[_Label]],
-) -> list[Sources[_Label]]:
+def _scan_sources(body: Any, consts: int, carries: int,
+                  inputs: list[Sources[_Label]]) -> list[Sources[_Label]]:
     carry, ys = _fixed_point(body, inputs[:consts], inputs[consts + carries:],
                              inputs[consts:consts + carries])
     return [*carry, *ys]
@@ -135,19 +99,9 @@ def _while_sources(params: Mapping[str, Any], inputs: list[Sources[_Label]]) -> 
     return [s | stop for s in carry]
 
 
-# --- one abstract call of the model -----------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class DropoutCall:
-    """One call of a Linen ``nn.Dropout`` seen while tracing.
-
-    Attributes:
-        path: the module's path (``"block_0/Dropout_0"``).
-        rate: its dropout rate.
-        stream: the RNG stream it draws from (``rng_collection``).
-        deterministic: whether it was off (True), on (False) or unknown (None).
-    """
+    """One call of a Linen ``nn.Dropout`` seen while tracing (``deterministic``: None if unknown)."""
 
     path: str
     rate: float
@@ -156,24 +110,13 @@ class DropoutCall:
 
     @property
     def dropping(self) -> bool:
-        """It drops units: a positive rate, and not deterministic."""
         return self.rate > 0 and self.deterministic is False
 
 
 @dataclasses.dataclass(frozen=True)
 class CallSources:
-    """What one traced call of the model depends on.
-
-    Attributes:
-        outputs: the labels of the random inputs the outputs depend on:
-            ``(stream, None)`` for a key given as ``rngs``, ``(tag, where)``
-            for an NNX module's RNG state at ``where``.
-        state: the same for the new model state.
-        dropouts: the Linen ``nn.Dropout`` calls seen.
-        missing: streams the call asked for that were not given (Flax's
-            ``InvalidRngError``): they were given to trace the rest.
-        error: Flax's message when a stream it asked for could not be named.
-    """
+    """The random inputs one traced call's outputs and new state depend on; ``missing``: streams it
+    asked for that were not given; ``error``: Flax's message when one could not be named."""
 
     outputs: Sources[RandomInput]
     state: Sources[RandomInput]
@@ -183,8 +126,6 @@ class CallSources:
 
 
 def _dropout_recorder(seen: list[DropoutCall]) -> Callable[..., Any]:
-    """An ``nn.intercept_methods`` interceptor noting every ``nn.Dropout`` call."""
-
     def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
         if isinstance(module, nn.Dropout) and context.method_name == "__call__":
@@ -199,13 +140,11 @@ def _dropout_recorder(seen: list[DropoutCall]) -> Callable[..., Any]:
 
 
 def _abstract(tree: Any) -> Any:
-    """Shapes and dtypes only (no shardings)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def _nnx_rng_labels(model: NNXModel) -> dict[tuple[str, ...], tuple[str, str]]:
-    """Each RNG key and count of an NNX model, by its path in the ``rngs``
-    collection: ``(stream tag, where it is held)``."""
+    """``(stream tag, where it is held)`` of each RNG variable of an NNX model, by its path."""
     labels = {}
     for path, variable in nnx.to_flat_state(nnx.state(model.module, nnx.RngState)):
         key = tuple(str(p) for p in path)
@@ -213,12 +152,9 @@ def _nnx_rng_labels(model: NNXModel) -> dict[tuple[str, ...], tuple[str, str]]:
     return labels
 
 
-def _trace(
-    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *, train: bool,
-    streams: Sequence[str],
-) -> CallSources:
-    """Traces one call with a key for each of ``streams``; raises Flax's
-    ``InvalidRngError`` when the model asks for another."""
+def _trace(model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *,
+           train: bool, streams: Sequence[str]) -> CallSources:
+    """Traces one call with a key for each of ``streams`` (Flax raises ``InvalidRngError`` for others)."""
     key = jax.eval_shape(jax.random.PRNGKey, 0)
     rngs = dict.fromkeys(streams, key)
     nnx_labels = _nnx_rng_labels(model) if isinstance(model, NNXModel) else {}
@@ -248,31 +184,15 @@ def _trace(
     return CallSources(_union(sources[:split]), _union(sources[split:]), tuple(seen))
 
 
-def call_sources(
-    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *, train: bool,
-    streams: Sequence[str] | None = None,
-) -> CallSources:
-    """Which random inputs one call of ``model`` depends on, on abstract values.
-
-    The call gets a key for each of ``streams`` (default: ``model.rng_names``)
-    as the Trainer gives them. A stream the model asks for beyond them (Flax
-    raises ``InvalidRngError``) is noted in ``missing`` and given, so the
-    rest of the call can be traced. Compiles nothing.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, flax.linen as nn
-        >>> from flaxhooks.step import as_model
-        >>> from flaxhooks.diagnose import call_sources
-        >>> model = as_model(nn.Dropout(0.5), "x", train_arg="deterministic")
-        >>> batch = {"x": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
-        >>> sorted(call_sources(model, {}, {}, batch, train=True).outputs)
-        [('dropout', None)]
-    """
+def call_sources(model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], *,
+                 train: bool, streams: Sequence[str] | None = None) -> CallSources:
+    """Which random inputs one call of ``model`` depends on, given keys for ``streams`` (default:
+    ``model.rng_names``); a stream it asks for beyond them is noted in ``missing``. Compiles nothing."""
     given = tuple(model.rng_names if streams is None else streams)
     found: list[str] = []
     for _ in range(16):
         try:
-            # Without "params" unless asked for: Flax would draw a missing stream from it silently.
+            # No "params" unless asked for: Flax would draw a missing stream from it silently.
             names = [*(s for s in given if s != "params"), *found]
             traced = _trace(model, params, model_state, batch, train=train, streams=names)
             missing = tuple(s for s in found if s not in given)
@@ -286,48 +206,25 @@ def call_sources(
     raise AssertionError("a model asked for more than 16 RNG streams")
 
 
-# --- the findings -----------------------------------------------------------------------------------
-
-
 def _names(items: Iterable[str]) -> str:
     return ", ".join(repr(i) for i in sorted(set(items)))
 
 
-def _dropout_streams(model: Model, *calls: CallSources) -> set[str]:
-    """The streams dropout draws from: ``dropout``, and those of the dropout layers seen."""
+def _dropout_streams(model: Model, *calls: CallSources) -> tuple[set[str], set[str]]:
+    """The streams dropout draws from, and where an NNX model's dropout layers hold their RNG state."""
     streams = {"dropout", *(d.stream for c in calls for d in c.dropouts)}
-    if isinstance(model, NNXModel):
-        streams |= {m.rng_collection for _, m in nnx.iter_modules(model.module) if isinstance(m, nnx.Dropout)}
-    return streams
-
-
-def _nnx_dropout_holders(model: Model) -> set[str]:
-    """Where an NNX model's ``nnx.Dropout`` layers hold their RNG state."""
     if not isinstance(model, NNXModel):
-        return set()
-    return {"/".join((*map(str, path), "rngs")) for path, m in nnx.iter_modules(model.module)
-            if isinstance(m, nnx.Dropout)}
+        return streams, set()
+    layers = [(path, m) for path, m in nnx.iter_modules(model.module) if isinstance(m, nnx.Dropout)]
+    return (streams | {m.rng_collection for _, m in layers},
+            {"/".join((*map(str, path), "rngs")) for path, _ in layers})
 
 
-def dropout_in_eval(
-    model: Model, train: CallSources, evaluation: CallSources, step: int = 0,
-) -> list[Finding]:
-    """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a
-    dropout stream: the Trainer could not switch the model's dropout off.
-
-    Randomness in other streams (a sampling model's ``noise``) is taken as
-    meant and not reported. An NNX model's RNG state counts as dropout's when
-    it is an ``nnx.Dropout``'s or its stream is named ``dropout``.
-
-    Examples:
-        >>> from flaxhooks.diagnose import CallSources, dropout_in_eval
-        >>> from flaxhooks.step import as_model
-        >>> import flax.linen as nn
-        >>> seen = CallSources(frozenset({("dropout", None)}), frozenset())
-        >>> [f.kind for f in dropout_in_eval(as_model(nn.Dense(2)), seen, seen)]
-        ['dropout_in_eval']
-    """
-    streams, holders = _dropout_streams(model, train, evaluation), _nnx_dropout_holders(model)
+def dropout_in_eval(model: Model, train: CallSources, evaluation: CallSources,
+                    step: int = 0) -> list[Finding]:
+    """A ``dropout_in_eval`` finding when the eval-mode outputs depend on a dropout stream (an NNX RNG
+    state is dropout's when an ``nnx.Dropout`` holds it or its stream is ``dropout``)."""
+    streams, holders = _dropout_streams(model, train, evaluation)
     drawn = sorted((s, w) for s, w in evaluation.outputs if s in streams or w in holders)
     if not drawn:
         return []
@@ -352,28 +249,10 @@ def dropout_in_eval(
     return [Finding("dropout_in_eval", step, layer, evidence, advice, values=values)]
 
 
-def rng_streams(
-    model: Model, train: CallSources, step: int = 0, *, rng_names_given: bool | None = None,
-) -> list[Finding]:
-    """An ``rng_streams`` finding when the train-mode call and ``rng_names`` disagree.
-
-    Said for streams the model draws from that ``rng_names`` lacks (Flax
-    raises, or draws them from ``params`` when that is given), and for
-    streams in ``rng_names`` it never draws from: when dropout layers run
-    with dropout off in train mode, or when ``rng_names`` was given
-    explicitly (``rng_names_given``; None: given when it is not the default
-    ``("dropout",)``). The default stream of a model with no randomness is fine.
-
-    Examples:
-        >>> from flaxhooks.diagnose import CallSources, rng_streams
-        >>> from flaxhooks.step import as_model
-        >>> import flax.linen as nn
-        >>> nothing = CallSources(frozenset(), frozenset())
-        >>> rng_streams(as_model(nn.Dense(2)), nothing)
-        []
-        >>> [f.kind for f in rng_streams(as_model(nn.Dense(2), rng_names=("noise",)), nothing)]
-        ['rng_streams']
-    """
+def rng_streams(model: Model, train: CallSources, step: int = 0, *,
+                rng_names_given: bool | None = None) -> list[Finding]:
+    """An ``rng_streams`` finding for streams drawn that ``rng_names`` lacks, and for streams named but
+    never drawn when dropout is off in train mode or ``rng_names_given`` (None: not the default)."""
     names = tuple(model.rng_names)
     if rng_names_given is None:
         rng_names_given = names != DEFAULT_RNG_NAMES
@@ -407,39 +286,16 @@ def rng_streams(
                             "deterministic_layers": sorted({d.path for d in off})})]
 
 
-def setup_findings(
-    model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any], step: int = 0, *,
-    rng_names_given: bool | None = None,
-) -> list[Finding]:
-    """The set-up traps of a model about to train, on abstract values.
-
-    ``dropout_in_eval``: evaluation's outputs depend on a dropout stream
-    (dropout on in eval mode). ``rng_streams``: the train-mode call draws
-    from a stream ``rng_names`` lacks, or never from one it names (see
-    :func:`rng_streams`). Traces the train- and eval-mode calls to jaxprs as
-    the step and evaluation make them; compiles nothing.
+def setup_findings(model: Model, params: Any, model_state: Mapping[str, Any], batch: Mapping[str, Any],
+                   step: int = 0, *, rng_names_given: bool | None = None) -> list[Finding]:
+    """The ``dropout_in_eval`` and ``rng_streams`` findings of a model about to train, on abstract values.
 
     Args:
-        model: the model adapter (``FitPlan.model``).
-        params, model_state: the state's (abstract or not: only shapes are read).
         batch: the global batch (``FitPlan.spec.global_batch()``).
-        step: the step the findings are for.
-        rng_names_given: whether ``as_model(model, rng_names=...)`` was given
-            explicitly (None: when it is not the default).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, flax.linen as nn
-        >>> from flaxhooks.step import as_model
-        >>> from flaxhooks.diagnose import setup_findings
-        >>> model = as_model(nn.Dense(2), "x")
-        >>> batch = {"x": jax.ShapeDtypeStruct((8, 3), jnp.float32)}
-        >>> variables = jax.eval_shape(model.init, jax.eval_shape(jax.random.PRNGKey, 0), batch)
-        >>> setup_findings(model, variables["params"], {}, batch)
-        []
+        rng_names_given: whether ``as_model(model, rng_names=...)`` was given (None: when not the default).
     """
     train = call_sources(model, params, model_state, batch, train=True)
-    # Evaluation gives the eval-mode call keys for the same streams (and,
-    # here, for those the train-mode call asked for besides, to trace it at all).
+    # Evaluation's keys are rng_names'; the train-mode call's missing ones too, to trace it at all.
     evaluation = call_sources(model, params, model_state, batch, train=False,
                               streams=[*model.rng_names, *train.missing])
     return [*dropout_in_eval(model, train, evaluation, step),

@@ -1,8 +1,7 @@
-"""Exact full-dataset evaluation: every example counted exactly once on any
-number of devices and processes, with clu metrics.
+"""Exact full-dataset evaluation: every example counted exactly once on any number of devices and
+processes, with clu metrics.
 
-``__all__`` is what users write and extend (results, metrics); the other names
-here are the layers' own interface and may change in any release.
+``__all__`` is what users write and extend; the other names may change in any release.
 """
 
 from flaxhooks.eval._evaluator import (

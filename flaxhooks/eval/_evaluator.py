@@ -1,5 +1,4 @@
-"""Exact full-dataset evaluation: one jitted step over the mesh, batches padded
-to the data axis and masked out of clu metrics."""
+"""Exact full-dataset evaluation: one jitted step over the mesh, padding masked out of clu metrics."""
 
 from __future__ import annotations
 
@@ -32,26 +31,19 @@ MAX_BATCHES_IN_FLIGHT = 2
 #: Seeds the RNG keys evaluation gives a model that draws from its streams in eval mode.
 EVAL_SEED = 0
 
-#: ``example_loss_fn(outputs, batch)``: one loss per example, or
-#: ``(losses, {name: per-example values})``.
+#: ``example_loss_fn(outputs, batch)``: one loss per example, or ``(losses, {name: per-example values})``.
 ExampleLossFn = Callable[[Any, Batch], Any]
 #: Running metrics, and the real examples seen.
 MetricsSoFar = tuple[clu_metrics.Collection, jax.Array]
 Metrics = type[clu_metrics.Collection] | type[clu_metrics.Metric] | Mapping[str, type[clu_metrics.Metric]]
 
-
 #: The default evaluation metrics: mean loss and accuracy over every example.
-#: (Built with ``Collection.create``: clu reads the class annotations, which
-#: this module's ``from __future__ import annotations`` would turn into strings.)
+#: (``Collection.create``: ``from __future__ import annotations`` hides a class's annotations from clu.)
 LossAccuracy: type[clu_metrics.Collection] = clu_metrics.Collection.create(
-    loss=clu_metrics.Average.from_output("loss"), accuracy=clu_metrics.Accuracy
-)
-
-
+    loss=clu_metrics.Average.from_output("loss"), accuracy=clu_metrics.Accuracy)
 #: Loss only, the default when there are no labels.
 LossOnly: type[clu_metrics.Collection] = clu_metrics.Collection.create(
-    loss=clu_metrics.Average.from_output("loss")
-)
+    loss=clu_metrics.Average.from_output("loss"))
 
 #: Names the eval step gives metrics; batch keys of these names are only in ``batch``.
 RESERVED = frozenset({"outputs", "logits", "labels", "loss", "mask", "batch"})
@@ -60,11 +52,8 @@ _created: dict[Any, type[clu_metrics.Collection]] = {}
 
 
 def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_metrics.Collection]:
-    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}``.
-
-    The same metrics always give the same class, so the compiled eval step is
-    reused. ``None`` means loss and accuracy, or loss alone without labels.
-    """
+    """A clu Collection class from a Collection, one Metric, or ``{name: Metric}`` (None: the default);
+    the same metrics give the same class, so the compiled eval step is reused."""
     if metrics is None:
         return LossAccuracy if has_labels else LossOnly
     if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Collection):
@@ -72,9 +61,8 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
     if isinstance(metrics, type) and issubclass(metrics, clu_metrics.Metric):
         metrics = {metrics.__name__.lower(): metrics}
     if not isinstance(metrics, Mapping):
-        raise TypeError(
-            f"metrics must be a clu Collection or Metric class, or a dict of them; got {metrics!r}"
-        )
+        raise TypeError(f"metrics must be a clu Collection or Metric class, or a dict of them; "
+                        f"got {metrics!r}")
     key = tuple(sorted(metrics.items(), key=lambda item: item[0]))
     if key not in _created:
         _created[key] = clu_metrics.Collection.create(**dict(key))
@@ -82,16 +70,13 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
 
 
 def eval_rngs(examples_before: jax.Array, names: Sequence[str], axis: str) -> dict[str, jax.Array]:
-    """Keys for one eval batch, from :data:`EVAL_SEED`, the examples evaluated
-    before it and the index along ``axis`` (0: the step sees the whole batch):
-    the same state and data evaluate the same every time, and every batch draws anew."""
+    """Keys for one eval batch from :data:`EVAL_SEED`, the examples before it and the index along ``axis``."""
     key = jax.random.fold_in(jax.random.PRNGKey(EVAL_SEED), examples_before)
     key = jax.random.fold_in(key, lax.axis_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
 
 def _cause(error: Exception, rng_names: Sequence[str]) -> str:
-    """What a person should know of an error of the eval-mode model call."""
     text = f"{type(error).__name__}: {error}"
     if isinstance(error, flax_errors.InvalidRngError) or "needs PRNG for" in str(error):
         return (f"{text} (evaluation gives the model keys for the RNG streams in rng_names, "
@@ -101,11 +86,7 @@ def _cause(error: Exception, rng_names: Sequence[str]) -> str:
 
 
 def per_example(loss_fn: LossFn) -> ExampleLossFn:
-    """Per-example losses (and metrics) from a batch-mean ``loss_fn``.
-
-    Calls ``loss_fn`` on each example as a batch of one, with ``vmap``, so a
-    mean-reduced training loss gives each example's own loss.
-    """
+    """Per-example losses (and metrics) from a batch-mean ``loss_fn``: each example as a batch of one."""
 
     def one(outputs: Any, example: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         as_batch = jax.tree.map(lambda x: x[None], (outputs, dict(example)))
@@ -119,12 +100,7 @@ def per_example(loss_fn: LossFn) -> ExampleLossFn:
 
 @dataclasses.dataclass(frozen=True)
 class EvalStart:
-    """The payload of ``eval_start``: which evaluation, of which step.
-
-    Attributes:
-        name: the evaluation's name.
-        step: the train step the evaluated state has reached.
-    """
+    """The payload of ``eval_start``: the evaluation's name, and the step the evaluated state reached."""
 
     name: str
     step: int
@@ -135,7 +111,6 @@ class EvalResult:
     """What an evaluation found; the payload of ``eval_end``.
 
     Attributes:
-        name: the evaluation's name.
         metrics: each metric's value over every example.
         step: the train step the evaluated state had reached.
         examples: how many examples were evaluated (each exactly once).
@@ -148,34 +123,17 @@ class EvalResult:
 
 
 class Evaluator:
-    """Compiles and runs an exact evaluation for one Trainer and one metrics collection.
+    """Compiles and runs an exact evaluation for one Trainer and one metrics collection: each process
+    pads its share of a batch to the size the first fixes, masked out of every metric."""
 
-    The eval step is one ``jax.jit`` over the mesh, on the whole batch. Each
-    process pads its share of a batch to the same size (a multiple of its
-    data-axis devices, fixed by the first batch; larger batches are split),
-    so a ragged last batch reuses the compiled step, and padded examples are
-    masked out of every metric. Metrics accumulate on the devices; one
-    transfer at the end computes them.
-    """
-
-    def __init__(
-        self,
-        model: Model,
-        metrics: type[clu_metrics.Collection],
-        example_loss_fn: ExampleLossFn,
-        label_key: str | None,
-        placement: Placement,
-        wait: Callable[[Any], None] = jax.block_until_ready,
-    ):
-        self.model = model
-        self.metrics = metrics
-        self.label_key = label_key
-        self.placement = placement
+    def __init__(self, model: Model, metrics: type[clu_metrics.Collection], example_loss_fn: ExampleLossFn,
+                 label_key: str | None, placement: Placement,
+                 wait: Callable[[Any], None] = jax.block_until_ready):
+        self.model, self.metrics, self.label_key, self.placement = model, metrics, label_key, placement
         axis = self.axis = axis_name(model)
 
-        def eval_step(
-            variables: tuple[Any, Any], batch: Batch, totals: MetricsSoFar,
-        ) -> tuple[MetricsSoFar, jax.Array]:
+        def eval_step(variables: tuple[Any, Any], batch: Batch, totals: MetricsSoFar,
+                      ) -> tuple[MetricsSoFar, jax.Array]:
             batch = dict(batch)
             valid, failed = batch.pop(VALID), batch.pop(FAILED)
             params, model_state = variables
@@ -188,42 +146,32 @@ class Evaluator:
                 named["labels"] = batch[label_key]
             collection, examples = totals
             update = metrics.single_from_model_output(mask=valid, **named)
-            # Whether any process fed a real example, and whether any failed:
-            # on several processes they decide together when to stop.
+            # Whether any process fed a real example, and whether any failed: when to stop.
             flags = jnp.stack([jnp.any(valid), jnp.any(failed)])
             return (collection.merge(update), examples + valid.sum(dtype=jnp.int32)), flags
 
         self.eval_step = eval_step
         #: How many times the eval step was traced (each trace compiles).
         self.traces = 0
-
-        def counted(*args: Any) -> Any:
-            self.traces += 1
-            return eval_step(*args)
-
-        whole = in_global_view(counted, axis)
+        whole = in_global_view(eval_step, axis)
 
         def traced(variables: Any, totals: MetricsSoFar, batch: Batch) -> Any:
+            self.traces += 1
             with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
                 return whole(variables, batch, totals)
 
-        self._whole = lambda variables, totals, batch: (
-            in_global_view(eval_step, axis)(variables, batch, totals))
-        self._step = jax.jit(lambda variables, totals, batch: traced(variables, totals, batch),
-                             out_shardings=placement.replicated)
+        self._whole = lambda variables, totals, batch: whole(variables, batch, totals)
+        self._step = jax.jit(traced, out_shardings=placement.replicated)
         self._checked: dict[Any, int | None] = {}
         self._no_totals = placement.replicated_constant(lambda: (metrics.empty(), jnp.zeros((), jnp.int32)))
-        #: Waits for device values before they are read; the Trainer gives one
-        #: that a lost peer ends (on several processes).
+        #: Waits for device values before they are read (the Trainer's ends on a lost peer).
         self.wait = wait
 
     def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
-        """Traces the eval step on abstract values of ``state`` and a batch
-        like ``arrays``: errors surface before anything compiles.
+        """Traces the eval step on abstract values of ``state`` and a batch like ``arrays``.
 
         Returns:
-            The number of classes (the outputs' last axis), if the outputs are
-            per-example vectors; labels are checked against it.
+            The number of classes (the outputs' last axis) if the outputs are per-example vectors.
         """
         if self.metrics is LossAccuracy and self.label_key is not None and self.label_key not in arrays:
             raise BatchError(self._no_labels(arrays))
@@ -248,21 +196,16 @@ class Evaluator:
         return {key: jax.ShapeDtypeStruct((whole, *a.shape[1:]), a.dtype) for key, a in fields}
 
     def _no_labels(self, arrays: Mapping[str, np.ndarray]) -> str:
-        """Says that the batch lacks the labels, and how to name them (or do without)."""
         default = " (the default)" if self.label_key == "label" else ""
         others = [key for key in arrays if key not in self.model.input_keys]
         name = repr(others[0]) if len(others) == 1 else "..."
-        return (
-            f"the metrics read class labels under label_key={self.label_key!r}{default}, which the batch "
-            f"lacks (its keys: {list(arrays)}): pass Trainer(label_key={name}) to name them, or "
-            "label_key=None to evaluate the loss alone"
-        )
+        return (f"the metrics read class labels under label_key={self.label_key!r}{default}, which the batch "
+                f"lacks (its keys: {list(arrays)}): pass Trainer(label_key={name}) to name them, or "
+                "label_key=None to evaluate the loss alone")
 
-    def _trace(
-        self, variables: Any, batch: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
-    ) -> int | None:
-        """The model's eval-mode call, then the whole eval step (loss and
-        metrics), each on abstract values; each failure says which it was."""
+    def _trace(self, variables: Any, batch: Mapping[str, Any],
+               arrays: Mapping[str, np.ndarray]) -> int | None:
+        """The model's eval-mode call, then the whole eval step, on abstract values; failures say which."""
         described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
         inputs = {k: v for k, v in batch.items() if k not in (VALID, FAILED)}
 
@@ -273,10 +216,8 @@ class Evaluator:
         try:
             outputs = jax.eval_shape(in_global_view(call, self.axis), variables, inputs)
         except Exception as error:
-            raise BatchError(
-                f"the model cannot be called in eval mode on batches of {described}: "
-                f"{_cause(error, self.model.rng_names)}"
-            ) from error
+            raise BatchError(f"the model cannot be called in eval mode on batches of {described}: "
+                             f"{_cause(error, self.model.rng_names)}") from error
         totals = (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32))
         try:
             jax.eval_shape(self._whole, variables, totals, batch)
@@ -285,23 +226,15 @@ class Evaluator:
             hint = self._no_labels(arrays) if no_labels else (
                 "the default metrics need array logits and integer labels under label_key; pass metrics= "
                 "for other outputs")
-            raise BatchError(
-                f"the loss or metrics cannot be computed from the model's outputs on batches of {described}: "
-                f"{type(error).__name__}: {error} ({hint})"
-            ) from error
+            raise BatchError(f"the loss or metrics cannot be computed from the model's outputs on batches of "
+                             f"{described}: {type(error).__name__}: {error} ({hint})") from error
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
 
     def run(self, state: TrainState, batches: Iterable[HostBatch], step: int, name: str,
             labels_checked: bool = False, layout: Mapping[str, np.ndarray] | None = None) -> EvalResult:
-        """Evaluates ``state`` on every example of ``batches``.
-
-        The first batch is checked (and labels against the model's classes)
-        on abstract values before the step compiles; its size sets the
-        compiled batch. On several processes every process runs the step
-        alike until none has an example left (one may have fewer batches, or
-        none, given ``layout``: arrays of the batch's keys and example shapes).
-        """
+        """Evaluates ``state`` on every example of ``batches``; on several processes one with no batch
+        feeds padding shaped like ``layout`` (arrays of the batch's keys and example shapes)."""
         several = jax.process_count() > 1
         variables = (state.params, state.model_state)
         totals: Any = self._no_totals()
@@ -368,8 +301,7 @@ class Evaluator:
         return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
 
     def _largest(self, size: int) -> int:
-        """The largest of every process's ``size``: one small computation over
-        the mesh, waited for with :attr:`wait` (which a lost peer ends)."""
+        """The largest of every process's ``size``, waited for with :attr:`wait`."""
         placement = self.placement
         local = np.full(placement.local_data_size, size, np.int32)
         largest = jax.jit(jnp.max, out_shardings=placement.replicated)(placement.put_batch({"n": local})["n"])
@@ -378,8 +310,7 @@ class Evaluator:
 
     def _chunks(self, first: Mapping[str, np.ndarray] | None, rest: Iterator[HostBatch], padded: int,
                 labels_checked: bool, num_classes: int | None) -> Iterator[dict[str, np.ndarray]]:
-        """Every example of ``first`` and ``rest``, in host batches of ``padded``
-        rows, the padding masked out."""
+        """Every example of ``first`` and ``rest``, in host batches of ``padded`` rows."""
         for batch in itertools.chain([first] if first is not None else [], rest):
             arrays, size = check_batch(batch, self.model.input_keys)
             if not labels_checked:
@@ -394,9 +325,8 @@ class Evaluator:
                 part[FAILED] = np.zeros(padded, np.bool_)
                 yield part
 
-    def _empty(
-        self, layout: Mapping[str, np.ndarray] | None, padded: int, failed: bool
-    ) -> dict[str, np.ndarray]:
+    def _empty(self, layout: Mapping[str, np.ndarray] | None, padded: int,
+               failed: bool) -> dict[str, np.ndarray]:
         """A batch of no real example: this process ran out of data, or failed."""
         arrays = {k: np.zeros((padded, *v.shape[1:]), v.dtype) for k, v in (layout or {}).items()}
         arrays[VALID] = np.zeros(padded, np.bool_)
@@ -411,10 +341,9 @@ class Evaluator:
         if labels is None or not np.issubdtype(labels.dtype, np.integer):
             return
         if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-            raise BatchError(
-                f"evaluation labels {self.label_key!r} range over [{labels.min()}, {labels.max()}] "
-                f"but the model has {num_classes} outputs (labels must lie in [0, {num_classes - 1}])"
-            )
+            raise BatchError(f"evaluation labels {self.label_key!r} range over [{labels.min()}, "
+                             f"{labels.max()}] but the model has {num_classes} outputs (labels must lie in "
+                             f"[0, {num_classes - 1}])")
 
 
 def eval_batches(data: Any, batch_size: int | None) -> Iterator[HostBatch]:
@@ -432,45 +361,32 @@ def eval_batches(data: Any, batch_size: int | None) -> Iterator[HostBatch]:
 
 
 class Evaluations:
-    """Exact evaluations of one model, one compiled :class:`Evaluator` per
-    metrics collection (each compiled once per batch size).
-
-    Args:
-        model: the model adapter.
-        example_loss_fn: ``(outputs, batch)`` to one loss per example.
-        label_key: the batch key holding class labels, or None.
-        placement: the mesh the state lives on.
-        wait: waits for device values before they are read (the Trainer's ends on a lost peer).
-    """
+    """Exact evaluations of one model: one :class:`Evaluator` per metrics collection."""
 
     def __init__(self, model: Model, example_loss_fn: ExampleLossFn, label_key: str | None,
                  placement: Placement, wait: Callable[[Any], None] = jax.block_until_ready):
-        self.model, self.example_loss_fn, self.label_key = model, example_loss_fn, label_key
-        self.placement = placement
-        #: How evaluations wait for device values (see :attr:`Evaluator.wait`).
+        self.model, self.example_loss_fn, self.label_key, self.placement = (
+            model, example_loss_fn, label_key, placement)
+        #: See :attr:`Evaluator.wait`.
         self.wait = wait
         self._evaluators: dict[type, Evaluator] = {}
 
     @property
     def traces(self) -> int:
-        """How many times an eval step was traced (each trace compiles), over every metrics collection."""
+        """How many times an eval step was traced (each trace compiles)."""
         return sum(evaluator.traces for evaluator in self._evaluators.values())
 
     def _evaluator(self, metrics: Metrics | None) -> Evaluator:
         collection = as_collection(metrics, has_labels=self.label_key is not None)
-        evaluator = self._evaluators.get(collection)
-        if evaluator is None:
-            evaluator = Evaluator(self.model, collection, self.example_loss_fn, self.label_key,
-                                  self.placement, self.wait)
-            self._evaluators[collection] = evaluator
-        return evaluator
+        if collection not in self._evaluators:
+            self._evaluators[collection] = Evaluator(self.model, collection, self.example_loss_fn,
+                                                     self.label_key, self.placement, self.wait)
+        return self._evaluators[collection]
 
     def check(self, state: TrainState, data: Any, batch_size: int | None, metrics: Metrics | None,
               name: str) -> None:
-        """Checks, on abstract values (nothing compiles), that ``data`` has a
-        first batch and that the model, the loss and the metrics can evaluate
-        it; the labels of arrays in memory too. A one-shot iterator is not
-        read (its first batch would be lost): it is checked when evaluated.
+        """Checks on abstract values that the model, loss and metrics can evaluate ``data``'s first batch
+        (a one-shot iterator is not read: its first batch would be lost).
 
         Raises:
             BatchError, EmptyDataError: naming the evaluation and the cause.
