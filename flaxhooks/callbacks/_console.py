@@ -78,12 +78,6 @@ class TerminalRedirect:
 
     As tqdm's ``logging_redirect_tqdm``: files and pipes are left alone;
     :meth:`stop` puts everything back and may be called twice.
-
-    Examples:
-        >>> import io
-        >>> from rich.console import Console
-        >>> with TerminalRedirect(Console(file=io.StringIO())):
-        ...     pass
     """
 
     def __init__(self, console: Console):
@@ -91,13 +85,6 @@ class TerminalRedirect:
         self._swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
         self._last_resort: tuple[logging.Handler, logging.Handler] | None = None  # (original, ours)
         self._showwarning: tuple[Callable[..., None], Callable[..., None]] | None = None
-
-    def __enter__(self) -> TerminalRedirect:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Reroutes handlers, ``logging.lastResort`` and ``warnings.showwarning`` bound for the terminal."""

@@ -109,8 +109,8 @@ class Progress(Callback):
         self._redirect = TerminalRedirect(self.console)
         self._redirect.start()
         # The first dispatch blocks the training thread while XLA compiles: rich's thread redraws.
-        self._compiling = Live(_CompilingLine(self._clock, now), console=self.console,
-                               refresh_per_second=10, transient=True)
+        line = _OneLine(functools.partial(_compiling_line, Spinner("dots"), self._clock, now))
+        self._compiling = Live(line, console=self.console, refresh_per_second=10, transient=True)
         self._compiling.start(refresh=True)
 
     def on_step_end(self, loop: Loop) -> None:
@@ -363,21 +363,17 @@ _COMPILING = "compiling the train step…"
 _BAR_WIDTHS = (10, 40)
 
 
-class _CompilingLine:
+def _compiling_line(spinner: Spinner, clock: Callable[[], float], since: float, console: Console,
+                    options: ConsoleOptions) -> Text:
     """``⠋ compiling the train step… 3.2s``: a spinner and the time since ``since``."""
-
-    def __init__(self, clock: Callable[[], float], since: float):
-        self._clock, self._since, self._spinner = clock, since, Spinner("dots")
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        line = Text(no_wrap=True, overflow="ellipsis")
-        frame = self._spinner.render(console.get_time())
-        if isinstance(frame, Text):
-            line.append_text(frame)
-            line.append(" ")
-        line.append(f"{_COMPILING} ")
-        line.append(f"{self._clock() - self._since:.1f}s", style="progress.elapsed")
-        yield line
+    line = Text(no_wrap=True, overflow="ellipsis")
+    frame = spinner.render(console.get_time())
+    if isinstance(frame, Text):
+        line.append_text(frame)
+        line.append(" ")
+    line.append(f"{_COMPILING} ")
+    line.append(f"{clock() - since:.1f}s", style="progress.elapsed")
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
