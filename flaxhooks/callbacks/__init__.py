@@ -20,24 +20,8 @@ from flaxhooks.callbacks._tensorboard import TensorBoard
 from flaxhooks.contract import NonFiniteError
 
 __all__ = [
-    "ActivationGradStats",
-    "ActivationStats",
-    "Checkpoint",
-    "CheckpointConflictError",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointWarning",
-    "ConsoleLog",
-    "Diagnose",
-    "EarlyStopping",
-    "Evaluate",
-    "InstrumentedCallback",
-    "NonFiniteError",
-    "ParamStats",
-    "Profile",
-    "Progress",
-    "Restored",
-    "Summary",
-    "TapStats",
-    "TensorBoard",
+    "ActivationGradStats", "ActivationStats", "Checkpoint", "CheckpointConflictError", "CheckpointError",
+    "CheckpointMismatchError", "CheckpointWarning", "ConsoleLog", "Diagnose", "EarlyStopping", "Evaluate",
+    "InstrumentedCallback", "NonFiniteError", "ParamStats", "Profile", "Progress", "Restored", "Summary",
+    "TapStats", "TensorBoard",
 ]

@@ -1,6 +1,4 @@
-"""Callbacks that compute inside the train step (step contributors): the
-per-layer statistics of activations and of their gradients, and per-module
-figures of the parameter update."""
+"""Per-layer statistics of activations and their gradients, and per-module update figures."""
 
 from __future__ import annotations
 
@@ -39,14 +37,11 @@ from flaxhooks.writers import Histogram
 
 _log = logging.getLogger("flaxhooks")
 
-
 #: What selects statistics: None (the defaults, chosen for signal), ``"all"``
 #: (every statistic of every value) or a sequence of statistic names.
 StatsSpec = Union[None, str, Sequence[str]]  # noqa: UP007
 
-#: Module types whose outputs hold exact zeros only by chance (affine maps,
-#: normalizations, attention) or by design (dropout): their zero fraction
-#: says nothing about dead ReLU units, so it is not logged by default.
+#: Module types whose exact zeros say nothing about dead ReLU units (no default zero fraction).
 NOT_RELU_LIKE: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Embed, nn.Einsum,
     nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm, nn.SpectralNorm, nn.WeightNorm,
@@ -58,8 +53,7 @@ NOT_RELU_LIKE: tuple[type, ...] = (
 
 
 def may_hold_relu_zeros(tap: Tap) -> bool:
-    """Whether a value can hold exact zeros from a ReLU-like op: a sown
-    value, or the output of a module that is not one of :data:`NOT_RELU_LIKE`.
+    """Whether a value can hold exact zeros from a ReLU-like op (not a :data:`NOT_RELU_LIKE` output).
 
     Examples:
         >>> import flax.linen as nn
@@ -74,26 +68,21 @@ def may_hold_relu_zeros(tap: Tap) -> bool:
 
 
 def tag(prefix: str, *parts: str) -> str:
-    """A statistic's TensorBoard tag, under the ``stats/`` group (which sorts
-    after the training and evaluation charts): ``stats/<prefix>/<parts...>``."""
+    """A statistic's TensorBoard tag: ``stats/<prefix>/<parts...>``."""
     return "/".join(("stats", prefix, *parts))
 
 
-#: Statistics that span orders of magnitude across layers (a vanishing
-#: gradient is 1,000 times smaller than its neighbour's): TensorBoard gets
-#: their log10, so a chart on its default linear axis shows every layer.
+#: Statistics spanning orders of magnitude across layers: logged as log10.
 LOG_SCALE = frozenset({"std", "rms", "l2", "grad_norm", "update_ratio"})
 
 
 def layer_run(name: str) -> str:
-    """The TensorBoard run of one layer's statistics (``layers/<name>``): each
-    layer is a line of its own colour, named in the legend, on every chart."""
+    """The TensorBoard run of one layer's statistics: ``layers/<name>``."""
     return f"layers/{name}"
 
 
 def stat_tag(prefix: str, stat: str) -> str:
-    """The tag of a per-layer statistic in its layer's run, e.g.
-    ``stats/activation_grads/log10_rms`` (:data:`LOG_SCALE` statistics as log10).
+    """The tag of a per-layer statistic in its layer's run (:data:`LOG_SCALE` ones as log10).
 
     Examples:
         >>> stat_tag("activations", "mean"), stat_tag("activation_grads", "rms")
@@ -115,11 +104,9 @@ class TapStats:
         step: the step (after it completed).
         names: the values' names, in execution order.
         modules: the path of each value's module.
-        columns: the columns of :attr:`values` (``mean``, ``std``, ...).
-        values: ``[len(names), len(columns)]``, on the device until read.
-            A statistic a value does not log is NaN.
-        histograms: ``[len(names), bins]`` bin counts between each value's
-            ``min`` and ``max``, or None.
+        columns: the columns of :attr:`values`.
+        values: ``[len(names), len(columns)]``, on the device until read (NaN: not logged).
+        histograms: ``[len(names), bins]`` bin counts between each value's ``min`` and ``max``, or None.
         logged: the statistics each value logs (None: every column).
 
     Examples:
@@ -148,7 +135,9 @@ class TapStats:
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """``{name: {statistic: value}}`` of the logged statistics, on the host (waits for the step)."""
-        table = self.table()
+        return self._rows(self.table())
+
+    def _rows(self, table: np.ndarray) -> dict[str, dict[str, float]]:
         column = {c: i for i, c in enumerate(self.columns)}
         return {name: {c: float(table[i, column[c]]) for c in self.statistics(i)}
                 for i, name in enumerate(self.names)}
@@ -156,17 +145,10 @@ class TapStats:
 
 @dataclasses.dataclass(frozen=True)
 class _Choice:
-    """The statistics a callback logs.
-
-    Attributes:
-        stats: the per-value statistics, in the order of the valid ones.
-        every_value: also log the model's output where it repeats a module's.
-        zero_fraction_where_relu: ``zero_fraction`` only for values that
-            :func:`may_hold_relu_zeros`.
-    """
+    """The statistics a callback logs."""
 
     stats: tuple[str, ...]
-    every_value: bool = False
+    every_value: bool = False  # also the model's output where it repeats a module's
     zero_fraction_where_relu: bool = False
 
 
@@ -189,31 +171,20 @@ class _LayerStatistics(InstrumentedCallback):
     """Shared by :class:`ActivationStats` and :class:`ActivationGradStats`."""
 
     kind = ""  # "activations" or "gradients": which taps
-    columns: tuple[str, ...] = ()  # every statistic there is
-    default: tuple[str, ...] = ()  # the statistics logged unless stats= says otherwise
-    default_prefix = ""  # of the tags, and the topic the figures are published under
+    columns: tuple[str, ...] = ()
+    default: tuple[str, ...] = ()
+    default_prefix = ""
     category = ""  # of the charts
     subject = ""  # what the charts' titles name
 
-    def __init__(
-        self,
-        every: Every | int,
-        taps: Taps,
-        histograms: bool,
-        bins: int,
-        count_nonfinite: bool,
-        if_nonfinite: str | None,
-        prefix: str,
-        stats: StatsSpec,
-    ):
+    def __init__(self, every: Every | int, taps: Taps, histograms: bool, bins: int, count_nonfinite: bool,
+                 if_nonfinite: str | None, prefix: str, stats: StatsSpec):
         if if_nonfinite is not None:
             if if_nonfinite not in ("stop", "raise", "warn"):
                 raise ValueError(f"if_nonfinite must be 'stop', 'raise' or 'warn', got {if_nonfinite!r}")
-            warnings.warn(
-                f"{type(self).__name__}(if_nonfinite=...) is deprecated and goes in 0.9: one guard watches "
-                f"every Trainer's loss, set with Trainer(if_nonfinite={_guard_mode(if_nonfinite)!r})",
-                DeprecationWarning, stacklevel=3,
-            )
+            warnings.warn(f"{type(self).__name__}(if_nonfinite=...) is deprecated and goes in 0.9: one guard "
+                          f"watches every Trainer's loss, set with Trainer(if_nonfinite="
+                          f"{_guard_mode(if_nonfinite)!r})", DeprecationWarning, stacklevel=3)
         if histograms and bins < 1:
             raise ValueError(f"bins must be at least 1, got {bins}")
         self.choice = _choose(stats, self.columns, self.default)
@@ -228,8 +199,7 @@ class _LayerStatistics(InstrumentedCallback):
         self.prefix = prefix
         own = prefix == self.default_prefix  # another prefix: charts of their own
         self.chart_category = self.category if own else f"{self.category} ({prefix})"
-        #: Every value the taps found (with a model output that repeats a module's), in execution
-        #: order, and each one's module: as the layout of the traced step says.
+        #: Every value the taps found, in execution order, and each one's module.
         self.names: tuple[str, ...] = ()
         self.modules: tuple[tuple[str, ...], ...] = ()
         self._charts: tuple[Any, dict[str, list[str]]] = (None, {})
@@ -239,9 +209,7 @@ class _LayerStatistics(InstrumentedCallback):
 
     @property
     def table_columns(self) -> tuple[str, ...]:
-        """The columns computed: the logged statistics, ``nonfinite`` (the
-        guard's per-value flag, from a sum the pass makes anyway) and what
-        histograms need."""
+        """The columns computed: the logged statistics, ``nonfinite`` and what histograms need."""
         extra = {"nonfinite"} | ({"min", "max", "mean", "rms"} if self.bins else set())
         return tuple(c for c in self.columns if c in self.stats or c in extra)
 
@@ -255,15 +223,13 @@ class _LayerStatistics(InstrumentedCallback):
         found: Sequence[Tap] = getattr(tapped, self.kind)
         taps = [t for t in found if self.choice.every_value or not isinstance(t, RepeatedTap)]
         logged = tuple(self.logs(t) for t in taps)
-        # The names are fixed by the model while traced: they leave with the result.
         layout = _ValuesLayout(tuple(t.name for t in found), tuple(t.module for t in found),
                                tuple(t.name for t in taps), tuple(t.module for t in taps), logged)
         columns = self.table_columns
         always = set(columns) - set(self.stats)  # the guard's flag, what histograms need
-        stats, histograms = tap_stats(
-            [t.value for t in taps], bins=self.bins, count_nonfinite=self.count_nonfinite,
-            axis=tapped.axis_name, columns=columns, wanted=[always | set(row) for row in logged],
-        )
+        stats, histograms = tap_stats([t.value for t in taps], bins=self.bins, columns=columns,
+                                      count_nonfinite=self.count_nonfinite, axis=tapped.axis_name,
+                                      wanted=[always | set(row) for row in logged])
         return WithLayout({"stats": stats, "histograms": histograms}, layout)
 
     def take_layout(self, layout: _ValuesLayout) -> None:
@@ -276,8 +242,7 @@ class _LayerStatistics(InstrumentedCallback):
         return "no tapped values"
 
     def charts(self, latest: TapStats) -> dict[str, list[str]]:
-        """One chart per statistic, ``{title: [tag]}`` (TensorBoard's Custom
-        Scalars): its tag in every layer's run, a line per layer."""
+        """One chart per statistic, ``{title: [tag]}``: a line per layer's run."""
         key = (latest.names, latest.logged)
         if self._charts[0] != key:
             found = {}
@@ -299,7 +264,6 @@ class _LayerStatistics(InstrumentedCallback):
                           layout.logged)
         self.latest = latest
         loop.publish(self.prefix, latest)
-        # The writer ignores an unchanged declaration; each fit opens a new one.
         loop.writers.charts(self.chart_category, self.charts(latest), step)
         # Read on the writer's thread: step outputs are never donated.
         loop.writers.run_scalars(lambda: _layer_scalars(latest, self.prefix), step)
@@ -313,11 +277,11 @@ class _LayerStatistics(InstrumentedCallback):
 class _ValuesLayout(NamedTuple):
     """What one trace of a statistics callback's in-step function found."""
 
-    found: tuple[str, ...]  # every value, in execution order
+    found: tuple[str, ...]
     found_modules: tuple[tuple[str, ...], ...]
     names: tuple[str, ...]  # the values logged
     modules: tuple[tuple[str, ...], ...]
-    logged: tuple[tuple[str, ...], ...]  # the statistics each logs
+    logged: tuple[tuple[str, ...], ...]
 
 
 def _guard_mode(if_nonfinite: str) -> str:
@@ -326,23 +290,15 @@ def _guard_mode(if_nonfinite: str) -> str:
 
 
 def _layer_scalars(stats: TapStats, prefix: str) -> dict[str, dict[str, float]]:
-    """One step's statistics by run (reads the values): ``{layers/<name>:
-    {stat_tag: value}}``, and in the main run ``stats/<prefix>/nonfinite``
-    (how many values had NaN or infinite entries, or how many entries when
-    counted) where the table has that column."""
+    """One step's statistics by run, and ``stats/<prefix>/nonfinite`` in the main run (reads the values)."""
     table = stats.table()
-    column = {c: i for i, c in enumerate(stats.columns)}
-    runs: dict[str, dict[str, float]] = {}
-    main: dict[str, float] = {}
     with np.errstate(divide="ignore", invalid="ignore"):  # log10(0) is -inf: a dead layer shows
-        for i, name in enumerate(stats.names):
-            row = {c: float(table[i, column[c]]) for c in stats.statistics(i)}
-            runs[layer_run(name)] = {stat_tag(prefix, c): float(np.log10(v)) if c in LOG_SCALE else v
-                                     for c, v in row.items()}
-    if "nonfinite" in column:
-        flags = table[:, column["nonfinite"]]
-        main[tag(prefix, "nonfinite")] = float(np.where(np.isnan(flags), 1.0, flags).sum())
-    return {**runs, "": main} if main else runs
+        runs = {layer_run(name): {stat_tag(prefix, c): float(np.log10(v)) if c in LOG_SCALE else v
+                                  for c, v in row.items()} for name, row in stats._rows(table).items()}
+    if "nonfinite" in stats.columns:
+        flags = table[:, stats.columns.index("nonfinite")]
+        runs[""] = {tag(prefix, "nonfinite"): float(np.where(np.isnan(flags), 1.0, flags).sum())}
+    return runs
 
 
 def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]:
@@ -358,36 +314,26 @@ def _histograms(stats: TapStats, prefix: str, bins: int) -> dict[str, Histogram]
         low, high, mean, rms = row[col["min"]], row[col["max"]], row[col["mean"]], row[col["rms"]]
         found[tag(prefix, name, "histogram")] = Histogram(
             float(low), float(high), float(mean * number), float(rms * rms * number),
-            bin_edges(float(low), float(high), bins), bucket_counts.tolist(),
-        )
+            bin_edges(float(low), float(high), bins), bucket_counts.tolist())
     return found
 
 
 class ActivationStats(_LayerStatistics):
-    """Logs per-layer statistics of intermediate values every ``every`` steps:
-    the model's own ``sow`` values and the outputs of the modules ``capture``
-    selects, a scan's per layer, computed inside the step (see
-    docs/guides/inside-the-model.md). By default ``mean`` and ``std`` of every value and
-    ``zero_fraction`` where a ReLU-like op can have made zeros; the latest
-    figures are :attr:`latest` and ``loop.published[prefix]``.
+    """Logs per-layer statistics of sown values and module outputs every ``every`` steps.
+
+    Computed inside the step (docs/guides/inside-the-model.md); by default
+    ``mean``, ``std`` and ``zero_fraction`` where a ReLU-like op can make zeros.
 
     Args:
-        every: when to log (steps, or an :class:`Every`).
         collections: ``sow`` collections to log.
-        capture: modules whose outputs to log: True (every submodule's
-            ``__call__``), module types, name patterns, a
-            :func:`select_modules` filter, or None.
+        capture: modules whose outputs to log: True (every submodule), module types,
+            name patterns, a :func:`select_modules` filter, or None.
         histograms: also write histograms (a second, slower pass).
-        bins: histogram bins.
         count_nonfinite: count NaN and infinite entries exactly (slower).
-        if_nonfinite: deprecated (goes in 0.9): ``Trainer(if_nonfinite=...)``
-            sets the guard every Trainer has; ``"warn"`` given here still
-            makes that guard warn instead of stopping.
+        if_nonfinite: deprecated (goes in 0.9): use ``Trainer(if_nonfinite=...)``.
         prefix: the tag prefix, and the topic the latest figures are published under.
-        split_steps: log each time step of a recurrence (``nn.RNN``, a scan
-            whose iterations share parameters) apart, instead of one value
-            over all of them; scans over layers are always logged per layer.
-        stats: None (the defaults above), ``"all"``, or statistic names.
+        split_steps: log each time step of a recurrence apart.
+        stats: None (the defaults), ``"all"``, or statistic names.
 
     Raises:
         ValueError: ``stats`` names an unknown statistic (the message lists them).
@@ -409,50 +355,28 @@ class ActivationStats(_LayerStatistics):
     category = "activations"
     subject = ""
 
-    def __init__(
-        self,
-        every: Every | int = 100,
-        *,
-        collections: Sequence[str] = ("intermediates",),
-        capture: ModuleSpec = True,
-        histograms: bool = False,
-        bins: int = 30,
-        count_nonfinite: bool = False,
-        if_nonfinite: str | None = None,
-        prefix: str = "activations",
-        split_steps: bool = False,
-        stats: StatsSpec = None,
-    ):
+    def __init__(self, every: Every | int = 100, *, collections: Sequence[str] = ("intermediates",),
+                 capture: ModuleSpec = True, histograms: bool = False, bins: int = 30,
+                 count_nonfinite: bool = False, if_nonfinite: str | None = None, prefix: str = "activations",
+                 split_steps: bool = False, stats: StatsSpec = None):
         taps = Taps(collections=tuple(collections), capture=as_module_filter(capture),
                     split_steps=split_steps)
         super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
 
     def _nothing_found(self) -> str:
-        return (
-            f"the model sows nothing into {list(self.taps.collections)} and capture selects "
-            f"{'no module' if self.taps.capture else 'nothing (capture=None)'}"
-        )
+        return (f"the model sows nothing into {list(self.taps.collections)} and capture selects "
+                f"{'no module' if self.taps.capture else 'nothing (capture=None)'}")
 
 
 class ActivationGradStats(_LayerStatistics):
-    """Logs per-layer statistics of the gradient of the mean loss over the
-    whole batch with respect to intermediate values every ``every`` steps:
-    at the model's own ``perturb`` sites and the outputs of the modules
-    ``perturb`` selects, from the step's own backward pass (see
-    docs/guides/inside-the-model.md). By default each value's ``rms``.
+    """Logs per-layer statistics of the loss's gradient with respect to intermediate values.
+
+    From the step's own backward pass (docs/guides/inside-the-model.md); by
+    default each value's ``rms``. Other arguments as for :class:`ActivationStats`.
 
     Args:
-        every: when to log (steps, or an :class:`Every`).
-        perturb: modules whose outputs' gradients to log: True (every
-            submodule's ``__call__``), module types, name patterns, a
-            :func:`select_modules` filter, or None.
+        perturb: modules whose outputs' gradients to log (as ``capture``).
         model_perturbations: also log the model's own ``perturb`` sites.
-        histograms: as for :class:`ActivationStats`.
-        bins: as for :class:`ActivationStats`.
-        count_nonfinite: as for :class:`ActivationStats`.
-        if_nonfinite: as for :class:`ActivationStats`.
-        prefix: the tag prefix and published topic.
-        split_steps: as for :class:`ActivationStats`.
         stats: None (``rms``), ``"all"``, or statistic names.
 
     Raises:
@@ -473,20 +397,10 @@ class ActivationGradStats(_LayerStatistics):
     category = "activation gradients"
     subject = "gradient "
 
-    def __init__(
-        self,
-        every: Every | int = 100,
-        *,
-        perturb: ModuleSpec = True,
-        model_perturbations: bool = True,
-        histograms: bool = False,
-        bins: int = 30,
-        count_nonfinite: bool = False,
-        if_nonfinite: str | None = None,
-        prefix: str = "activation_grads",
-        split_steps: bool = False,
-        stats: StatsSpec = None,
-    ):
+    def __init__(self, every: Every | int = 100, *, perturb: ModuleSpec = True,
+                 model_perturbations: bool = True, histograms: bool = False, bins: int = 30,
+                 count_nonfinite: bool = False, if_nonfinite: str | None = None,
+                 prefix: str = "activation_grads", split_steps: bool = False, stats: StatsSpec = None):
         taps = Taps(perturb=as_module_filter(perturb), model_perturbations=model_perturbations,
                     split_steps=split_steps)
         super().__init__(every, taps, histograms, bins, count_nonfinite, if_nonfinite, prefix, stats)
@@ -496,13 +410,9 @@ class ActivationGradStats(_LayerStatistics):
 
 
 class ParamStats(InstrumentedCallback):
-    """Logs, per module (the leaves that share a path but the last name),
-    the norm of the loss's gradient and the ratio of the optimizer's update
-    to the parameters, every ``every`` steps (see
-    docs/guides/inside-the-model.md); the latest figures are :attr:`latest`, a :class:`TapStats`.
+    """Logs each module's gradient norm and update-to-parameter ratio every ``every`` steps.
 
     Args:
-        every: when to log (steps, or an :class:`Every`).
         prefix: the tag prefix and published topic.
 
     Examples:
@@ -517,9 +427,9 @@ class ParamStats(InstrumentedCallback):
         self.every = as_every(every)
         self.prefix = prefix
         self.chart_category = "parameters" if prefix == "params" else f"parameters ({prefix})"
-        #: The modules, in natural order of their names (as the layout of the traced step says).
+        #: The modules, in natural order of their names.
         self.names: tuple[str, ...] = ()
-        #: The latest figures (a :class:`TapStats` of columns ``grad_norm`` and ``update_ratio``).
+        #: The latest figures (a :class:`TapStats`).
         self.latest: TapStats | None = None
         self._charts: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
 

@@ -1,9 +1,8 @@
-"""Checkpoints on orbax's ``CheckpointManager``: saved asynchronously and
-atomically by every process (each its own shards and data position), the
-latest and the best kept, read back straight into the resuming run's shardings."""
+"""Checkpoints on orbax's ``CheckpointManager``, saved asynchronously by every process."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -42,9 +41,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("flaxhooks")
 
-#: The items written: orbax's ``state`` (the train state's leaves by
-#: index), ``meta`` (JSON: position, callbacks' states, each leaf's path,
-#: shape, dtype and fingerprint) and ``data`` (each process's position).
+#: The items written: orbax ``state`` (leaves by index), ``meta`` (JSON) and ``data``.
 FORMAT = 3
 #: Formats of 0.7 and 0.8 (each leaf or part with a CRC32), still read.
 LEGACY_FORMATS = (1, 2)
@@ -55,51 +52,39 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointConflictError(CheckpointError):
-    """A fresh run's checkpoint directory holds another run's later checkpoints.
-
-    Attributes:
-        directory: the checkpoint directory.
-        steps: the steps of the other run's checkpoints after this run's start.
-        start: the step this run starts from.
-    """
+    """A fresh run's ``directory`` holds another run's checkpoints (``steps``) after its ``start``."""
 
     def __init__(self, directory: str, steps: Sequence[int], start: int):
         self.directory, self.steps, self.start = directory, list(steps), start
-        super().__init__(
-            f"{directory!r} holds checkpoints of another run (steps {self.steps}) beyond this run's start at "
-            f"step {start}: pass resume=True to go on from them, or use another directory"
-        )
+        super().__init__(f"{directory!r} holds checkpoints of another run (steps {self.steps}) beyond this "
+                         f"run's start at step {start}: pass resume=True to go on from them, or use another "
+                         "directory")
 
 
 class CheckpointMismatchError(CheckpointError):
-    """A checkpoint holds a train state of another shape than this model and
-    optimizer make: the model or the optimizer changed since it was saved.
+    """A checkpoint's (``path``) train state does not fit this model and optimizer.
 
-    Attributes:
-        path: the checkpoint read.
-        difference: what differs, e.g. ``.params['Dense_0']['kernel'] is
-            float32[32, 10] there and float32[64, 10] here``.
+    ``difference`` says what differs, e.g. ``.params['Dense_0']['kernel'] is
+    float32[32, 10] there and float32[64, 10] here``.
     """
 
     def __init__(self, path: str, difference: str):
         self.path, self.difference = path, difference
-        super().__init__(
-            f"the checkpoint {path!r} does not fit this model and optimizer: {difference}. The model or "
-            "the optimizer changed since it was saved: train this one in another directory, or resume "
-            "with the ones that saved it"
-        )
+        super().__init__(f"the checkpoint {path!r} does not fit this model and optimizer: {difference}. The "
+                         "model or the optimizer changed since it was saved: train this one in another "
+                         "directory, or resume with the ones that saved it")
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped: unreadable on restore, or a non-finite state on save."""
 
 
-def state_leaves(state: Any) -> list[tuple[str, Any]]:
-    """The leaves of a train state by key path, e.g. ``.params['Dense_0']['kernel']``.
+#: What a checkpoint that cannot be used raises when read.
+_UNREADABLE = (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError)
 
-    Only pytree leaves: the static optimizer (``tx``) is not saved, and
-    per-step collections never live in the state.
-    """
+
+def state_leaves(state: Any) -> list[tuple[str, Any]]:
+    """The leaves of a train state by key path, e.g. ``.params['Dense_0']['kernel']`` (``tx`` is static)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
@@ -107,22 +92,18 @@ def state_leaves(state: Any) -> list[tuple[str, Any]]:
 def callback_keys(callbacks: Sequence[Callback]) -> dict[str, Callback]:
     """A stable name per callback: its class name, with ``#i`` for the i-th repeat."""
     keys: dict[str, Callback] = {}
-    seen: dict[str, int] = {}
+    seen: collections.Counter[str] = collections.Counter()
     for callback in callbacks:
         name = type(callback).__name__
-        count = seen.get(name, 0)
-        seen[name] = count + 1
-        keys[name if count == 0 else f"{name}#{count}"] = callback
+        keys[f"{name}#{seen[name]}" if seen[name] else name] = callback
+        seen[name] += 1
     return keys
 
 
 def _shown(path: str) -> str:
-    """``path`` as a person typed it: relative to the working directory when inside it."""
+    """``path`` relative to the working directory when inside it."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
-
-
-# -- checks computed on the devices --------------------------------------------
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -142,12 +123,9 @@ def _words(x: jax.Array) -> jax.Array:
 
 
 def _fingerprint(x: jax.Array) -> jax.Array:
-    """A uint32 sum of every element's bits times an odd weight of its place.
+    """A uint32 sum of every element's bits times an odd weight of its global place.
 
-    It does not depend on how ``x`` is sharded (integer sums are exact in
-    any order, and the weights come from global indices, no reshape), so a
-    state saved on one mesh is checked on another; any single changed word
-    changes it.
+    Integer sums are exact in any order, so it does not depend on the sharding.
     """
     words = _words(x)
     place = jnp.zeros(words.shape, jnp.uint32)
@@ -161,9 +139,7 @@ def _fingerprint(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _checks(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Per leaf: whether it is finite, and its fingerprint. One reduction that
-    every process computes over the same global arrays, so every process
-    decides the same without asking the others."""
+    """Per leaf: whether it is finite, and its fingerprint (the same on every process)."""
     finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
               for x in leaves]
     prints = [_fingerprint(x) if x.size else jnp.uint32(0) for x in leaves]
@@ -174,21 +150,15 @@ def _checked(leaves: Sequence[Any]) -> tuple[list[bool], list[int]]:
     if not leaves:
         return [], []
     checks = _checks(list(leaves))
-    # Polls while the steps in flight finish: a peer lost in one of them ends
-    # the wait with PeerLost (a blocking read would wait for it for ever).
-    wait_ready(checks)
+    wait_ready(checks)  # polls: a peer lost meanwhile raises PeerLost instead of hanging
     finite, prints = jax.device_get(checks)
     return [bool(f) for f in finite], [int(p) for p in prints]
-
-
-# -- reading -----------------------------------------------------------------
 
 
 def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     """What a checkpoint lacks and holds beyond a train state, a few of each."""
     def few(paths: Sequence[str]) -> str:
-        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-        return ", ".join(paths[:3]) + more
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
     parts = ([f"this train state has {few(missing)}, which it lacks"] if missing else []) + (
         [f"it holds {few(unexpected)}, which this train state lacks"] if unexpected else [])
@@ -197,21 +167,16 @@ def _leaf_difference(missing: Sequence[str], unexpected: Sequence[str]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """A checkpoint found good, not yet tied to a model: its arrays are read
-    by :meth:`train_state`, straight onto the shardings asked for.
+    """A checkpoint found good; :meth:`train_state` reads its arrays onto the shardings asked for.
 
     Attributes:
         step: the optimizer steps the saved state had taken.
         position: ``(epoch, batches into it)`` where training goes on.
-        leaves: the state's arrays by key path (see :func:`state_leaves`), as
-            shapes and dtypes.
+        leaves: the state's arrays' shapes and dtypes by key path (see :func:`state_leaves`).
         callbacks: each callback's saved state, by :func:`callback_keys` name.
-        path: the checkpoint's directory.
         stop_reason: why the saved run had decided to stop, if it had.
-        data: every process's data position at the save, loader states
-            included, in process order (None: a checkpoint of 0.7 or older).
-        fingerprints: each leaf's fingerprint as saved, by key path (None:
-            format 1 or 2, whose CRC32s are checked as they are read).
+        data: every process's data position, in process order (None: a checkpoint of 0.7 or older).
+        fingerprints: each leaf's fingerprint as saved, by key path (None: formats 1 and 2).
     """
 
     step: int
@@ -226,14 +191,10 @@ class Restored:
         default=lambda paths, targets: [], repr=False, compare=False)
 
     def train_state(self, like: TrainState) -> TrainState:
-        """The saved arrays in the structure of ``like`` (abstract or concrete),
-        each read straight onto the sharding of ``like``'s leaf: a process
-        reads only the shards its devices hold.
+        """The saved arrays in the structure of ``like``, each read onto its leaf's sharding.
 
         Raises:
-            CheckpointMismatchError: the model or optimizer state has other
-                leaves, shapes or dtypes than the saved one (checked before
-                anything is read).
+            CheckpointMismatchError: other leaves, shapes or dtypes than saved (checked before reading).
             CheckpointError: the arrays cannot be read back.
         """
         flat, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -253,11 +214,9 @@ class Restored:
         except (CheckpointError, ProcessError):
             raise
         except Exception as error:  # noqa: BLE001 - whatever orbax or tensorstore raised, said in one line
-            raise CheckpointError(
-                f"the checkpoint at step {self.step} cannot be read ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}): move {self.path!r} aside to resume "
-                "from the one before it"
-            ) from error
+            what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            raise CheckpointError(f"the checkpoint at step {self.step} cannot be read ({what}): move "
+                                  f"{self.path!r} aside to resume from the one before it") from error
         return jax.tree_util.tree_unflatten(treedef, arrays)
 
     def load_callbacks(self, callbacks: Sequence[Callback]) -> None:
@@ -271,18 +230,25 @@ class Restored:
             try:
                 callback.load_state_dict(state)
             except Exception as error:
-                raise CheckpointError(
-                    f"{callback!r} cannot load its state from {self.path!r}: {type(error).__name__}: {error}"
-                ) from error
+                raise CheckpointError(f"{callback!r} cannot load its state from {self.path!r}: "
+                                      f"{type(error).__name__}: {error}") from error
 
 
 def _this_process_only() -> Any:
-    """orbax options under which this process reads alone: no orbax barrier,
-    which would wait for (and time out on) slower processes."""
+    """orbax options under which this process reads alone (no barrier on slower processes)."""
     import orbax.checkpoint as ocp
 
     index = jax.process_index()
     return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
+def _reader() -> Any:
+    """An orbax Checkpointer with which this process reads alone."""
+    import orbax.checkpoint as ocp
+
+    alone = _this_process_only()
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
+                            multiprocessing_options=alone)
 
 
 def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
@@ -298,10 +264,8 @@ def _read_arrays(path: str, indices: Mapping[str, int], paths: Sequence[str], ta
     wanted = {str(indices[p]): jax.ShapeDtypeStruct(jnp.shape(t), jnp.result_type(t),
                                                     sharding=_sharding_of(t))
               for p, t in zip(paths, targets, strict=True) if math.prod(jnp.shape(t))}
-    alone = _this_process_only()
-    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone)
     read: dict[str, Any] = {}
-    with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
+    with _reader() as checkpointer:
         for group in _read_groups(wanted):
             restore_args = ocp.checkpoint_utils.construct_restore_args(group)
             read.update(checkpointer.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
@@ -316,12 +280,10 @@ READ_GROUP_BYTES = 64 << 20
 
 
 def _read_groups(wanted: Mapping[str, jax.ShapeDtypeStruct]) -> list[dict[str, jax.ShapeDtypeStruct]]:
-    """``wanted`` in consecutive groups of at most the largest leaf's bytes
-    (or :data:`READ_GROUP_BYTES`, if more: fewer calls where leaves are small).
+    """``wanted`` in groups of at most the largest leaf's bytes (or :data:`READ_GROUP_BYTES`).
 
-    orbax reads the leaves of one restore concurrently, each into a host
-    buffer before it is placed: read in one go, the buffers of a whole state
-    can be alive at once. Group by group, they stay within one leaf's size."""
+    orbax reads a restore's leaves concurrently into host buffers: grouped, at
+    most one leaf's size of them is alive at once."""
     size = {key: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for key, leaf in wanted.items()}
     budget = max([READ_GROUP_BYTES, *size.values()])
     groups: list[dict[str, jax.ShapeDtypeStruct]] = []
@@ -340,15 +302,12 @@ def _checksum(array: np.ndarray) -> int:
 
 
 def _read_legacy(path: str, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Formats 1 and 2: every leaf whole on the host, its CRC32s checked
-    (whole, or of each part, the parts covering it once)."""
+    """Formats 1 and 2: every leaf whole on the host, its CRC32s (whole, or per part) checked."""
     import orbax.checkpoint as ocp
 
-    alone = _this_process_only()
     as_numpy = {str(i): ocp.RestoreArgs(restore_type=np.ndarray)
                 for i, info in enumerate(meta["leaves"]) if np.prod(info["shape"])}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
-                          multiprocessing_options=alone) as checkpointer:
+    with _reader() as checkpointer:
         arrays = checkpointer.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
             restore_args=as_numpy)) if as_numpy else {}
     leaves = {}
@@ -364,16 +323,14 @@ def _read_legacy(path: str, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 covered = -1
                 break
         if array.shape != shape or array.dtype != dtype or covered != array.size:
-            raise CheckpointError(
-                f"{info['path']} does not match the shape, dtype and checksum saved with it")
+            raise CheckpointError(f"{info['path']} does not match the shape, dtype and checksum saved with "
+                                  "it")
         leaves[info["path"]] = array
     return leaves
 
 
 def read_checkpoint(path: str, step: int) -> Restored:
-    """The checkpoint in ``path`` (of ``step``) found good: its metadata, each
-    process's data position, and its arrays' shapes as orbax recorded them
-    (read, not its arrays).
+    """The checkpoint in ``path`` (of ``step``) found good: its metadata and data positions, not its arrays.
 
     Raises:
         CheckpointError, ValueError, OSError, KeyError: it cannot be used.
@@ -399,21 +356,16 @@ def read_checkpoint(path: str, step: int) -> Restored:
     for info in meta["leaves"]:
         if math.prod(info["shape"]) and (str(indices[info["path"]]) not in recorded or tuple(
                 recorded[str(indices[info["path"]])].shape) != tuple(info["shape"])):
-            raise CheckpointError(
-                f"{info['path']} is missing from the saved arrays or has another shape there")
+            raise CheckpointError(f"{info['path']} is missing from the saved arrays or has another shape "
+                                  "there")
     return Restored(**common, data=read_positions(os.path.join(path, DATA_ITEM)),
                     fingerprints={info["path"]: info["fingerprint"] for info in meta["leaves"]},
                     read=functools.partial(_read_arrays, path, indices))
 
 
-# -- writing -----------------------------------------------------------------
-
-
 def _manager(directory: str, keep: int, best: tuple[str, str] | None, keep_best: int, barrier: str,
              committed: Callable[[], None]) -> Any:
-    """orbax's manager of ``directory``: saves asynchronously, every process
-    writing its part, the latest ``keep`` and the best ``keep_best`` kept;
-    ``committed()`` is called on orbax's thread once each save is in place."""
+    """orbax's asynchronous manager of ``directory``; ``committed()`` runs once each save is in place."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint import checkpoint_managers as policies
 
@@ -424,48 +376,36 @@ def _manager(directory: str, keep: int, best: tuple[str, str] | None, keep_best:
         metric_fn = lambda metrics: metrics[name]  # noqa: E731
         keeping.append(policies.BestN(get_metric_fn=metric_fn, reverse=mode == "min", n=keep_best,
                                       keep_checkpoints_without_metrics=False))
-    several = jax.process_count() > 1
     options = ocp.CheckpointManagerOptions(
-        # Directories made between orbax's barriers, never asynchronously:
-        # the processes then wait on signals keyed by orbax's own count of
-        # saves, which differs between processes that saved in other fits.
+        # Directories made asynchronously wait on orbax's save count, which differs between processes.
         async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False,
                                                post_finalization_callback=committed),
         preservation_policy=policies.AnyPreservationPolicy(keeping),
         best_fn=metric_fn, best_mode=best[1] if best else "max",
         create=False,  # made (and checked) by Checkpoint itself
-        # A save killed halfway leaves a temporary directory that was never
-        # renamed into place; removed when the next manager opens.
-        cleanup_tmp_directories=True,
+        cleanup_tmp_directories=True,  # what a save killed halfway left
         enable_async_checkpointing=True,
-        # Naming every process makes each of orbax's barriers a wait in
-        # JAX's key-value store with a timeout, never a compiled collective
-        # that orbax's background thread could interleave with the train step's.
+        # Barriers in JAX's key-value store, never a collective interleaved with the train step's.
         multiprocessing_options=ocp.options.MultiprocessingOptions(
             primary_host=0, active_processes=set(range(jax.process_count())),
-            barrier_sync_key_prefix=barrier) if several else ocp.options.MultiprocessingOptions(),
-    )
+            barrier_sync_key_prefix=barrier)
+        if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
     handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
     handlers.add("state", ocp.args.PyTreeSave, _state_handler())
     return ocp.CheckpointManager(directory, options=options, handler_registry=handlers)
 
 
-#: The least bytes of one replica's slice for orbax to split a replicated
-#: array's writing between its replicas: each slice is a dispatch of its own
-#: (about 0.5 ms on CPU), which costs more than it spreads below this.
+#: The least bytes of a replica's slice when orbax splits a replicated array's writing (a dispatch each).
 REPLICA_SLICE_BYTES = 16 << 20
 
 
 def _state_handler() -> Any:
-    """orbax's handler of the train state, orbax's own type handlers but for
-    arrays, which split between replicas only in slices of at least
-    ``REPLICA_SLICE_BYTES`` (orbax splits every replicated array)."""
+    """orbax's train state handler, splitting arrays between replicas only by ``REPLICA_SLICE_BYTES``."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint import type_handlers
 
     handlers = [(ty, type_handlers.get_type_handler(ty)) for ty in type_handlers.supported_types()]
-    # The default handler's store of per-array metadata (orbax has no public
-    # name for it; without one orbax writes no such metadata).
+    # The default handler's per-array metadata store (no public name; without it none is written).
     store = getattr(type_handlers.get_type_handler(jax.Array), "_array_metadata_store", None)
     arrays = type_handlers.ArrayHandler(array_metadata_store=store,
                                         min_slice_bytes_for_replica_parallel=REPLICA_SLICE_BYTES)
@@ -478,29 +418,17 @@ _managers = iter(range(1 << 62))
 
 
 class Checkpoint(Callback):
-    """Saves the train state and every callback's state with orbax, and restores
-    the latest good checkpoint for ``Trainer.fit(..., resume=True)`` (it is the
-    fit's :class:`~flaxhooks.contract.Restorer`).
+    """Saves the train state and callbacks' states with orbax; restores for ``fit(..., resume=True)``.
 
-    Saves are atomic and asynchronous: the loop waits only while this process's
-    shards are copied to the host. A non-finite state is never saved; each
-    leaf's fingerprint is checked when a run resumes. On several processes the
-    directory must be shared: every process writes its own shards and data
-    position. docs/guides/checkpoints.md and
-    docs/guides/several-hosts.md have the details.
+    Saves are atomic and asynchronous; a non-finite state is never saved. On
+    several processes the directory must be shared (docs/guides/checkpoints.md).
 
     Args:
-        directory: where checkpoints go (one subdirectory per step); checked
-            for writing at once.
-        every: save every this many steps (or an ``Every``); None: only at
-            epoch ends and at the end.
-        at_epoch_end: save when an epoch's data runs out.
+        directory: where checkpoints go (one subdirectory per step).
+        every: when to save; None: only at epoch ends and at the end.
         keep: how many of the latest checkpoints to keep.
-        best: ``(metric, "max" or "min")``, e.g. ``("eval/accuracy", "max")``:
-            also keep the best ``keep_best`` checkpoints by an evaluation's
-            metric (``<Evaluate name>/<metric>``). A step whose evaluation
-            ranks among them is saved, with the metric.
-        keep_best: how many of the best to keep.
+        best: ``("<Evaluate name>/<metric>", "max" or "min")``: also keep (and save) the
+            best ``keep_best`` checkpoints by that metric.
 
     Examples:
         >>> import tempfile, flaxhooks
@@ -510,16 +438,9 @@ class Checkpoint(Callback):
         ([], None)
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        every: Every | int | None = None,
-        at_epoch_end: bool = True,
-        keep: int = 3,
-        best: tuple[str, str] | None = None,
-        keep_best: int = 1,
-    ):
+    def __init__(self, directory: str | os.PathLike[str], *, every: Every | int | None = None,
+                 at_epoch_end: bool = True, keep: int = 3, best: tuple[str, str] | None = None,
+                 keep_best: int = 1):
         if keep < 1 or keep_best < 1:
             raise ValueError(f"keep and keep_best must be at least 1, got {keep} and {keep_best}")
         if best is not None and (len(best) != 2 or "/" not in best[0] or best[1] not in ("max", "min")):
@@ -535,32 +456,25 @@ class Checkpoint(Callback):
         self._due = False
         self._saved_step: int | None = None
         self._boundary: int | None = None  # the last step whose events all ran
-        self._metric: tuple[int, float] | None = None  # (step, value) of the latest evaluation of ``best``
+        self._metric: tuple[int, float] | None = None  # (step, value) of ``best``'s latest evaluation
         self._scores: list[float] = []  # ``best``'s values of the checkpoints kept
-        self._unreadable: list[int] = []  # steps the last restore found unusable
+        self._unreadable: list[int] = []
         self._restored: Restored | None = None
-        self._verify: Restored | None = None  # the checkpoint this fit resumed from, checked at its start
+        self._verify: Restored | None = None  # the checkpoint this fit resumed from
 
     def __repr__(self) -> str:
         best = "" if self.best is None else f", best={self.best!r}, keep_best={self.keep_best}"
         return f"Checkpoint({self.directory!r}, every={self.every!r}, keep={self.keep}{best})"
 
-    # -- reading -------------------------------------------------------------
-
     def saved_steps(self) -> list[int]:
-        """The steps of the complete checkpoints on disk, oldest first.
-
-        A save still in progress, or killed halfway, is in a temporary
-        directory that does not count until renamed to its step.
-        """
+        """The steps of the complete checkpoints on disk, oldest first."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
         except OSError as error:
             raise CheckpointError(f"cannot list the checkpoints in {self.directory!r}: {error}") from error
-        directory = self.directory
-        return sorted(int(name) for name in names if name.isdigit() and os.path.isdir(f"{directory}/{name}"))
+        return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(f"{self.directory}/{n}"))
 
     def best_step(self) -> int | None:
         """The step of the best checkpoint on disk by ``best`` (None: none has the metric)."""
@@ -569,9 +483,7 @@ class Checkpoint(Callback):
         name, mode = self.best
         scored = [(metrics[name], step) for step in self.saved_steps()
                   if (metrics := self._metrics(step)) and name in metrics]
-        if not scored:
-            return None
-        return (max if mode == "max" else min)(scored)[1]
+        return (max if mode == "max" else min)(scored)[1] if scored else None
 
     def _metrics(self, step: int) -> dict[str, float] | None:
         try:
@@ -581,8 +493,7 @@ class Checkpoint(Callback):
             return None
 
     def restore(self, step: int | None = None, *, best: bool = False) -> Restored:
-        """Reads the checkpoint of ``step`` (default: the latest; with ``best``,
-        the best by ``best``), e.g. to evaluate it::
+        """Reads the checkpoint of ``step`` (default: the latest; ``best``: the best), e.g.::
 
             state = checkpoint.restore(best=True).train_state(trainer.state)
 
@@ -599,15 +510,12 @@ class Checkpoint(Callback):
             raise CheckpointError(f"{self.directory!r} holds no checkpoint of step {step}")
         try:
             return read_checkpoint(os.path.join(self.directory, str(step)), step)
-        except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
+        except _UNREADABLE as error:
             raise CheckpointError(f"the checkpoint at step {step} in {self.directory!r} cannot be read: "
                                   f"{type(error).__name__}: {error}") from error
 
     def restore_latest(self) -> Restored | None:
-        """Reads the newest checkpoint that reads back and verifies.
-
-        Returns:
-            None when there is no checkpoint at all.
+        """Reads the newest checkpoint that reads back (None: there is none).
 
         Raises:
             CheckpointError: there are checkpoints, but none can be read.
@@ -623,26 +531,18 @@ class Checkpoint(Callback):
                 return self._restored
             except (TimeoutError, jax.errors.JaxRuntimeError):
                 raise  # waiting or the runtime failed: the checkpoint itself may be fine
-            except (CheckpointError, ValueError, OSError, KeyError, IndexError, TypeError) as error:
-                # Corrupted, truncated, or not ours. (Anything else is a fault
-                # of the reader, never a reason to set a checkpoint aside.)
+            except _UNREADABLE as error:
+                # Corrupted, truncated, or not ours (anything else is the reader's fault).
                 self._unreadable.append(step)
                 failures.append(f"step {step}: {type(error).__name__}: {error}")
-                warnings.warn(
-                    f"the checkpoint at step {step} in {self.directory!r} cannot be restored "
-                    f"({type(error).__name__}: {error}); trying the one before it",
-                    CheckpointWarning, stacklevel=2,
-                )
-        raise CheckpointError(
-            f"no checkpoint in {self.directory!r} can be restored:\n  " + "\n  ".join(failures)
-        )
-
-    # -- writing -------------------------------------------------------------
+                warnings.warn(f"the checkpoint at step {step} in {self.directory!r} cannot be restored "
+                              f"({type(error).__name__}: {error}); trying the one before it",
+                              CheckpointWarning, stacklevel=2)
+        raise CheckpointError(f"no checkpoint in {self.directory!r} can be restored:\n  "
+                              + "\n  ".join(failures))
 
     def check_fit(self, plan: FitPlan) -> None:
-        """Refuses a directory that cannot be written, or that holds another
-        run's checkpoints beyond this run's start (on every process: none goes
-        on alone); checkpoints a resume found unreadable are not another run's."""
+        """Refuses a directory that cannot be written, or holds another run's later checkpoints."""
         if jax.process_index() == 0:
             check_writable(self.directory, "checkpoints", CheckpointError)
         later = [s for s in self.saved_steps() if s > plan.step]
@@ -665,8 +565,7 @@ class Checkpoint(Callback):
             self._check_fingerprints(verify, loop.state)
 
     def _check_fingerprints(self, restored: Restored, state: Any) -> None:
-        """The resumed state reads back as it was saved, on every process alike
-        (one reduction over the global arrays, whatever mesh they are on now)."""
+        """Checks that the resumed state reads back as it was saved (any mesh, every process alike)."""
         assert restored.fingerprints is not None
         paths, leaves = zip(*state_leaves(state), strict=True)
         _, prints = _checked(leaves)
@@ -677,12 +576,10 @@ class Checkpoint(Callback):
                 f"the checkpoint at step {restored.step} in {self.directory!r} reads back other than it was "
                 f"saved in {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} (its files "
                 f"changed on disk): move {restored.path!r} aside to resume from "
-                + (f"step {before[-1]}" if before else "the start")
-            )
+                + (f"step {before[-1]}" if before else "the start"))
 
     def _set_aside_unreadable(self, step: int) -> None:
-        """Checkpoints after a resumed run's start that the resume could not
-        read are set aside as ``unreadable-<step>``."""
+        """Sets aside the unreadable checkpoints after the resumed start as ``unreadable-<step>``."""
         unreadable, self._unreadable = [s for s in self._unreadable if s > step], []
         if jax.process_index() != 0:
             return
@@ -706,10 +603,7 @@ class Checkpoint(Callback):
         value = float(result.metrics[metric])
         self._metric = None if math.isnan(value) else (result.step, value)
 
-    # Saves happen once every handler of the event has run (loop.after), so
-    # the saved callbacks' state matches the saved parameters, whatever the
-    # callbacks' order.
-
+    # Saves run after every handler of the event (loop.after): callbacks' states match the parameters.
     def on_step_end(self, loop: Loop) -> None:
         due = self.every is not None and self.every(loop.step)
         loop.after(self, lambda loop: self._step_done(loop, due))
@@ -732,10 +626,8 @@ class Checkpoint(Callback):
             self._save(loop)
 
     def _among_best(self, step: int) -> bool:
-        """Whether ``step`` was evaluated and ranks among the best ``keep_best``
-        kept: those on disk when the fit started and those it saved since
-        (never the disk's view now, which may lag a save in flight differently
-        on each process)."""
+        """Whether ``step``'s evaluation ranks among the best ``keep_best`` (never by the disk's
+        view now, which a save in flight may make differ between processes)."""
         if self.best is None or self._metric is None or self._metric[0] != step:
             return False
         mode = self.best[1]
@@ -744,16 +636,13 @@ class Checkpoint(Callback):
         return len(kept) < self.keep_best or (value > kept[self.keep_best - 1] if mode == "max" else
                                               value < kept[self.keep_best - 1])
 
-    #: Seconds to wait for a save in progress at the end of a failed fit:
-    #: the checkpoints before it stay intact.
+    #: Seconds to wait for a save in progress at the end of a failed fit.
     FAILING_WAIT_SECONDS = 30.0
-    #: The same after a lost process, whose part is never coming.
+    #: The same after a lost process.
     LOST_PEER_WAIT_SECONDS = 1.0
 
     def on_fit_end(self, loop: Loop) -> None:
-        # The last state, also when stopped early or interrupted: Ctrl-C and
-        # signals stop at a step boundary; a KeyboardInterrupt raised anywhere
-        # else is saved too if the state it left is whole.
+        # A KeyboardInterrupt raised inside a step is saved if the state it left is whole.
         if loop.exception is None:
             loop.after(self, self._fit_done)
             return
@@ -767,39 +656,27 @@ class Checkpoint(Callback):
             self._save(loop)
         lost = isinstance(loop.exception, PeerLost)
         wait = self.LOST_PEER_WAIT_SECONDS if lost else self.FAILING_WAIT_SECONDS if failed else None
-        # Failing already: a peer lost meanwhile ends the wait, and the error
-        # that ends the fit stays the first one.
+        # Failing already: a peer lost ends the wait without hiding the first error.
         if self._wait(wait, step=loop.step, raise_lost=loop.exception is None):
             manager, self._manager = self._manager, None
             if manager is not None:  # each fit opens its own: nothing left behind between fits
                 manager.close()
         else:
-            _log.warning(
-                "the checkpoint save in progress did not finish %s; the checkpoints %s are intact",
-                "before a process was lost" if wait is None else f"within {wait:g} s of the failure",
-                self.saved_steps(),
-            )
+            _log.warning("the checkpoint save in progress did not finish %s; the checkpoints %s are intact",
+                         "before a process was lost" if wait is None else f"within {wait:g} s of the failure",
+                         self.saved_steps())
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits for the save in progress, if any.
-
-        Args:
-            timeout: the longest to wait, in seconds (None: until it is done).
-
-        Returns:
-            Whether no save is in progress any more.
+        """Waits for the save in progress, up to ``timeout`` seconds; whether none is left.
 
         Raises:
             CheckpointError: it failed.
-            ProcessError: on several processes, a peer was lost
-                (:class:`~flaxhooks.PeerLost`) or left the run while this
-                process waited for its part.
+            ProcessError: a peer was lost (:class:`~flaxhooks.PeerLost`) or left the run meanwhile.
         """
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None, step: int | None = None, raise_lost: bool = True) -> bool:
-        """:meth:`wait`; with ``raise_lost`` False a lost peer ends the wait
-        (False) instead of raising. ``step``: where the loop is, for the error."""
+        """:meth:`wait`; with ``raise_lost`` False a lost peer returns False instead of raising."""
         manager = self._manager
         if manager is None:
             return True
@@ -810,10 +687,8 @@ class Checkpoint(Callback):
 
     def _poll(self, busy: Callable[[], bool], timeout: float | None, step: int | None, raise_lost: bool,
               what: str) -> bool:
-        """Waits while ``busy()``, up to ``timeout``; whether it ended. On
-        several processes a peer lost meanwhile ends the wait with the loop's
-        own :class:`~flaxhooks.PeerLost` (orbax's barriers would wait
-        minutes), and a long wait is logged."""
+        """Waits while ``busy()``, up to ``timeout``; whether it ended. A lost peer ends
+        it (orbax's barriers would wait minutes); a long wait is logged."""
         start = noted = time.monotonic()
         while busy():
             waited = time.monotonic() - start
@@ -833,11 +708,8 @@ class Checkpoint(Callback):
         return True
 
     def _start_save(self, save: Callable[[], Any], step: int) -> None:
-        """Runs orbax's ``save`` (it returns once this process's shards are on
-        the host) on a daemon thread while this one waits for it: orbax's
-        commit thread, started from there, is then a daemon too, so a commit
-        stuck waiting for a lost process never holds this process's exit, and
-        the wait here notices a lost peer."""
+        """Runs orbax's ``save`` on a daemon thread and waits for it: orbax's commit thread is
+        then a daemon too (never holding the exit), and a lost peer is noticed."""
         outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def run() -> None:
@@ -859,22 +731,18 @@ class Checkpoint(Callback):
         except Exception as error:
             raise CheckpointError(
                 f"saving a checkpoint to {self.directory!r} failed: {type(error).__name__}: {error}; "
-                f"the earlier checkpoints {self.saved_steps()} are intact"
-            ) from error
+                f"the earlier checkpoints {self.saved_steps()} are intact") from error
 
     def _save(self, loop: Loop) -> None:
         self._due = False
         step = loop.step
         if step == self._saved_step:
             return  # saved (or being saved, or skipped) already
-        if loop.diverged is not None:  # the same on every process: the guard sees the global loss
-            # The guard kept the state from before the non-finite step: it is not this step's.
+        if loop.diverged is not None:  # the guard kept the state from before the non-finite step
             _log.info("not saving step %d: training diverged at step %d", step, loop.diverged)
             return
         if loop.exception is not None and (jax.process_count() > 1 or not self._at_boundary(loop)):
-            # Several processes save only where they agreed to stop; one
-            # interrupted inside a step's work cannot be resumed exactly.
-            return
+            return  # several processes save only where they agreed to stop
         paths, leaves = zip(*state_leaves(loop.state), strict=True)
         if any(leaf.is_deleted() for leaf in leaves if isinstance(leaf, jax.Array)):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", step)
@@ -884,10 +752,9 @@ class Checkpoint(Callback):
         if nonfinite:
             self._saved_step = step  # decided: not again at the fit's end
             self.skipped_steps.append(step)
-            warnings.warn(
-                f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the checkpoints "
-                f"at steps {self.saved_steps()} are kept", CheckpointWarning, stacklevel=1,
-            )
+            warnings.warn(f"not saving step {step}: {', '.join(nonfinite[:3])} hold NaN or inf; the "
+                          f"checkpoints at steps {self.saved_steps()} are kept", CheckpointWarning,
+                          stacklevel=1)
             return
         epoch, epoch_step = loop.position
         meta = {
@@ -908,17 +775,14 @@ class Checkpoint(Callback):
         if self.best is not None and self._metric is not None and self._metric[0] == step:
             metrics = {self.best[0]: self._metric[1]}
             self._scores.append(self._metric[1])
-        # The TensorBoard logs up to this step reach the disk before the
-        # checkpoint commits: a resumed run re-logs only what comes after it.
         # By index (orbax names files after keys); orbax refuses empty arrays.
         arrays = {str(i): x for i, x in enumerate(leaves) if math.prod(jnp.shape(x))}
         items = {
             "state": ocp.args.PyTreeSave(arrays),
             "meta": ocp.args.JsonSave(meta),
+            # Commits once the TensorBoard logs up to this step are on disk.
             DATA_ITEM: data_item_args()(own_files(loop.data_position), loop.writers.sync_point()),
         }
-        # Returns once this process's shards are on the host; orbax writes
-        # and commits them on its own thread.
         manager = self._manager
         self._saved_step = step
         self._start_save(lambda: manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
@@ -929,28 +793,22 @@ class Checkpoint(Callback):
         _log.info("saved checkpoint at step %d to %s", self._saved_step, _shown(self.directory))
 
     def _at_boundary(self, loop: Loop) -> bool:
-        """Whether a KeyboardInterrupt raised anywhere left a state that can
-        be saved: every event of its step ran, and no later step was
-        dispatched. Otherwise the resumed run could not be exact."""
+        """Whether a KeyboardInterrupt left a whole step: its events all ran, no later step dispatched."""
         device_step = int(jax.device_get(device0_copy(loop.state.step)))
         if self._boundary == loop.step == device_step:
             return True
-        _log.warning(
-            "interrupted inside step %d's work: not saved (the latest checkpoint: step %s)",
-            max(loop.step, device_step), max(self.saved_steps(), default=None),
-        )
+        _log.warning("interrupted inside step %d's work: not saved (the latest checkpoint: step %s)",
+                     max(loop.step, device_step), max(self.saved_steps(), default=None))
         return False
 
     def _callback_states(self, loop: Loop) -> dict[str, Any]:
         states = {}
         for key, callback in callback_keys(loop.callbacks).items():
             state = callback.state_dict()
-            if state is None:
-                continue
             try:  # a frozen copy, taken now
-                states[key] = json.loads(json.dumps(state))
+                if state is not None:
+                    states[key] = json.loads(json.dumps(state))
             except (TypeError, ValueError) as error:
-                raise CheckpointError(
-                    f"{callback!r}.state_dict() is not JSON-serializable: {error}"
-                ) from error
+                raise CheckpointError(f"{callback!r}.state_dict() is not JSON-serializable: {error}"
+                                      ) from error
         return states

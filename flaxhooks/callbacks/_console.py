@@ -1,6 +1,4 @@
-"""Plain progress lines on the console, and what the callbacks that print share:
-metrics as text, and the rerouting of log records and warnings through a rich
-console while a live display is on the terminal."""
+"""Plain progress lines, and what printing callbacks share: metrics as text, log records through rich."""
 
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ def metric_texts(metrics: dict[str, float]) -> list[str]:
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    """``name value`` pairs, loss first, four significant digits."""
+    """:func:`metric_texts` two spaces apart."""
     return "  ".join(metric_texts(metrics))
 
 
@@ -63,8 +61,7 @@ def position_text(step: int, total: int | None, epoch: int, max_epochs: int | No
 
 
 def print_line(console: Console, text: str) -> None:
-    """Prints ``text`` exactly: no markup, highlighting or emoji, and never
-    wrapped or cut by rich (a terminal folds a long line itself, a file keeps it whole)."""
+    """Prints ``text`` exactly: no markup, highlighting or emoji, never wrapped by rich."""
     console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
@@ -77,22 +74,10 @@ def is_terminal(stream: Any) -> bool:
 
 
 class TerminalRedirect:
-    """Prints what logging and ``warnings`` would write to the terminal
-    through a rich console instead, above its live display.
+    """Prints what logging and ``warnings`` would write to the terminal through a rich console.
 
-    As tqdm's ``logging_redirect_tqdm``: :meth:`start` swaps, in place, every
-    handler writing to a terminal (and ``logging.lastResort``, and
-    ``warnings.showwarning``) for one printing through the console; files and
-    pipes are left alone. :meth:`stop` puts them back; it may be called twice.
-
-    Args:
-        console: the console to print through.
-
-    Examples:
-        >>> import io
-        >>> from rich.console import Console
-        >>> with TerminalRedirect(Console(file=io.StringIO())):
-        ...     pass
+    As tqdm's ``logging_redirect_tqdm``: files and pipes are left alone;
+    :meth:`stop` puts everything back and may be called twice.
     """
 
     def __init__(self, console: Console):
@@ -101,19 +86,26 @@ class TerminalRedirect:
         self._last_resort: tuple[logging.Handler, logging.Handler] | None = None  # (original, ours)
         self._showwarning: tuple[Callable[..., None], Callable[..., None]] | None = None
 
-    def __enter__(self) -> TerminalRedirect:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
     def start(self) -> None:
-        """Reroutes what is bound for the terminal through the console."""
+        """Reroutes handlers, ``logging.lastResort`` and ``warnings.showwarning`` bound for the terminal."""
         self.stop()
-        self._swap_handlers()
-        self._swap_last_resort()
-        self._swap_showwarning()
+        replacements: dict[int, _ConsoleHandler] = {}  # one per handler, even when loggers share it
+        for logger in _loggers():
+            for index, handler in enumerate(list(logger.handlers)):
+                if isinstance(handler, _ConsoleHandler) or not _writes_to_terminal(handler):
+                    continue
+                ours = replacements.setdefault(id(handler), _ConsoleHandler(self.console, handler))
+                logger.handlers[index] = ours  # in place: the handlers' order stays
+                self._swapped.append((logger, handler, ours))
+        original = logging.lastResort
+        if original is not None and _writes_to_terminal(original):
+            logging.lastResort = _ConsoleHandler(self.console, original)
+            self._last_resort = (original, logging.lastResort)
+        showwarning = warnings.showwarning
+        # Warnings that logging captures already go through the swapped handlers.
+        if is_terminal(sys.stderr) and getattr(showwarning, "__module__", None) != "logging":
+            warnings.showwarning = _WarningPrinter(self.console, showwarning)
+            self._showwarning = (showwarning, warnings.showwarning)
 
     def stop(self) -> None:
         """Puts back every handler and function swapped, where it is still ours."""
@@ -129,29 +121,6 @@ class TerminalRedirect:
         if showwarning is not None and warnings.showwarning is showwarning[1]:
             warnings.showwarning = showwarning[0]
 
-    def _swap_handlers(self) -> None:
-        replacements: dict[int, _ConsoleHandler] = {}  # one per handler, even when loggers share it
-        for logger in _loggers():
-            for index, handler in enumerate(list(logger.handlers)):
-                if isinstance(handler, _ConsoleHandler) or not _writes_to_terminal(handler):
-                    continue
-                ours = replacements.setdefault(id(handler), _ConsoleHandler(self.console, handler))
-                logger.handlers[index] = ours  # in place: the handlers' order stays
-                self._swapped.append((logger, handler, ours))
-
-    def _swap_last_resort(self) -> None:
-        original = logging.lastResort
-        if original is not None and _writes_to_terminal(original):
-            logging.lastResort = _ConsoleHandler(self.console, original)
-            self._last_resort = (original, logging.lastResort)
-
-    def _swap_showwarning(self) -> None:
-        original = warnings.showwarning
-        # Warnings that logging captures already go through the swapped handlers.
-        if is_terminal(sys.stderr) and getattr(original, "__module__", None) != "logging":
-            warnings.showwarning = _WarningPrinter(self.console, original)
-            self._showwarning = (original, warnings.showwarning)
-
 
 def _loggers() -> list[logging.Logger]:
     """The root logger and every logger made so far."""
@@ -166,8 +135,7 @@ def _writes_to_terminal(handler: logging.Handler) -> bool:
 
 
 class _ConsoleHandler(logging.Handler):
-    """Prints each record through a console, as ``replaced`` would format it,
-    with its level and filters."""
+    """Prints each record through a console, as ``replaced`` would format and filter it."""
 
     def __init__(self, console: Console, replaced: logging.Handler):
         super().__init__(replaced.level)
@@ -190,8 +158,7 @@ class _ConsoleHandler(logging.Handler):
 
 
 class _WarningPrinter:
-    """A ``warnings.showwarning`` that prints through a console the warnings
-    bound for stderr, and hands any other file to the one it replaced."""
+    """A ``warnings.showwarning`` printing stderr's warnings through a console."""
 
     def __init__(self, console: Console, replaced: Callable[..., None]):
         self.console = console
@@ -207,11 +174,9 @@ class _WarningPrinter:
 
 
 class ConsoleLog(Callback):
-    """Prints the step, epoch, steps/s and the latest metrics when due,
-    every evaluation's results, and why training stopped if it stopped early.
+    """Prints the step, epoch, steps/s and metrics when due, evaluations, and why training stopped.
 
-    Metrics reach the host only on the steps it prints, and at each epoch's
-    end. Process 0 only.
+    Process 0 only.
 
     Args:
         every: when to print (default: every 100 steps).
@@ -252,10 +217,8 @@ class ConsoleLog(Callback):
 
     def on_eval_end(self, loop: Loop) -> None:
         result: EvalResult = loop.payload
-        self._print(
-            f"{result.name} at step {result.step} ({counted(result.examples, 'example')}): "
-            f"{format_metrics(result.metrics)}{eval_caveats(self._findings)}"
-        )
+        self._print(f"{result.name} at step {result.step} ({counted(result.examples, 'example')}): "
+                    f"{format_metrics(result.metrics)}{eval_caveats(self._findings)}")
 
     def on_epoch_end(self, loop: Loop) -> None:
         # After a NaN the last batch's metrics are those of steps the guard threw away.

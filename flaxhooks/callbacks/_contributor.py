@@ -1,5 +1,4 @@
-"""The callback that computes inside the train step: a Callback that is a
-:class:`~flaxhooks.step.StepContributor`."""
+"""The callback that computes inside the train step."""
 
 from __future__ import annotations
 
@@ -8,11 +7,9 @@ from flaxhooks.step import StepContributor
 
 
 class InstrumentedCallback(Callback, StepContributor):
-    """A callback that needs values computed inside the train step (a
-    :class:`~flaxhooks.step.StepContributor`): :attr:`taps`, when it is due
-    (:attr:`every`), a pure :meth:`inside_step` and :meth:`take`, which gets
-    the result right after the step is dispatched (see docs/guides/callbacks.md, "Your own
-    in-step computation").
+    """A callback that computes inside the train step (a :class:`~flaxhooks.step.StepContributor`).
+
+    See docs/guides/callbacks.md, "Your own in-step computation".
 
     Examples:
         >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, flaxhooks

@@ -1,13 +1,7 @@
-"""Where each process's data stood at a checkpoint: written with it by that
-process, read back for the resume.
+"""Where each process's data stood at a checkpoint, written by that process.
 
-The checkpoint's ``data`` item holds, per process ``i`` of ``n``:
-``position_<i>-of-<n>.json`` (epoch, batch, fingerprint) and, for a loader
-with a state of its own, ``process_<i>-of-<n>.json``: grain's own file, what
-``grain.checkpoint.CheckpointHandler`` reads for that process. Each process
-writes its own files inside orbax's save, so nothing passes between
-processes; the files commit with the train state, after the TensorBoard logs
-up to the checkpoint's step reach the disk.
+The ``data`` item holds, per process ``i`` of ``n``, ``position_<i>-of-<n>.json``
+and, for a loader with a state, ``process_<i>-of-<n>.json`` (grain's own file).
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ def own_files(position: DataPosition | None) -> dict[str, str]:
 
 
 def read_positions(directory: str) -> tuple[DataPosition, ...] | None:
-    """Every process's position, loader state included, from a ``data`` item
-    (None: a process had none).
+    """Every process's position, loader state included, from a ``data`` item (None: none had one).
 
     Raises:
         ValueError: the item is incomplete.
@@ -93,8 +86,7 @@ def read_positions(directory: str) -> tuple[DataPosition, ...] | None:
 
 
 def read_legacy_positions(path: str, meta: Mapping[str, Any] | None) -> tuple[DataPosition, ...] | None:
-    """The same from a checkpoint of 0.8 or older: positions in ``meta["data"]``
-    (written by process 0 for all), loader states in the ``data`` item."""
+    """The same from a checkpoint of 0.8 or older (positions in ``meta["data"]``)."""
     if not meta:
         return None
     positions = []
@@ -111,9 +103,7 @@ def read_legacy_positions(path: str, meta: Mapping[str, Any] | None) -> tuple[Da
 
 @functools.cache
 def data_item_args() -> Callable[[dict[str, str], threading.Event], Any]:
-    """orbax's save arguments for the ``data`` item: this process's files, and
-    an event set once the logs up to the checkpoint are on disk (made once:
-    orbax registers them globally)."""
+    """orbax's save arguments for the ``data`` item: files, and an event set once the logs are on disk."""
     import orbax.checkpoint as ocp
 
     class DataFilesHandler(ocp.AsyncCheckpointHandler):
@@ -152,6 +142,5 @@ def data_item_args() -> Callable[[dict[str, str], threading.Event], Any]:
         files: dict[str, str]
         logs_synced: threading.Event
 
-    # orbax ships no types, so the checker cannot see that CheckpointArgs (a
-    # dataclass without fields) leaves DataFiles' fields positional.
+    # orbax ships no types: the checker cannot see DataFiles' fields.
     return DataFiles  # type: ignore[return-value]

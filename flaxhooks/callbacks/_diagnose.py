@@ -1,5 +1,4 @@
-"""Diagnose: names what is wrong with training (which layer, since when, what
-to try), once per problem, from values reduced inside the train step."""
+"""Diagnose: names what is wrong with training, once per problem, from sums made inside the train step."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxhooks.callbacks._console import counted
 from flaxhooks.callbacks._contributor import InstrumentedCallback
 from flaxhooks.callbacks._spike_source import Source, spike_source
 from flaxhooks.contract import KINDS, Event, Every, Finding, FitPlan, Loop, LossRead, as_every
@@ -66,8 +66,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("flaxhooks")
 
-#: The modules whose outputs are a layer's pre-activations: affine maps with
-#: parameters, after which models apply their activation functions.
+#: The modules whose outputs are a layer's pre-activations (affine maps with parameters).
 AFFINE: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum,
     nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum,
@@ -77,8 +76,7 @@ AFFINE: tuple[type, ...] = (
 _MODEL_WIDE = frozenset({
     "vanishing_gradients", "exploding_gradients", "update_ratio_high", "update_ratio_low", "loss_spike",
     "loss_plateau", "initial_loss", "dropout_in_eval", "rng_streams", "nonfinite", "not_learning",
-    "output_logit_drift",
-    "grad_norm_spike",
+    "output_logit_drift", "grad_norm_spike",
 })
 
 
@@ -87,7 +85,7 @@ def _once_key(finding: Finding) -> tuple[str, str | None]:
 
 
 class _WindowLayout(NamedTuple):
-    """What one trace of the in-step function found: how its packed sums are laid out."""
+    """How one trace's packed sums are laid out."""
 
     layers: tuple[str, ...]  # each layer's name
     units: tuple[int, ...]  # each layer's units
@@ -97,11 +95,13 @@ class _WindowLayout(NamedTuple):
     log_z: bool = False  # whether the output's log Z sums follow the attention's
 
     @property
+    def heads(self) -> int:
+        return sum(h for _, h in self.attention)
+
+    @property
     def transformer_sizes(self) -> tuple[int, int]:
-        """The lengths of the attention's per-head sums and of the log Z sums,
-        packed after the :class:`~flaxhooks.diagnose.Window`'s."""
-        heads = sum(h for _, h in self.attention)
-        return heads * len(HEAD_COLUMNS), len(LOG_Z_COLUMNS) if self.log_z else 0
+        """The lengths of the attention's per-head sums and the log Z sums, after the Window's."""
+        return self.heads * len(HEAD_COLUMNS), len(LOG_Z_COLUMNS) if self.log_z else 0
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -120,35 +120,21 @@ class _Pending:
 class Diagnose(InstrumentedCallback):
     """Names what is wrong with training: which layer, since when, and what to try.
 
-    From sums of each layer's pre-activations and their gradients, added up
-    on the devices over a ``window`` of sampled steps, and from every step's
-    loss: dead units, layers the loss does not reach, saturation, vanishing or
-    exploding gradients, update ratios, a classifier not learning, loss spikes
-    and plateaus, set-up traps. What a fit's first ``Thresholds.early_steps``
-    settle (a layer dead from the start) is said then. Each problem is said once,
-    as a ``finding`` event and in TensorBoard's Text tab (``health/findings``;
-    a fit that found nothing says what was checked), with a ``health/<kind>``
-    counter for each kind found (see docs/guides/diagnose.md).
+    Judges sums of each layer's pre-activations and gradients over a ``window``
+    of sampled steps, and every step's loss. Each problem is said once, as a
+    ``finding`` event and in TensorBoard (docs/guides/diagnose.md).
 
     Args:
-        every: the steps sampled (an int or :class:`~flaxhooks.Every`).
         window: the steps whose sums make one judgment.
         layers: the modules whose outputs are layers (default :data:`AFFINE`).
-        thresholds: when figures become findings (:class:`flaxhooks.diagnose.Thresholds`).
-        attention: when a Transformer's attention logits, attention entropy and
-            output ``log Z`` are a problem (:class:`flaxhooks.diagnose.AttentionThresholds`);
-            attention is seen in Flax's attention modules and wherever the model calls
-            :func:`flaxhooks.diagnose.record_attention`.
-        loss: when the loss is a problem (:class:`flaxhooks.diagnose.LossThresholds`).
+        thresholds: when layer figures become findings.
+        attention: when attention logits, entropy and output ``log Z`` are a problem.
+        loss: when the loss is a problem.
         label_key: the batch key of class labels, to recognize a classifier.
-        spikes: when a gradient norm is a spike, and a layer's gradient spiked with it
-            (:class:`flaxhooks.diagnose.SpikeThresholds`).
+        spikes: when a gradient norm is a spike, and a layer's gradient spiked with it.
         table: print the findings in a table when ``fit`` ends.
-        heatmaps: draw gradient RMS, dead units and update ratios as heatmaps
-            of layers over steps, in TensorBoard's Images tab at each window
-            (``stats/heatmaps/<name>``: after the metrics in Time Series).
-            Drawn with matplotlib (``pip install 'flaxhooks[figures]'``); by
-            default on where it is installed.
+        heatmaps: draw per-layer heatmaps in TensorBoard's Images tab (needs
+            matplotlib; default: where it is installed).
         report_dir: where ``fit``'s end writes ``findings.md`` and the heatmaps as PNG files.
         console: the rich console the table is printed on (default: a new one on stderr).
 
@@ -159,9 +145,7 @@ class Diagnose(InstrumentedCallback):
     """
 
     combines = True  # a window's sums, added up inside the step (``combine``)
-    #: The shortest time between two writes of the heatmaps to TensorBoard:
-    #: matplotlib takes 0.2-0.5 s a heatmap, on the writer thread, holding the
-    #: interpreter. Each fit's end writes the latest windows, whenever it comes.
+    #: The shortest time between two writes of the heatmaps (matplotlib takes 0.2-0.5 s each).
     HEATMAP_SECONDS = 60.0
 
     def __init__(self, every: Every | int = 10, *, window: int = 200, layers: ModuleSpec = None,
@@ -178,8 +162,6 @@ class Diagnose(InstrumentedCallback):
         self.every = as_every(every)
         self.window = window
         select = as_module_filter(AFFINE if layers is None else layers)
-        # Attention statistics are sown where the model has attention (Flax's, through the
-        # interceptor, or its own, through record_attention); a model without sows nothing.
         self.taps = Taps(capture=select, perturb=select, optional_collections=(ATTENTION,),
                          intercept=(attention_interceptor,))
         self.attention_thresholds = attention or AttentionThresholds()
@@ -189,7 +171,6 @@ class Diagnose(InstrumentedCallback):
         self.label_key = label_key
         self.table = table
         self.heatmaps = figures_available() if heatmaps is None else heatmaps
-        # Off by default for want of matplotlib: said once, at the first fit's start.
         self._say_no_heatmaps = heatmaps is None and not self.heatmaps
         self.report_dir = None if report_dir is None else Path(report_dir)
         self.console = console
@@ -199,15 +180,13 @@ class Diagnose(InstrumentedCallback):
         self.findings: list[Finding] = []
         #: The classes of a classifier's logits (as the layout of the traced step says), else None.
         self.num_classes: int | None = None
-        #: Each attention layer's figures over the last window judged (per head: largest
-        #: |logit|, mean entropy over log(valid keys)).
+        #: Each attention layer's figures over the last window judged.
         self.attention_figures: list[AttentionFigures] = []
-        #: The output logits' log Z over the last window judged (mean, mean_abs, max_abs; empty: none).
+        #: The output logits' log Z over the last window judged (empty: none).
         self.output_log_z: dict[str, float] = {}
         #: What the step adds this window's next sums to (None: zeros, a new window).
         self.carry: WithLayout | None = None
-        # The run's Text tab entry written last: its step and what it holds.
-        self._entry = _Entry(-1)
+        self._entry = _Entry(-1)  # the run's Text tab entry written last
         self._fired: set[str] = set()  # the kinds with a health/<kind> counter in this run
         self._restored: dict[str, Any] | None = None  # a checkpoint's state, taken at the next fit's start
         self._reset(0)
@@ -227,24 +206,21 @@ class Diagnose(InstrumentedCallback):
         self._first_attention: dict[str, AttentionFigures] = {}
         self._first_log_z: dict[str, float] | None = None
         self._watch = LossWatch(self.loss_thresholds, fresh=step == 0)
-        # What the guard read (loss_read) since the last look: judged at the next step_end or fit_end.
+        # What the guard read (loss_read) since the last look.
         self._new_losses: list[tuple[int, float]] = []
         self._new_norms: list[tuple[int, float]] = []
         self._losses_seen = step
-        # The first loss's findings wait for the first layer judgment, due within
-        # early_steps, which may name their cause (gradients exploding through depth).
+        # The first loss's findings wait for the first layer judgment, which may name their cause.
         early = self.thresholds.early_steps
         self._held: list[Finding] = []
         self._hold_first = early > 0
         self._hold_end = step + min(early, self.window)  # no later, when no judgment is due by then
         self._early_end = step + early if 0 < early < self.window else None
-        # Each recent step's batch, by its epoch and place in it (as many as the guard's losses).
+        # Each recent step's epoch and place in it.
         self._positions: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         self._norm_watch = GradNormWatch(self.spike_thresholds)
         self._norms_seen = step
-        # The batches (references) of the steps whose loss and gradient norm are not yet read, and
-        # of the last one read: a spike's batch and the one before it, replayed to name its layer.
-        # Bounded: with the guard off no loss is read, and none would ever be dropped.
+        # The batches not yet read and the last one read, replayed at a spike (bounded: the guard may be off).
         self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=_HELD_BATCHES)
         self._sources: dict[int, Source] = {}  # by step: a loss and a norm spike at one step share a replay
         self._maps = {name: Heatmaps(log=log) for name, log in _MAPS.items()}
@@ -254,9 +230,7 @@ class Diagnose(InstrumentedCallback):
         self._checked = _Checked()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to go on as if never stopped: the loss watch's
-        windows and what it said, the findings active (not said again), and each
-        layer's first-window figures (the trends' and the gradient growth's baseline)."""
+        """What a resumed run needs to go on as if never stopped."""
         return {
             "loss": self._watch.state_dict(),
             "active": [[kind, layer, finding.step] for (kind, layer), finding in self._active.items()],
@@ -298,10 +272,8 @@ class Diagnose(InstrumentedCallback):
         super().check_fit(plan)
         self._plan = plan
 
-    # -- inside the step ----------------------------------------------------
-
     def sums_of(self, packed: WithLayout) -> Window:
-        """One step's (or window's) packed sums, on the host, as a :class:`~flaxhooks.diagnose.Window`."""
+        """Packed sums, on the host, as a :class:`~flaxhooks.diagnose.Window`."""
         return Window.unpack(first_replica(packed.values), *packed.layout.sizes)
 
     def inside_step(self, tapped: Tapped) -> WithLayout:
@@ -309,15 +281,13 @@ class Diagnose(InstrumentedCallback):
         pairs, names, units = [], [], []
         for tap in tapped.activations:
             grad = gradients.get(tap.name)
-            if isinstance(tap, RepeatedTap) or grad is None or grad.value.shape != tap.value.shape:
-                continue
-            if not jnp.issubdtype(tap.value.dtype, jnp.floating):
+            if (isinstance(tap, RepeatedTap) or grad is None or grad.value.shape != tap.value.shape
+                    or not jnp.issubdtype(tap.value.dtype, jnp.floating)):
                 continue
             pairs.append((tap.value, grad.value))
             names.append(tap.name)
             units.append(int(tap.value.shape[-1]) if tap.value.ndim else 1)
         modules, ratios = update_ratios(tapped.params, tapped.updates)
-        # Fixed by the model while traced: the host reads the sums by them.
         classes = _classes(tapped.outputs, tapped.batch.get(self.label_key))
         attention = attention_layers(tapped.activations)
         logits = output_logits(tapped.outputs, tapped.batch, self.label_key)
@@ -336,19 +306,15 @@ class Diagnose(InstrumentedCallback):
         return -(-self.window // self.every.steps)
 
     def combine(self, carry: WithLayout, result: WithLayout) -> WithLayout:
-        """The window's sums so far and this step's, as one (in the step: the runner
-        gives back what this callback carries, zeros at a window's start)."""
+        """The window's sums so far and this step's, as one (in the step)."""
         maxed = _maxed(result.layout)
         return WithLayout(add_windows(carry.values, result.values, maxed), result.layout)
 
     def take(self, loop: Loop, result: WithLayout) -> None:
-        # The window's sums so far, added up on the devices: nothing is read until it is judged.
         self._sums = self.carry = result
 
     def take_layout(self, layout: _WindowLayout) -> None:
         self.num_classes = layout.num_classes
-
-    # -- on the host ----------------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
         if self._say_no_heatmaps:
@@ -363,8 +329,7 @@ class Diagnose(InstrumentedCallback):
             self._restore(self._restored)
             self._restored = None
         plan = self._plan
-        if plan is not None:  # the set-up traps, on abstract values: nothing compiles
-            # Traced once per model and batch spec (tracing takes a good part of a second), said each fit.
+        if plan is not None:  # the set-up traps, traced once per model and batch spec, said each fit
             key = (id(plan.model), plan.spec.describe(), jax.tree.structure(plan.state))
             if self._setup[0] != key:
                 state, batch = plan.state, plan.spec.global_batch()
@@ -409,7 +374,7 @@ class Diagnose(InstrumentedCallback):
             self._new_norms.append((reading.step, reading.grad_norm))
 
     def _read_losses(self, loop: Loop) -> None:
-        """Takes the losses the guard read since the last step (host floats: no read here)."""
+        """Takes the losses the guard read since the last step."""
         new, self._new_losses = self._new_losses, []
         if not new:
             return
@@ -428,7 +393,7 @@ class Diagnose(InstrumentedCallback):
         self._losses_seen = new[-1][0]
 
     def _read_grad_norms(self, loop: Loop) -> None:
-        """Takes the gradient norms the guard read since the last step (host floats: no read here)."""
+        """Takes the gradient norms the guard read since the last step."""
         new, self._new_norms = self._new_norms, []
         if not new:
             return
@@ -440,17 +405,14 @@ class Diagnose(InstrumentedCallback):
 
     def _forget_batches(self) -> None:
         """Drops the batches no spike can need: all but the last whose loss and norm were read."""
-        read = min(self._losses_seen, self._norms_seen) if self._norm_watch_fed else self._losses_seen
+        norms_read = self._norms_seen > self._fit_start - 1
+        read = min(self._losses_seen, self._norms_seen) if norms_read else self._losses_seen
         while len(self._batches) > 1 and self._batches[1][0] <= read:
             self._batches.popleft()
 
-    @property
-    def _norm_watch_fed(self) -> bool:
-        return self._norms_seen > self._fit_start - 1
-
     def _sourced(self, loop: Loop, finding: Finding) -> Finding:
-        """A spike with the first layer whose gradient spiked at it (two replays, at a spike only)."""
-        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
+        """A spike with the first layer whose gradient spiked at it (two replays)."""
+        if not _is_spike(finding) or finding.since is None:
             return finding
         step = finding.since
         try:
@@ -465,7 +427,7 @@ class Diagnose(InstrumentedCallback):
 
     def _located(self, finding: Finding) -> Finding:
         """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
-        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
+        if not _is_spike(finding) or finding.since is None:
             return finding
         place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
                       if step == finding.since), None)
@@ -482,7 +444,6 @@ class Diagnose(InstrumentedCallback):
         self._read_grad_norms(loop)
         self._batches.clear()
         if loop.exception is None and loop.diverged is None:
-            # A last part-window is judged if it is at least half a window.
             if loop.step - self._start + 1 >= self.window / 2:
                 self._close(loop.step)
             while self._pending:
@@ -491,7 +452,6 @@ class Diagnose(InstrumentedCallback):
                 note = self._checked.no_finding(self._fit_start, loop.step)
                 self._write_text(loop, note=note, step=loop.step)
         self._pending.clear()
-        # Drawn once for the report and TensorBoard both (matplotlib is slow).
         report = self.report_dir is not None and jax.process_index() == 0
         pngs = {name: draw() for name, draw in self._drawings().items()} if report else None
         if self._undrawn is not None:  # the windows since the last write, whatever ended the fit
@@ -524,8 +484,7 @@ class Diagnose(InstrumentedCallback):
             self._first.setdefault(f.name, f)
         grads = [f.grad_rms for f in figures if np.isfinite(f.grad_rms) and f.grad_rms > 0]
         if not np.all(np.isfinite(np.asarray(sums.layers))):
-            # NaN in the window (the guard set to "warn"): every unit would look dead. The
-            # heatmaps show it (non-finite cells); the guard has said it.
+            # NaN in the window (guard "warn"): every unit would look dead; the guard has said it.
             self.update(loop, list(self._active.values()), pending.end)
             if self.heatmaps:
                 self._draw(loop, figures, sums, layout, pending.end)
@@ -549,8 +508,7 @@ class Diagnose(InstrumentedCallback):
 
     def _judge_early(self, loop: Loop, figures: Sequence[LayerFigures], steps: tuple[int, int],
                      finite: bool) -> None:
-        """A fit's first steps, judged for what they settle at once: against nothing before
-        them, neither a baseline for the windows' trends nor a column of the heatmaps."""
+        """A fit's first steps, judged for what they settle at once (no baseline, no heatmap column)."""
         found = []
         if finite:  # else every unit would look dead: the guard has said it
             found = [f for f in layer_findings(figures, {}, steps, self.thresholds)
@@ -581,8 +539,7 @@ class Diagnose(InstrumentedCallback):
 
     def _draw(self, loop: Loop, figures: Sequence[LayerFigures], sums: Window, layout: _WindowLayout,
               step: int) -> None:
-        """Adds the window to the heatmaps and logs them, drawn and encoded on the
-        writer's thread (matplotlib takes 0.2-0.5 s a heatmap on one CPU core)."""
+        """Adds the window to the heatmaps and logs them, drawn on the writer's thread."""
         ratios = np.asarray(sums.params, np.float64)[:, 0] / max(float(sums.steps), 1.0)
         self._maps["gradient_rms"].add(step, {f.name: f.grad_rms for f in figures})
         self._maps["dead_units"].add(step, {f.name: f.silent for f in figures})
@@ -604,7 +561,6 @@ class Diagnose(InstrumentedCallback):
         self._undrawn = None
         if not loop.writers:
             return
-        # Tags of their own: TensorBoard keeps one kind of data per tag (health/dead_units is a scalar).
         if pngs is not None:
             loop.writers.images({heatmap_tag(name): png for name, png in pngs.items()}, step)
         else:
@@ -617,8 +573,7 @@ class Diagnose(InstrumentedCallback):
                 for name, maps in self._maps.items() if len(maps)}
 
     def figures(self) -> dict[str, Figure]:
-        """The heatmaps so far, as matplotlib figures, by statistic: layers
-        (rows, in depth order) over the windows judged (columns)."""
+        """The heatmaps so far, as matplotlib figures by statistic: layers over windows."""
         return {name: maps.figure(title=_TITLES[name], **_RANGE.get(name, {}))
                 for name, maps in self._maps.items() if len(maps)}
 
@@ -636,8 +591,7 @@ class Diagnose(InstrumentedCallback):
         (self.report_dir / "findings.md").write_text("\n".join(lines) + "\n")
 
     def _with_held(self, loop: Loop, found: list[Finding]) -> list[Finding]:
-        """Says the first loss's held findings, before ``found`` (the first layer judgment's),
-        unless gradients exploding through depth explain them: then that finding says so."""
+        """Says the held first-loss findings before ``found`` (or in its exploding gradients)."""
         depth = next((f for f in found if f.kind == "exploding_gradients"
                       and f.values.get("rule") == "depth"), None)
         held = self._held
@@ -660,8 +614,7 @@ class Diagnose(InstrumentedCallback):
         self._with_held(loop, [])
 
     def update(self, loop: Loop, found: Sequence[Finding], step: int, clear: bool = True) -> None:
-        """Says the findings that appeared; forgets those absent twice in a row
-        (with ``clear=False``: says the new ones and forgets nothing)."""
+        """Says the new findings; with ``clear``, forgets those absent twice in a row."""
         current = {_once_key(f): f for f in found}
         for key in list(self._active) if clear else ():
             if key in current:
@@ -678,8 +631,7 @@ class Diagnose(InstrumentedCallback):
         if new:  # one Text tab entry for the window's findings
             self._write_text(loop, findings=new)
         counts = collections.Counter(kind for kind, _ in self._active)
-        # A counter only for the kinds found in this run (from their first finding on, 0 once
-        # cleared): a flat zero per kind that never fired would push the loss down the page.
+        # Counters only for the kinds found in this run: flat zeros would push the loss down the page.
         self._fired.update(counts)
         if self._fired:
             fired = sorted(self._fired, key=_severity)
@@ -699,10 +651,7 @@ class Diagnose(InstrumentedCallback):
                     step: int = 0) -> None:
         """Writes the Text tab's entry again with ``findings`` (or a ``note`` at ``step``) added.
 
-        TensorBoard shows one entry per step of a tag (the last), and its
-        default reader drops the entries of later steps when an earlier step
-        comes after them: so each entry is written at the latest step written
-        so far (or later), holding every finding of that step.
+        Always at the latest step written: TensorBoard drops later steps' entries when an earlier comes.
         """
         at = max(*(f.step for f in findings), step, self._entry.step)
         entry = self._entry if at == self._entry.step else _Entry(at)
@@ -713,13 +662,11 @@ class Diagnose(InstrumentedCallback):
 #: The most batches Diagnose holds for a spike's replay (the steps in flight are far fewer).
 _HELD_BATCHES = 64
 
-#: The group of Diagnose's scalars in TensorBoard: ``health/<kind>`` counts the
-#: active findings of each kind found in the run.
+#: The group of Diagnose's scalars: ``health/<kind>`` counts the active findings of a kind.
 HEALTH_PREFIX = "health/"
 #: The Text tab's tag of the findings (tensorboardX adds ``/text_summary``).
 FINDINGS_TAG = "health/findings"
-#: The heatmaps' group in TensorBoard: with the per-layer statistics (``stats/``),
-#: after the metrics, so the loss is in the first groups Time Series opens.
+#: The heatmaps' group in TensorBoard, after the metrics.
 HEATMAPS_PREFIX = "stats/heatmaps/"
 
 
@@ -729,7 +676,7 @@ def heatmap_tag(name: str) -> str:
 
 
 def _severity(finding: Finding | str) -> int:
-    """A kind's rank, the worst first: its place in :data:`~flaxhooks.contract.KINDS` (a report's order)."""
+    """A kind's rank, the worst first: its place in :data:`~flaxhooks.contract.KINDS`."""
     kind = finding if isinstance(finding, str) else finding.kind
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
@@ -756,45 +703,40 @@ class _Entry:
 class _Checked:
     """What a fit's diagnosis looked at: said when it found nothing."""
 
-    setup: bool = False  # the set-up traps, before the first step
-    losses: int = 0  # steps' losses watched
+    setup: bool = False
+    losses: int = 0
     initial: bool = False  # the first loss, against log(classes)
-    windows: int = 0  # windows of layer statistics judged
+    windows: int = 0
     layers: int = 0
     modules: int = 0
-    attention: int = 0  # attention layers judged
-    log_z: bool = False  # a sequence model's output log Z judged
-    grad_norms: int = 0  # steps' gradient norms watched
+    attention: int = 0
+    log_z: bool = False
+    grad_norms: int = 0
 
     def no_finding(self, first: int, last: int) -> str:
         """The Text tab's entry of a fit that found nothing (steps ``first`` to ``last``)."""
-        looked = []
-        if self.windows:
-            looked.append(
-                f"{self.windows} window{'s' * (self.windows != 1)} of layer statistics ({self.layers} "
-                f"layers, {self.modules} modules: dead, dormant and saturated units, vanishing and exploding "
-                "gradients, update ratios, frozen parameters, layers the loss does not reach)")
-        if self.attention:
-            looked.append(f"{self.attention} attention layer{'s' * (self.attention != 1)} (logit growth, "
-                          "entropy collapse)")
-        if self.log_z:
-            looked.append("the output's log Z (drift)")
-        if self.losses:
-            initial = ", not learning, the initial loss against log(classes)" if self.initial else ""
-            steps = f"{self.losses} step{'s' * (self.losses != 1)}"
-            looked.append(f"the loss of {steps} (spikes, plateaus{initial})")
-        if self.grad_norms:
-            steps = f"{self.grad_norms} step{'s' * (self.grad_norms != 1)}"
-            looked.append(f"the gradient norm of {steps} (spikes)")
-        if self.setup:
-            looked.append("the set-up (dropout in evaluation, RNG streams)")
+        initial = ", not learning, the initial loss against log(classes)" if self.initial else ""
+        looked = [text for shown, text in [
+            (self.windows, f"{counted(self.windows, 'window')} of layer statistics ({self.layers} layers, "
+             f"{self.modules} modules: dead, dormant and saturated units, vanishing and exploding gradients, "
+             "update ratios, frozen parameters, layers the loss does not reach)"),
+            (self.attention, f"{counted(self.attention, 'attention layer')} (logit growth, entropy "
+             "collapse)"),
+            (self.log_z, "the output's log Z (drift)"),
+            (self.losses, f"the loss of {counted(self.losses, 'step')} (spikes, plateaus{initial})"),
+            (self.grad_norms, f"the gradient norm of {counted(self.grad_norms, 'step')} (spikes)"),
+            (self.setup, "the set-up (dropout in evaluation, RNG streams)"),
+        ] if shown]
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
 
 
+def _is_spike(finding: Finding) -> bool:
+    return finding.kind in ("loss_spike", "grad_norm_spike")
+
+
 def _conclusive(finding: Finding) -> bool:
-    """Whether a finding of a fit's first steps stands already: a layer dead to its last unit
-    (and what it starves), layers the loss does not reach, gradients exploding through depth."""
+    """Whether a finding of a fit's first steps stands already."""
     if finding.kind == "dead_units":
         return finding.values.get("dead", 0.0) >= 1.0
     if finding.kind == "exploding_gradients":
@@ -810,14 +752,12 @@ _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
 
 def _maxed(layout: _WindowLayout) -> np.ndarray:
     """Which entries of the packed sums add up by their maximum (the rest by their sum)."""
-    heads = sum(h for _, h in layout.attention)
-    return np.concatenate([Window.maxed(*layout.sizes), np.tile(np.asarray(HEAD_MAXED, bool), heads),
+    return np.concatenate([Window.maxed(*layout.sizes), np.tile(np.asarray(HEAD_MAXED, bool), layout.heads),
                            np.asarray(LOG_Z_MAXED if layout.log_z else (), bool)])
 
 
 def _classes(outputs: Any, labels: Any) -> int | None:
-    """The number of classes of a classifier's logits (integer labels of the
-    outputs' leading shape), else None."""
+    """The number of classes of a classifier's logits, else None."""
     if labels is None or not isinstance(outputs, jax.Array) or outputs.ndim < 2:
         return None
     if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != outputs.shape[:-1]:
@@ -838,6 +778,5 @@ def _print_table(findings: Sequence[Finding], console: Console | None = None) ->
     for column in ("step", "finding", "layer", "evidence", "try"):
         table.add_column(column, overflow="fold")
     for f in findings:
-        # A finding said in full elsewhere (the guard's NaN: its NonFiniteError) in a few words.
         table.add_row(str(f.step), f.kind, f.layer or "-", f.brief or f.evidence, f.advice)
     (console or Console(stderr=True)).print(table)

@@ -11,21 +11,14 @@ from flaxhooks.eval import EvalResult, Metrics
 
 
 class Evaluate(Callback):
-    """Evaluates every example of a dataset during training.
-
-    Each evaluation emits ``eval_start`` and ``eval_end`` with its
-    :class:`EvalResult`; the latest is also :attr:`result`.
+    """Evaluates every example of a dataset during training; the latest result is :attr:`result`.
 
     Args:
-        data: arrays in memory (a dict of equal-length arrays) or a re-iterable
-            of host batches.
-        every: when to evaluate during training (e.g. ``Every(steps=500)``);
-            use step-based schedules on several hosts.
+        data: a dict of equal-length arrays, or a re-iterable of host batches.
+        every: when to evaluate during training (by steps on several hosts).
         at_epoch_end: also evaluate at the end of each epoch.
         batch_size: batch size for arrays (default: the training batch size).
-        metrics: a clu Collection or Metric class, or ``{name: Metric}``
-            (default: mean loss and accuracy).
-        name: the result's name.
+        metrics: a clu Collection or Metric class, or ``{name: Metric}`` (default: loss and accuracy).
 
     Examples:
         >>> import numpy as np, flaxhooks
@@ -33,16 +26,8 @@ class Evaluate(Callback):
         >>> evaluate = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=4)
     """
 
-    def __init__(
-        self,
-        data: Any,
-        *,
-        every: Every | int | None = None,
-        at_epoch_end: bool = True,
-        batch_size: int | None = None,
-        metrics: Metrics | None = None,
-        name: str = "eval",
-    ):
+    def __init__(self, data: Any, *, every: Every | int | None = None, at_epoch_end: bool = True,
+                 batch_size: int | None = None, metrics: Metrics | None = None, name: str = "eval"):
         self.data = data
         self.every = None if every is None else as_every(every)
         self.at_epoch_end = at_epoch_end
@@ -57,9 +42,7 @@ class Evaluate(Callback):
         return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
 
     def check_fit(self, plan: FitPlan) -> None:
-        """Refuses, before the train step compiles, an eval set that cannot be
-        evaluated (checked on abstract values), and a schedule by time on
-        several processes."""
+        """Refuses an eval set that cannot be evaluated, and a schedule by time on several processes."""
         refuse_time_on_several_processes(self.every, self, "evaluate")
         plan.check_evaluation(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name)
 
@@ -78,8 +61,7 @@ class Evaluate(Callback):
         self.result = None if state["result"] is None else EvalResult(**state["result"])
 
     def on_epoch_end(self, loop: Loop) -> None:
-        # Not for an epoch cut short by a signal, which asks to stop quickly:
-        # the resumed run finishes that epoch and evaluates it then.
+        # Not for an epoch cut short by a signal: the resumed run evaluates it.
         if self.at_epoch_end and loop.exception is None and (loop.epoch_done or loop.interrupted is None):
             self._evaluate(loop)
 
@@ -87,9 +69,8 @@ class Evaluate(Callback):
         if self._evaluated_step == loop.step or loop.diverged is not None:
             return  # due twice at one step (every N and epoch end), or the state holds NaN
         self._evaluated_step = loop.step
-        self.result = loop.evaluate(
-            self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name
-        )
+        self.result = loop.evaluate(self.data, batch_size=self.batch_size, metrics=self.metrics,
+                                    name=self.name)
 
 
 class EarlyStopping(Callback):
@@ -99,7 +80,6 @@ class EarlyStopping(Callback):
         monitor: the metric to watch, e.g. ``"loss"`` or ``"accuracy"``.
         patience: evaluations without improvement before stopping.
         min_delta: the least change that counts as an improvement.
-        mode: ``"min"`` (lower is better) or ``"max"``.
         source: the evaluation (its name) to watch.
 
     Examples:
@@ -123,10 +103,8 @@ class EarlyStopping(Callback):
         return f"EarlyStopping({self.monitor!r}, patience={self.patience}, mode={self.mode!r})"
 
     def _improved(self, value: float) -> bool:
-        if math.isnan(value):
-            return False
-        if self.best is None:
-            return True
+        if math.isnan(value) or self.best is None:
+            return not math.isnan(value)
         if self.mode == "min":
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
@@ -152,9 +130,7 @@ class EarlyStopping(Callback):
         self.waited += 1
         if self.waited >= self.patience:
             best = "no finite value yet" if self.best is None else f"{self.best:.6g} (step {self.best_step})"
-            loop.stop(
-                f"early stopping: {self.source} {self.monitor} has not improved on {best} "
-                f"for {self.waited} evaluations"
-            )
+            loop.stop(f"early stopping: {self.source} {self.monitor} has not improved on {best} "
+                      f"for {self.waited} evaluations")
 
 

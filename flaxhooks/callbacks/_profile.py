@@ -1,5 +1,4 @@
-"""Profile: a ``jax.profiler`` trace of a few chosen steps, for TensorBoard's
-Profile tab."""
+"""Profile: a ``jax.profiler`` trace of a few chosen steps."""
 
 from __future__ import annotations
 
@@ -16,20 +15,16 @@ _log = logging.getLogger("flaxhooks")
 
 
 class Profile(Callback):
-    """Traces a few chosen steps with ``jax.profiler`` for TensorBoard's Profile
-    tab, as Keras's ``TensorBoard(profile_batch=(start, stop))`` does.
+    """Traces a few chosen steps with ``jax.profiler`` for TensorBoard's Profile tab.
 
-    It waits for the devices once, after the last traced step, and always stops
-    its trace at ``fit_end``; docs/guides/what-you-see.md says how to view it.
+    See docs/guides/what-you-see.md for how to view it.
 
     Args:
-        logdir: the run directory (checked for writing at once); None: the
-            directory of the fit's TensorBoard writer (``loop.writers.logdir``,
-            a ``TensorBoard`` callback's), found at ``fit_start``.
+        logdir: the run directory; None: the fit's TensorBoard writer's.
         steps: ``(start, stop)``, both included, numbered as ``loop.step``; or a
-            number of steps traced in each fit after ``warmup``. Default 3.
+            number of steps traced in each fit after ``warmup``.
         warmup: with a number of ``steps``, the steps each fit runs first (default 9).
-        options: a ``jax.profiler.ProfileOptions`` for the trace; default JAX's.
+        options: a ``jax.profiler.ProfileOptions`` for the trace.
 
     Attributes:
         trace_dirs: the directories of the traces written so far, oldest first.
@@ -58,19 +53,12 @@ class Profile(Callback):
     #: The warm-up of ``steps=<number>`` when ``warmup`` is left out.
     DEFAULT_WARMUP = 9
 
-    def __init__(
-        self,
-        logdir: str | os.PathLike[str] | None = None,
-        steps: int | tuple[int, int] = 3,
-        *,
-        warmup: int | None = None,
-        options: jax.profiler.ProfileOptions | None = None,
-    ):
+    def __init__(self, logdir: str | os.PathLike[str] | None = None, steps: int | tuple[int, int] = 3, *,
+                 warmup: int | None = None, options: jax.profiler.ProfileOptions | None = None):
         self.steps = _checked_steps(steps)
         if warmup is not None and isinstance(self.steps, tuple):
-            raise ValueError(
-                f"warmup applies to a number of steps only; steps={self.steps} already names the steps"
-            )
+            raise ValueError(f"warmup applies to a number of steps only; steps={self.steps} already "
+                             "names the steps")
         self.warmup = self.DEFAULT_WARMUP if warmup is None else warmup
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a number of steps, 0 or more, got {warmup!r}")
@@ -105,12 +93,9 @@ class Profile(Callback):
             self._span = None
             if not self._warned_behind and not self.trace_dirs:
                 self._warned_behind = True
-                _log.warning(
-                    "Profile: steps %d to %d are behind this fit, which starts after step %d (a resumed "
-                    "run?): nothing is traced. Choose later steps, or a number of steps "
-                    "(Profile(steps=3)) to trace after each fit's warm-up",
-                    start, stop, loop.step,
-                )
+                _log.warning("Profile: steps %d to %d are behind this fit, which starts after step %d (a "
+                             "resumed run?): nothing is traced. Choose later steps, or a number of steps "
+                             "(Profile(steps=3)) to trace after each fit's warm-up", start, stop, loop.step)
 
     def on_step_start(self, loop: Loop) -> None:
         step = loop.step + 1
@@ -155,11 +140,10 @@ class Profile(Callback):
             jax.profiler.start_trace(self._logdir, profiler_options=self.options)
         except RuntimeError as error:
             span, self._span = self._span, None
-            cause = (
-                "another jax.profiler trace is already running in this process (jax.profiler.start_trace "
-                "or jax.profiler.trace elsewhere, or another Profile); only one can run at a time"
-                if "already" in str(error) else f"jax.profiler.start_trace failed: {error}"
-            )
+            cause = ("another jax.profiler trace is already running in this process (jax.profiler."
+                     "start_trace or jax.profiler.trace elsewhere, or another Profile); only one can run at "
+                     "a time"
+                     if "already" in str(error) else f"jax.profiler.start_trace failed: {error}")
             _log.warning("Profile: steps %d to %d are not traced: %s", step, span[1], cause)
             return False
         self._tracing = True
@@ -176,11 +160,9 @@ class Profile(Callback):
         where = os.path.join(root, written[-1]) if written else root
         self.trace_dirs.append(where)
         ended = "" if span is None or loop.step >= span[1] else f" (training ended before step {span[1]})"
-        _log.info(
-            "Profile: traced steps %s to %d%s into %s. View it in TensorBoard's Profile tab: "
-            "pip install tensorboard-plugin-profile, then tensorboard --logdir %s",
-            first, loop.step, ended, where, self._logdir,
-        )
+        _log.info("Profile: traced steps %s to %d%s into %s. View it in TensorBoard's Profile tab: "
+                  "pip install tensorboard-plugin-profile, then tensorboard --logdir %s",
+                  first, loop.step, ended, where, self._logdir)
 
     def _end_annotation(self) -> None:
         annotation, self._annotation = self._annotation, None
@@ -190,7 +172,6 @@ class Profile(Callback):
 
 def _checked_steps(steps: Any) -> int | tuple[int, int]:
     """``steps`` as given, once checked."""
-
     def is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 

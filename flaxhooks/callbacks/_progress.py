@@ -38,18 +38,15 @@ if TYPE_CHECKING:
 class Progress(Callback):
     """A live progress bar: step, epoch, steps/s, ETA, where the time goes, and the latest metrics.
 
-    On a terminal, one line that keeps what fits its width, with log records
-    printed above it; elsewhere, plain lines every ``every``. It never waits
-    for the devices (it shows ``loop.settled_metrics``), and it prints a summary
-    at ``fit_end``. Process 0 only. docs/guides/what-you-see.md has the details.
+    On a terminal, one line that keeps what fits its width; elsewhere, plain
+    lines every ``every``; a summary at ``fit_end``. It never waits for the
+    devices. Process 0 only (docs/guides/what-you-see.md).
 
     Args:
         refresh_per_second: how often the bar is refreshed, at most.
-        every: when to print a plain line and end an interval of the time
-            figures (default every 10 seconds, on ``clock``).
+        every: when to print a plain line and end an interval of the time figures (default: 10 s).
         quiet: print only the summary line at the end of each fit.
-        console: the rich console to draw on (default: a new one on stdout);
-            whether it is a terminal picks the bar or plain lines.
+        console: the rich console to draw on (default: a new one on stdout).
         clock: the time source for refreshes and rates, for tests.
 
     Examples:
@@ -61,15 +58,9 @@ class Progress(Callback):
 
     process_zero_only = True
 
-    def __init__(
-        self,
-        refresh_per_second: float = 4,
-        *,
-        every: Every | int | None = None,
-        quiet: bool = False,
-        console: Console | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, refresh_per_second: float = 4, *, every: Every | int | None = None,
+                 quiet: bool = False, console: Console | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if refresh_per_second <= 0:
             raise ValueError(f"refresh_per_second must be positive, got {refresh_per_second}")
         self.refresh_per_second = refresh_per_second
@@ -92,14 +83,12 @@ class Progress(Callback):
         self._eval = ""
         self._findings: set[str] = set()  # the kinds said this fit (a caveat on eval lines)
         self._timed: Reading | None = None  # the loop's clock where the current interval started
-        self._timed_start: Reading | None = None  # and at fit_start
+        self._timed_start: Reading | None = None
         self._interval: Interval | None = None  # the last complete interval
 
     def __repr__(self) -> str:
         quiet = ", quiet=True" if self.quiet else ""
         return f"Progress(refresh_per_second={self.refresh_per_second:g}{quiet})"
-
-    # -- events --------------------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
         now = self._clock()
@@ -116,12 +105,12 @@ class Progress(Callback):
         if not self.console.is_terminal:
             self._print(_COMPILING)
             return
-        # Before the display starts: it swaps sys.stderr, and the handlers' streams are the real ones.
+        # Before the display swaps sys.stderr: the handlers' streams are the real ones.
         self._redirect = TerminalRedirect(self.console)
         self._redirect.start()
         # The first dispatch blocks the training thread while XLA compiles: rich's thread redraws.
-        self._compiling = Live(_CompilingLine(self._clock, now), console=self.console,
-                               refresh_per_second=10, transient=True)
+        line = _OneLine(functools.partial(_compiling_line, Spinner("dots"), self._clock, now))
+        self._compiling = Live(line, console=self.console, refresh_per_second=10, transient=True)
         self._compiling.start(refresh=True)
 
     def on_step_end(self, loop: Loop) -> None:
@@ -161,8 +150,7 @@ class Progress(Callback):
     def on_fit_end(self, loop: Loop) -> None:
         self._ended = self._clock()  # the bar's last frame and the summary give the same times and rate
         try:
-            # The last step's own metrics (training is over: waiting for it costs nothing), so a
-            # run stopped for a NaN shows it; after an error, only a settled step's.
+            # The last step's own metrics (training is over); after an error, a settled step's.
             self._pull(loop, last=loop.exception is None)
             if self._bar is not None:
                 self._refresh_bar(loop)  # leave the final count on screen, not the last refresh's
@@ -172,8 +160,6 @@ class Progress(Callback):
             finally:
                 self._print(self._summary(loop))
                 self._findings = set()  # a finding is said again each fit
-
-    # -- the terminal --------------------------------------------------------
 
     def _first_step_done(self, loop: Loop) -> None:
         """Ends the compiling phase: its spinner gives way to a line and the bar."""
@@ -190,19 +176,16 @@ class Progress(Callback):
             self._start_bar(loop)
 
     def _start_bar(self, loop: Loop) -> None:
-        self._bar = _OneLineProgress(
-            self._bar_line, console=self.console, auto_refresh=False, get_time=self._clock)
-        self._task = self._bar.add_task(
-            self._epoch_text(loop), total=self._total, completed=loop.step, metrics=[], evaluation="",
-            interval=None)
+        self._bar = _OneLineProgress(self._bar_line, console=self.console, auto_refresh=False,
+                                     get_time=self._clock)
+        self._task = self._bar.add_task(self._epoch_text(loop), total=self._total, completed=loop.step,
+                                        metrics=[], evaluation="", interval=None)
         self._bar.start()
 
     def _stop_terminal(self) -> None:
-        """Stops the live display (the terminal gets its cursor back) and puts
-        back what the redirect swapped, even if stopping fails."""
+        """Stops the live display and puts back what the redirect swapped, even if stopping fails."""
         live: Live | _RichProgress | None = self._compiling or self._bar
-        redirect = self._redirect
-        self._compiling, self._bar, self._redirect = None, None, None
+        redirect, self._compiling, self._bar, self._redirect = self._redirect, None, None, None
         try:
             if live is not None:
                 live.stop()
@@ -241,25 +224,19 @@ class Progress(Callback):
         ]
         interval: Interval | None = task.fields.get("interval")
         if interval is not None:
-            texts = _time_texts(interval)
             # The data wait stays longest (an input-bound run); FLOP/s goes first (MFU says more).
-            keeps = [(2, 1), (3, 1), (0, -1), (1, 1)]
-            for text, keep in zip(texts, keeps, strict=False):
+            for text, keep in zip(_time_texts(interval), [(2, 1), (3, 1), (0, -1), (1, 1)], strict=False):
                 style = "yellow" if text.endswith(_INPUT_BOUND) else "progress.data.speed"
                 fields.append(_Field(text, keep=keep, separator="  ", style=style))
-        metrics: list[str] = task.fields.get("metrics", [])
-        for index, text in enumerate(metrics):
+        for index, text in enumerate(task.fields.get("metrics", [])):
             # The first metric (the loss) stays longest; the others go, last first.
             fields.append(_Field(text, keep=(5, 0) if index == 0 else (1, -index), separator="  "))
         if task.fields.get("evaluation"):
             fields.append(_Field(f"| {task.fields['evaluation']}", keep=(0, 0), separator="  "))
         return fields
 
-    # -- helpers -------------------------------------------------------------
-
     def _pull(self, loop: Loop, last: bool = False) -> None:
-        """Brings the settled step's metrics to the host, once per settled step
-        (or, with ``last``, the latest step's, waiting for it)."""
+        """Brings the settled step's metrics (``last``: the latest step's) to the host, once per step."""
         step, metrics = (loop.step, loop.metrics) if last else (loop.settled_step, loop.settled_metrics)
         if step is None or metrics is None or (self._metrics_step is not None and step <= self._metrics_step):
             return  # never back to an older step's metrics than those shown
@@ -272,7 +249,7 @@ class Progress(Callback):
             return
         now = loop.clock.read()
         interval = loop.clock.interval(self._timed, now)
-        if interval is not None:  # else the interval goes on (no step since, or the first one's compilation)
+        if interval is not None:  # else it goes on (no step since, or the first one's compilation)
             self._interval, self._timed = interval, now
 
     def _refresh_bar(self, loop: Loop) -> None:
@@ -286,17 +263,8 @@ class Progress(Callback):
     def _epoch_text(self, loop: Loop) -> str:
         return epoch_text(_shown_epoch(loop), loop.max_epochs)
 
-    def _position(self, loop: Loop) -> str:
-        return position_text(loop.step, self._total, _shown_epoch(loop), loop.max_epochs)
-
-    def _metrics_text(self) -> str:
-        if self._metrics_step is None:
-            return ""
-        return f"  {format_metrics(self._metrics)} (step {self._metrics_step})"
-
     def _speed(self, step: int) -> float | None:
-        """Steps per second since the first step ended (the compilation left
-        out): the one rate the bar, the plain lines and the summary show."""
+        """Steps per second since the first step ended (the compilation left out)."""
         if self._first is None:
             return None
         elapsed = self._now() - self._first[1]
@@ -312,7 +280,9 @@ class Progress(Callback):
     def _plain_line(self, loop: Loop) -> str:
         self._pull(loop)
         speed, eta = self._speed(loop.step), self._eta(loop.step)
-        line = f"{self._position(loop)}{self._metrics_text()}"
+        line = position_text(loop.step, self._total, _shown_epoch(loop), loop.max_epochs)
+        if self._metrics_step is not None:
+            line += f"  {format_metrics(self._metrics)} (step {self._metrics_step})"
         if speed is not None:
             line += f"  {speed:.1f} steps/s"
         if eta is not None:
@@ -322,19 +292,13 @@ class Progress(Callback):
         return line
 
     def _summary(self, loop: Loop) -> str:
-        """Where training ended (and why, if early), how fast, and the last
-        metrics: one line off a terminal; on one, broken between fields to
-        the terminal's width, never inside one."""
+        """Where training ended (and why), how fast, and the last metrics, wrapped between fields."""
         start_step, start = self._start
         # A NaN's step, not the one the loop reached with the steps in flight after it.
         ended = loop.diverged if loop.diverged is not None else loop.step
         steps = ended - start_step
-        if loop.exception is not None:
-            how = f"stopped by {type(loop.exception).__name__} at"
-        elif loop.stop_reason:
-            how = f"stopped ({loop.stop_reason}) at"
-        else:
-            how = "done:"
+        how = (f"stopped by {type(loop.exception).__name__} at" if loop.exception is not None
+               else f"stopped ({loop.stop_reason}) at" if loop.stop_reason else "done:")
         speed = self._speed(loop.step)
         rate = f", {speed:.1f} steps/s" if speed is not None else ""
         fields = [f"{how} {position_text(ended, self._total, _epoch_at(loop, ended), loop.max_epochs)}",
@@ -399,38 +363,25 @@ _COMPILING = "compiling the train step…"
 _BAR_WIDTHS = (10, 40)
 
 
-class _CompilingLine:
+def _compiling_line(spinner: Spinner, clock: Callable[[], float], since: float, console: Console,
+                    options: ConsoleOptions) -> Text:
     """``⠋ compiling the train step… 3.2s``: a spinner and the time since ``since``."""
-
-    def __init__(self, clock: Callable[[], float], since: float):
-        self._clock = clock
-        self._since = since
-        self._spinner = Spinner("dots")
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        line = Text(no_wrap=True, overflow="ellipsis")
-        frame = self._spinner.render(console.get_time())
-        if isinstance(frame, Text):
-            line.append_text(frame)
-            line.append(" ")
-        line.append(f"{_COMPILING} ")
-        line.append(f"{self._clock() - self._since:.1f}s", style="progress.elapsed")
-        yield line
+    line = Text(no_wrap=True, overflow="ellipsis")
+    frame = spinner.render(console.get_time())
+    if isinstance(frame, Text):
+        line.append_text(frame)
+        line.append(" ")
+    line.append(f"{_COMPILING} ")
+    line.append(f"{clock() - since:.1f}s", style="progress.elapsed")
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
-    """One field of the bar's line, after the bar.
-
-    Attributes:
-        text: what it shows.
-        keep: its priority: when the line is too long, the lowest goes first.
-        style: its rich style.
-        separator: what comes before it.
-    """
+    """One field of the bar's line, after the bar."""
 
     text: str
-    keep: tuple[int, int]
+    keep: tuple[int, int]  # when the line is too long, the lowest goes first
     style: str = ""
     separator: str = " "
 
@@ -440,11 +391,9 @@ class _Field:
 
 
 def _fit(description: str, fields: Sequence[_Field], width: int) -> tuple[list[_Field], int]:
-    """The fields that fit one line of ``width`` after ``description`` and a
-    bar, in their order, and the bar's width (0: no bar).
+    """The fields that fit one line of ``width`` after ``description`` and a bar, and the bar's width.
 
-    Fields are dropped, the lowest ``keep`` first, until the bar has at least
-    its narrowest width; when dropping them all is not enough, the bar shrinks.
+    Fields go, the lowest ``keep`` first, until the bar has its narrowest width.
 
     Examples:
         >>> fields = [_Field("12/62", keep=(2, 0)), _Field("loss 0.1", keep=(1, 0), separator="  ")]
@@ -476,8 +425,7 @@ class _OneLine:
 
 
 class _OneLineProgress(_RichProgress):
-    """rich's Progress (its timing, speed estimate and live display), each
-    task drawn as one line by ``line(task, console, options)``."""
+    """rich's Progress, each task drawn as one line by ``line(task, console, options)``."""
 
     def __init__(self, line: Callable[[Task, Console, ConsoleOptions], Text], **kwargs: Any):
         super().__init__(**kwargs)
@@ -489,8 +437,7 @@ class _OneLineProgress(_RichProgress):
 
 
 def _wrap_fields(fields: Sequence[str], width: int, indent: str = "  ") -> list[str]:
-    """``fields`` two spaces apart, in lines no wider than ``width``, broken
-    only between fields (a field wider than a line gets one of its own).
+    """``fields`` two spaces apart, in lines no wider than ``width``, broken only between fields.
 
     Examples:
         >>> _wrap_fields(["done: step 8/8", "loss 0.1", "accuracy 0.9"], 26)
@@ -511,8 +458,7 @@ def _shown_epoch(loop: Loop) -> int:
 
 
 def _epoch_at(loop: Loop, step: int) -> int:
-    """The epoch (from 1) of ``step``, the current step or one of the few in flight
-    before it: the current epoch, or the one before if ``step`` came before its first batch.
+    """The epoch (from 1) of ``step``, the current step or one in flight before it.
 
     Examples:
         >>> import flaxhooks
@@ -527,12 +473,10 @@ def _epoch_at(loop: Loop, step: int) -> int:
 
 def _total(loop: Loop) -> int | None:
     """The step the fit ends at, when it is known."""
-    by_epochs = None
+    known = [] if loop.max_steps is None else [loop.max_steps]
     if loop.max_epochs is not None and loop.steps_per_epoch:
-        by_epochs = loop.max_epochs * loop.steps_per_epoch
-    if loop.max_steps is not None:
-        return loop.max_steps if by_epochs is None else min(loop.max_steps, by_epochs)
-    return by_epochs
+        known.append(loop.max_epochs * loop.steps_per_epoch)
+    return min(known, default=None)
 
 
 def _duration(seconds: float) -> str:

@@ -1,5 +1,4 @@
-"""The layer a spike came from: the spike's batch and the batch before it,
-replayed at the same parameters, each layer's parameter-gradient norm compared."""
+"""The layer a spike came from, found by replaying the spike's batch and the one before it."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayou
 
 
 class LayerGradNorms(StepContributor):
-    """The step contributor of a spike's replay: each tapped layer's parameter-gradient
-    norm, in call order (a layer's parameters are those directly under its path)."""
+    """A spike replay's contributor: each tapped layer's parameter-gradient norm, in call order."""
 
     def __init__(self, taps: Taps):
         self.taps = Taps(capture=taps.capture)  # its outputs give the call order; no gradient taps needed
@@ -53,7 +51,7 @@ def _key(entry: Any) -> str:
 
 
 class Source(NamedTuple):
-    """Where a spike came from: the words added to its evidence, the numbers, the layer (or None)."""
+    """Where a spike came from: words for its evidence, values, and the layer (or None)."""
 
     text: str
     values: dict[str, Any]
@@ -67,12 +65,7 @@ class Source(NamedTuple):
 
 
 def spike_source(loop: Loop, step: int, batches: dict[int, Any], taps: Taps, factor: float) -> Source:
-    """The first layer whose gradient spiked at ``step``, or why none is named.
-
-    Replays the spike's batch and the batch of the step before it at the current
-    parameters (one compile, two runs, at a spike only) and names the first
-    layer, in call order, whose gradient norm is at least ``factor`` times larger.
-    """
+    """The first layer, in call order, whose gradient norm is ``factor`` times larger at ``step``."""
     spiked, before = batches.get(step), batches.get(step - 1)
     replay = getattr(loop, "replay", None)
     if replay is None:
@@ -90,8 +83,6 @@ def spike_source(loop: Loop, step: int, batches: dict[int, Any], taps: Taps, fac
     layer, ratios = first_spiked_layer(layers, np.asarray(first_replica(hit.values), np.float64).tolist(),
                                        np.asarray(first_replica(base.values), np.float64).tolist(), factor)
     seconds = time.perf_counter() - started
-    # The replays run from the state now, after step loop.step's update (the spike's own
-    # included, unless the optimizer skipped it); the spike's step ran from step - 1's.
     at = f"at the parameters after step {loop.step} (step {step} ran from those after step {step - 1})"
     how = f"replaying the batches of steps {step - 1} and {step} {at}, in {seconds:.1f} s"
     if unseen:  # their gradients were not compared: a spike may have begun in them

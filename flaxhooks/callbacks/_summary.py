@@ -1,5 +1,4 @@
-"""A summary of the model at the start of training: the model adapter's
-table (``flax.linen.tabulate`` for Linen) through rich."""
+"""A summary of the model at the start of training."""
 
 from __future__ import annotations
 
@@ -16,28 +15,22 @@ from flaxhooks.placement import spec_text
 if TYPE_CHECKING:
     import rich.console
 
-#: The width a table is rendered at off a terminal: more than any table
-#: needs, so each takes its natural width (a table that does not expand is
-#: never wider than its contents).
+#: The width a table is rendered at off a terminal: enough for its natural width.
 _UNSQUEEZED_WIDTH = 1000
 
 
 class Summary(Callback):
     """Prints ``flax.linen.tabulate`` of the model once, when the first fit starts.
 
-    Built with ``jax.eval_shape`` from one device's share of the batch (no FLOPs
-    unless asked), counting parameters only; printed through rich on process 0,
-    and written to ``loop.writers`` as ``model_summary`` (TensorBoard's Text tab).
+    On one device's share of the batch, process 0 only; also written as ``model_summary`` (Text tab).
 
     Args:
         depth: how many submodules deep the table goes (None: no limit).
-        show_repeated: show repeated calls of the same submodule.
-        compute_flops: add a ``flops`` column (lowers each call: costs time).
+        compute_flops: add a ``flops`` column (costs time).
         compute_vjp_flops: add a ``vjp_flops`` column (backward-pass FLOPs).
-        console_kwargs: keyword arguments of the ``rich.console.Console`` the
-            table is rendered with; a ``width`` here is the table's width.
-        table_kwargs: keyword arguments of ``rich.table.Table``.
-        column_kwargs: keyword arguments of ``rich.table.Table.add_column``.
+        console_kwargs: of the ``rich.console.Console`` the table is rendered with.
+        table_kwargs: of ``rich.table.Table``.
+        column_kwargs: of ``rich.table.Table.add_column``.
         console: the rich console to print to (default: one made from ``console_kwargs``).
 
     Attributes:
@@ -55,18 +48,10 @@ class Summary(Callback):
     #: The Text tag the table is written under.
     tag = "model_summary"
 
-    def __init__(
-        self,
-        depth: int | None = None,
-        *,
-        show_repeated: bool = False,
-        compute_flops: bool = False,
-        compute_vjp_flops: bool = False,
-        console_kwargs: Mapping[str, Any] | None = None,
-        table_kwargs: Mapping[str, Any] | None = None,
-        column_kwargs: Mapping[str, Any] | None = None,
-        console: rich.console.Console | None = None,
-    ):
+    def __init__(self, depth: int | None = None, *, show_repeated: bool = False, compute_flops: bool = False,
+                 compute_vjp_flops: bool = False, console_kwargs: Mapping[str, Any] | None = None,
+                 table_kwargs: Mapping[str, Any] | None = None,
+                 column_kwargs: Mapping[str, Any] | None = None, console: rich.console.Console | None = None):
         self.depth = depth
         self.show_repeated = show_repeated
         self.compute_flops = compute_flops
@@ -83,15 +68,7 @@ class Summary(Callback):
         return f"Summary(depth={self.depth!r})"
 
     def render(self, loop: Loop) -> str:
-        """The model's table on one device's share of the training batch.
-
-        The table is as wide as ``console_kwargs["width"]``, else the
-        console's terminal, else its own natural width.
-
-        Returns:
-            The table as rich renders it (with ANSI styles when the console
-            kwargs force a terminal, as tabulate's defaults do).
-        """
+        """The model's table on one device's share of the training batch, as rich renders it."""
         if loop.model is None or loop.spec is None:
             raise ValueError("no model or batch spec yet: render during a fit")
         # Where to print is the console's business: tabulate renders into a buffer of its own.
@@ -102,12 +79,10 @@ class Summary(Callback):
             loop.spec.per_device(), tuple(loop.state.model_state), depth=self.depth,
             show_repeated=self.show_repeated, console_kwargs=console_kwargs, table_kwargs=self.table_kwargs,
             column_kwargs=self.column_kwargs, compute_flops=self.compute_flops,
-            compute_vjp_flops=self.compute_vjp_flops,
-        )
+            compute_vjp_flops=self.compute_vjp_flops)
 
     def _width_for(self, console: rich.console.Console) -> int:
-        """The width to render the table at for ``console``: its terminal's,
-        else room enough for the table's natural width."""
+        """The width to render the table at for ``console``."""
         if console.is_terminal or self.table_kwargs.get("expand"):  # an expanding table fills any width
             return console.width
         return _UNSQUEEZED_WIDTH
@@ -160,8 +135,7 @@ SHOWN_SPLIT = 12
 
 
 def sharding_note(state: Any) -> str:
-    """How the train state lies on the mesh: the bytes per device against the
-    whole, and each parameter split over devices with its partition."""
+    """How the train state lies on the mesh: bytes per device, and each split parameter."""
     leaves = jax.tree.leaves(state)
     mesh = next((x.sharding.mesh for x in leaves if hasattr(getattr(x, "sharding", None), "mesh")), None)
     if mesh is None or mesh.size == 1:
@@ -187,7 +161,7 @@ def sharding_note(state: Any) -> str:
 
 def _per_device_note(spec: Any) -> str:
     """What the table's shapes are, when the batch is split over devices."""
-    processes = jax.process_count()  # each process's batch is its share of the global one
+    processes = jax.process_count()
     if spec is None or spec.num_devices * processes == 1:
         return ""
     share = spec.batch_size // spec.num_devices

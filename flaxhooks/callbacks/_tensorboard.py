@@ -40,22 +40,16 @@ def find_learning_rate(opt_state: Any) -> Any | None:
 
 
 class TensorBoard(Callback):
-    """Writes training and evaluation scalars to TensorBoard, off the training
-    thread, in TensorBoard's usual arrangement of runs (one sub-run per split, as Keras).
+    """Writes training and evaluation scalars to TensorBoard, off the training thread.
 
-    Training scalars are window means summed on the devices (no host sync per
-    step), with the optimizer's curves and where the time went. Every callback,
-    this one included, writes through ``loop.writers``. docs/guides/what-you-see.md
-    lists every tag, run and tab.
+    Opens the fit's ``loop.writers``; training scalars are window means summed
+    on the devices (docs/guides/what-you-see.md lists every tag).
 
     Args:
-        logdir: the run directory; checked for writing at once, and again
-            before a fit writes anything.
         every: when to write training scalars (default every 50 steps).
-        hparams: the run's hyperparameters (numbers, strings, booleans) for the
-            HParams tab; the model's parameter count is added as ``parameters``.
-        learning_rate: a schedule ``step -> learning rate`` to log; without
-            it, an ``optax.inject_hyperparams`` learning rate is found.
+        hparams: the run's hyperparameters for the HParams tab (``parameters`` is added).
+        learning_rate: a schedule ``step -> learning rate`` to log (default: an
+            ``optax.inject_hyperparams`` one, if found).
 
     Examples:
         >>> import tempfile, flaxhooks
@@ -63,24 +57,17 @@ class TensorBoard(Callback):
     """
 
     process_zero_only = True
-    #: Seconds to wait for the writer at the end of a failed fit: what it
-    #: still has to read may come from a step that never finishes.
+    #: Seconds to wait for the writer at the end of a failed fit.
     FAILING_WAIT_SECONDS = 5.0
-    #: The same after a lost process: what is not written by then never will
-    #: be, and the process must exit soon (``flaxhooks.PeerLost``).
+    #: The same after a lost process.
     LOST_PEER_WAIT_SECONDS = 1.0
     #: The sub-run of the training scalars.
     TRAIN_RUN = "train"
     #: The Custom Scalars category of the training and evaluation charts.
     CATEGORY = "training"
 
-    def __init__(
-        self,
-        logdir: str | os.PathLike[str],
-        every: Every | int | None = None,
-        hparams: Mapping[str, Any] | None = None,
-        learning_rate: Callable[[int], Any] | None = None,
-    ):
+    def __init__(self, logdir: str | os.PathLike[str], every: Every | int | None = None,
+                 hparams: Mapping[str, Any] | None = None, learning_rate: Callable[[int], Any] | None = None):
         self.logdir = os.fspath(logdir)
         check_writable(self.logdir)
         self.every = Every(steps=50) if every is None else as_every(every)
@@ -93,25 +80,20 @@ class TensorBoard(Callback):
         self._hparams_written = False  # the Text tab's table
         self._session_written = False  # the HParams record
         self._parameters: int | None = None
-        # The window of training steps since the last log: the totals then
-        # (None: the fit's start) and what an earlier fit or run added to it.
+        # The totals at the last log (None: the fit's start) and what an earlier fit or run carried over.
         self._window_start: Totals | None = None
         self._carried: dict[str, Any] | None = None
         self._latest_totals: Totals | None = None
         self._timed: Reading | None = None  # the loop's clock at the last log
         self._charted: set[str] = set()  # the tags of the training category
-        self._fits = 0  # fits this callback has written
-        # Whether the optimizer state carries a learning rate (its structure
-        # is fixed for a fit): not searched for every step when it does not.
-        self._state_has_learning_rate = True
+        self._fits = 0
+        self._state_has_learning_rate = True  # else not searched for every step
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.logdir!r}, every={self.every!r})"
 
     def state_dict(self) -> dict[str, Any]:
-        """The latest evaluations (for the HParams record), what was written
-        once, and the training steps since the last log (read now: a
-        checkpoint is being saved), so a resumed run logs the same means."""
+        """The latest evaluations, what was written once, and the steps since the last log (read now)."""
         return {"last_eval": self._last_eval, "hparams_written": self._hparams_written,
                 "session_written": self._session_written, "window": self._pending_window()}
 
@@ -128,8 +110,7 @@ class TensorBoard(Callback):
         return _window(self._carried, self._window_start, self._latest_totals)
 
     def check_fit(self, plan: FitPlan) -> None:
-        """Refuses a log directory that cannot be written, and a second
-        ``TensorBoard``, before anything is written."""
+        """Refuses a log directory that cannot be written, and a second ``TensorBoard``."""
         others = [cb for cb in plan.callbacks if isinstance(cb, TensorBoard) and cb is not self]
         if others:
             raise ValueError(
@@ -137,23 +118,19 @@ class TensorBoard(Callback):
                 "writers (loop.writers), so both directories would get every curve twice; keep one")
         check_writable(self.logdir)
 
-    # -- the fit's writer ------------------------------------------------------
-
     def open_writer(self, loop: Loop) -> AsyncWriter:
         """Opens the writer of a fit (called by the Trainer before ``fit_start``)."""
         check_writable(self.logdir)
         if loop.resumed_from is None and loop.step == 0 and not self._fits and _holds_events(self.logdir):
-            # A fresh run (the fit accepted: said now, not for a run that is refused).
-            _log.warning(
-                "TensorBoard: %s already holds another run's events, and this run's curves will be drawn "
-                "over them: give each run a directory of its own (flaxhooks.run_directory)", self.logdir)
+            _log.warning("TensorBoard: %s already holds another run's events, and this run's curves will be "
+                         "drawn over them: give each run a directory of its own (flaxhooks.run_directory)",
+                         self.logdir)
         self._fits += 1
         self.close()  # a fit that never reached its end (killed between fits)
         layout = None
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
-            # The charts the stopped run declared are in the files already:
-            # declaring them again would write the custom-scalars layout again.
+            # The charts the stopped run declared are in the files already.
             layout = read_layout(self.logdir)
             self._charted.update(layout.get(self.CATEGORY, {}))  # a chart's title is its tag
         self.writer = AsyncWriter(TensorBoardWriter(self.logdir, layout=layout))
@@ -166,15 +143,12 @@ class TensorBoard(Callback):
         if writer is None:
             return
         if self.hparams and self._last_eval:
-            # HParams reads a session's metrics from its own run (it joins "."
-            # and a sub-run's name into a run that does not exist), so the
-            # latest evaluation is written here too, under ``results/``.
+            # HParams reads a session's metrics from its own run: the latest evaluation goes under results/.
             results = {result_tag(name, metric): value
                        for name, metrics in self._last_eval.items() for metric, value in metrics.items()}
             writer.scalars(results, loop.step)
             if not self._session_written:
-                # TensorBoard reads a run's first HParams record: written once,
-                # when the evaluations it links to are known.
+                # TensorBoard reads a run's first HParams record only.
                 self._session_written = True
                 record = hparams_record(self._hparams(), self._last_eval)
                 writer.call(lambda files: [files.summary(summary, loop.step) for summary in record])
@@ -184,10 +158,8 @@ class TensorBoard(Callback):
             lost = isinstance(loop.exception, PeerLost)
             wait = self.LOST_PEER_WAIT_SECONDS if lost else self.FAILING_WAIT_SECONDS
             if not writer.close(timeout=wait):
-                _log.warning(
-                    "TensorBoard: what was logged in the last steps before the failure could not be "
-                    "written within %g s and is left out", wait,
-                )
+                _log.warning("TensorBoard: what was logged in the last steps before the failure could not be "
+                             "written within %g s and is left out", wait)
 
     def _hparams(self) -> dict[str, Any]:
         hparams = dict(self.hparams)
@@ -196,11 +168,10 @@ class TensorBoard(Callback):
         return hparams
 
     def _drop_after(self, step: int) -> None:
-        """Resuming from ``step``: the points the stopped run logged after it
-        are logged again, so they go; so do the final results and HParams
-        session its fit's end wrote at ``step`` itself (after the checkpoint
-        there), which the resumed run writes at its own end."""
-        # Rewritten: `tensorboard --logdir` (its Rust loader) ignores tensorboardX's purge_step records.
+        """Drops what the stopped run logged after ``step`` (and its fit end's results), logged again.
+
+        Rewritten: TensorBoard's Rust loader ignores tensorboardX's purge_step records.
+        """
         dropped = truncate_events(self.logdir, step, written_after_saves=written_at_fit_end)
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
@@ -210,8 +181,6 @@ class TensorBoard(Callback):
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
-
-    # -- what it writes itself -------------------------------------------------
 
     def on_fit_start(self, loop: Loop) -> None:
         if self.writer is not None:
@@ -233,8 +202,7 @@ class TensorBoard(Callback):
         start, end, carried = self._window_start, loop.totals, self._carried
         self._window_start, self._carried = end, None
         extra: dict[str, Any] = {}
-        # The rate of steps known to have finished on the devices, not of
-        # steps dispatched: dispatch runs ahead of the devices.
+        # The rate of steps finished on the devices, not dispatched.
         rate = self._rate(loop.settled_step if loop.settled_step is not None else loop.step)
         if rate is not None:
             extra["throughput/steps_per_s"] = rate
@@ -242,11 +210,8 @@ class TensorBoard(Callback):
         if learning_rate is not None:
             extra["optimizer/learning_rate"] = learning_rate
         extra.update(self._time_tags(loop))
-        if end is None:  # no totals (a hand-made loop): this step's own metrics
-            loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
-            return
-        if carried is None and self.every.steps == 1:
-            # A window of this one step: its metrics, buffered (cheapest every step).
+        # No totals (a hand-made loop), or a window of one step: this step's own metrics, buffered.
+        if end is None or (carried is None and self.every.steps == 1):
             loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
             return
 
@@ -312,8 +277,7 @@ def _holds_events(logdir: str) -> bool:
 
 
 def _window(carried: Mapping[str, Any] | None, start: Totals | None, end: Totals) -> dict[str, Any]:
-    """The steps between two replicated totals (``start`` None: the fit's
-    start), on the host, after what an earlier fit or run ``carried`` over."""
+    """The steps between two replicated totals (``start`` None: the fit's start), after ``carried``."""
     first, last = jax.device_get((device0_copy(start), device0_copy(end)))
     return combine_windows(carried, window_sums(first, last))
 
@@ -333,25 +297,17 @@ RESULTS_GROUP = "results"
 
 
 def result_tag(evaluation: str, metric: str) -> str:
-    """The main run's tag of an evaluation's latest value, for the HParams table
-    (the ``results`` group sorts after the metrics and the optimizer's)."""
+    """The main run's tag of an evaluation's latest value, for the HParams table."""
     return f"{RESULTS_GROUP}/{evaluation}/{metric}"
 
 
 def written_at_fit_end(value: Any) -> bool:
-    """Whether a main-run summary value is one a fit's end writes, after
-    that fit's checkpoints: a latest evaluation value under ``results/``,
-    or an HParams record."""
+    """Whether a main-run summary value is one a fit's end writes (``results/`` or HParams)."""
     return value.tag.startswith(f"{RESULTS_GROUP}/") or value.metadata.plugin_data.plugin_name == "hparams"
 
 
 def hparams_record(hparams: Mapping[str, Any], evaluations: Mapping[str, Mapping[str, float]]) -> list[Any]:
-    """The HParams plugin's summaries for one run (tensorboardX's): the
-    experiment (its hyperparameters and metrics), the session's values and its end.
-
-    Each metric is the latest value of an evaluation's metric, written in
-    the same run under :func:`result_tag`.
-    """
+    """tensorboardX's HParams summaries for one run: experiment, session start and end."""
     from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
     from tensorboardX.summary import hparams as hparams_summaries
 
@@ -368,9 +324,7 @@ def hparams_record(hparams: Mapping[str, Any], evaluations: Mapping[str, Mapping
 
 
 def _hparam_value(value: Any) -> Any:
-    """A hyperparameter as tensorboardX can write it: a number as a float (it
-    fails on an int beyond 64 bits), anything but a number, string, boolean
-    or None as its string (it would write it without a value)."""
+    """A hyperparameter as tensorboardX can write it: numbers as floats, odd values as strings."""
     if value is None or isinstance(value, (bool, str)):
         return value
     return float(value) if isinstance(value, (int, float)) else str(value)
