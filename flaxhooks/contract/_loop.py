@@ -7,7 +7,7 @@ import dataclasses
 import operator
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import jax
 
@@ -19,6 +19,8 @@ from flaxhooks.eval import EvalResult, EvalStart
 from flaxhooks.placement import host_scalars
 from flaxhooks.step import Model, TrainState
 from flaxhooks.writers import Writers
+
+_T = TypeVar("_T")
 
 #: The events a callback may emit itself, and the payload each takes.
 EMITTABLE: dict[Event, type] = {
@@ -87,8 +89,18 @@ class Request:
     detail: str = ""
 
 
-def _fact(name: str, doc: str) -> property:
-    return property(operator.attrgetter(f"_record.{name}"), doc=doc)
+class _Fact(property, Generic[_T]):
+    """A read-only fact of the loop's record, typed for mypy."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__(operator.attrgetter(f"_record.{name}"), doc=doc)
+
+    if TYPE_CHECKING:
+        @overload
+        def __get__(self, loop: None, owner: type | None = None) -> _Fact[_T]: ...
+        @overload
+        def __get__(self, loop: Loop, owner: type | None = None) -> _T: ...
+        def __get__(self, loop: Loop | None, owner: type | None = None) -> _Fact[_T] | _T: ...
 
 
 class Loop:
@@ -107,38 +119,48 @@ class Loop:
         'enough'
     """
 
-    state = _fact("state", "The train state after the latest step (its buffers are donated to the "
-                  "next step: copy what you keep; ask for another with :meth:`replace_state`).")
-    step = _fact("step", "Optimizer steps completed, counting a resumed state's.")
-    epoch = _fact("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
-    epoch_step = _fact("epoch_step", "Batches taken so far in the current epoch.")
-    epoch_done = _fact("epoch_done", "Whether the current epoch's data ran out (set before ``epoch_end``).")
-    data_position = _fact("data_position", "Where this process's data stands after the latest step's "
-                          "batch (a :class:`~flaxhooks.data.DataPosition`), as a checkpoint saves it.")
-    max_steps = _fact("max_steps", "The step at which training ends, if bounded by steps.")
-    max_epochs = _fact("max_epochs", "The number of epochs, if bounded by epochs.")
-    steps_per_epoch = _fact("steps_per_epoch", "Batches per epoch when the data has a length, else None.")
-    resumed_from = _fact("resumed_from", "On ``fit(resume=True)``, the checkpoint's step (0: none); else "
-                         "None. Writers drop what they logged after it.")
-    batch = _fact("batch", "The device batch of the current step (``step_start`` / ``step_end``).")
-    metrics = _fact("metrics", "The latest step's metrics, device arrays: reading them waits for the step.")
-    settled_step = _fact("settled_step", "The newest step known to have finished on the devices.")
-    settled_metrics = _fact("settled_metrics", "That step's metrics: reading them does not wait.")
-    totals = _fact("totals", "Running totals of every step's metrics since ``fit`` started, on the "
-                   "devices (``window_means(window_sums(earlier, later))``).")
-    event = _fact("event", "The event being emitted.")
-    payload = _fact("payload", "That event's data: an ``EvalStart`` or ``EvalResult``, a ``Finding``, "
-                    "the error for ``exception``; else None.")
-    stop_reason = _fact("stop_reason", "Why training was asked to stop, or None.")
-    diverged = _fact("diverged", "The first step whose loss (or a watched value) went non-finite, once a "
-                     "guard stopped training for it; ``fit`` then raises ``NonFiniteError``.")
-    interrupted = _fact("interrupted", "The signal (SIGINT, SIGTERM) that asked training to stop, or None.")
-    exception = _fact("exception", "The error that is ending training, if any.")
-    callbacks = _fact("callbacks", "The registered callbacks, in the order their handlers run.")
-    model = _fact("model", "The model adapter (:class:`flaxhooks.step.Model`).")
-    spec = _fact("spec", "The layout of the training batches.")
-    writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
-    clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); None outside fit.")
+    state = _Fact[TrainState]("state", "The train state after the latest step (its buffers are donated to "
+                              "the next step: copy what you keep; ask for another with "
+                              ":meth:`replace_state`).")
+    step = _Fact[int]("step", "Optimizer steps completed, counting a resumed state's.")
+    epoch = _Fact[int]("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
+    epoch_step = _Fact[int]("epoch_step", "Batches taken so far in the current epoch.")
+    epoch_done = _Fact[bool](
+        "epoch_done", "Whether the current epoch's data ran out (set before ``epoch_end``).")
+    data_position = _Fact[DataPosition | None](
+        "data_position", "Where this process's data stands after the latest step's batch (a "
+        ":class:`~flaxhooks.data.DataPosition`), as a checkpoint saves it.")
+    max_steps = _Fact[int | None]("max_steps", "The step at which training ends, if bounded by steps.")
+    max_epochs = _Fact[int | None]("max_epochs", "The number of epochs, if bounded by epochs.")
+    steps_per_epoch = _Fact[int | None](
+        "steps_per_epoch", "Batches per epoch when the data has a length, else None.")
+    resumed_from = _Fact[int | None]("resumed_from", "On ``fit(resume=True)``, the checkpoint's step (0: "
+                                     "none); else None. Writers drop what they logged after it.")
+    batch = _Fact[Any]("batch", "The device batch of the current step (``step_start`` / ``step_end``).")
+    metrics = _Fact[Any](
+        "metrics", "The latest step's metrics, device arrays: reading them waits for the step.")
+    settled_step = _Fact[int | None]("settled_step", "The newest step known to have finished on the devices.")
+    settled_metrics = _Fact[Any]("settled_metrics", "That step's metrics: reading them does not wait.")
+    totals = _Fact[Any]("totals", "Running totals of every step's metrics since ``fit`` started, on the "
+                        "devices (``window_means(window_sums(earlier, later))``).")
+    event = _Fact[str]("event", "The event being emitted.")
+    payload = _Fact[Any]("payload", "That event's data: an ``EvalStart`` or ``EvalResult``, a ``Finding``, "
+                         "the error for ``exception``; else None.")
+    stop_reason = _Fact[str | None]("stop_reason", "Why training was asked to stop, or None.")
+    diverged = _Fact[int | None]("diverged", "The first step whose loss (or a watched value) went "
+                                 "non-finite, once a guard stopped training for it; ``fit`` then raises "
+                                 "``NonFiniteError``.")
+    interrupted = _Fact[int | None]("interrupted", "The signal (SIGINT, SIGTERM) that asked training to "
+                                    "stop, or None.")
+    exception = _Fact[BaseException | None]("exception", "The error that is ending training, if any.")
+    callbacks = _Fact[tuple[Any, ...]](
+        "callbacks", "The registered callbacks, in the order their handlers run.")
+    model = _Fact[Model | None]("model", "The model adapter (:class:`flaxhooks.step.Model`).")
+    spec = _Fact[BatchSpec | None]("spec", "The layout of the training batches.")
+    writers = _Fact[Writers]("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty "
+                             "without any.")
+    clock = _Fact[FitClock | None]("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); "
+                                   "None outside fit.")
 
     # Set once in __init__ (through object.__setattr__, as facts are read-only).
     _record: LoopRecord

@@ -1,5 +1,4 @@
-"""The restore protocol: what ``fit(resume=True)`` asks of the callback that
-keeps checkpoints. The Trainer knows no checkpoint class."""
+"""The restore protocol: what ``fit(resume=True)`` asks of the callback that keeps checkpoints."""
 
 from __future__ import annotations
 
@@ -17,12 +16,9 @@ class SavedRun(Protocol):
     """A saved run, read back and verified.
 
     Attributes:
-        step: the optimizer steps the saved state had taken.
         position: ``(epoch, batches into it)`` where training goes on.
         stop_reason: why the saved run had decided to stop, if it had.
-        path: where it was read from.
-        data: every process's :class:`~flaxhooks.data.DataPosition` at the
-            save, in process order (None: the checkpoint holds none).
+        data: every process's :class:`~flaxhooks.data.DataPosition` at the save (None: none saved).
     """
 
     step: int
@@ -40,8 +36,7 @@ class SavedRun(Protocol):
 
 @runtime_checkable
 class Restorer(Protocol):
-    """A callback that can resume a run (``Checkpoint``): ``fit(resume=True)``
-    asks the one registered for the latest good save."""
+    """A callback that can resume a run (``Checkpoint``)."""
 
     def restore_latest(self) -> SavedRun | None:
         """The newest save that reads back and verifies; None if there is none."""

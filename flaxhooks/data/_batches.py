@@ -12,7 +12,6 @@ import numpy as np
 #: A batch as the user gives it: equal-length arrays by key.
 HostBatch = Mapping[str, np.ndarray]
 
-
 #: The batch keys a Trainer passes to the model unless ``input_keys`` names others.
 DEFAULT_INPUT_KEYS = ("image",)
 
@@ -85,8 +84,7 @@ class BatchSpec:
 
     Attributes:
         batch_size: examples per host batch (this process's share of the global batch).
-        num_devices: the parts of the batch this process feeds (its devices
-            along the mesh's data axis).
+        num_devices: the parts of the batch this process feeds (along the data axis).
         fields: per key, the dtype and the shape of one example.
         processes: the processes feeding a share each.
     """
@@ -101,9 +99,7 @@ class BatchSpec:
         """Checks the first batch and takes its layout.
 
         Raises:
-            BatchError: not a mapping, a required key missing, non-numeric or
-                scalar values, keys of different lengths, or a batch size that
-                does not divide over the devices.
+            BatchError: a bad layout, or a batch size that does not divide over the devices.
         """
         arrays, size = check_layout(batch, required_keys)
         first_key = next(iter(arrays))
@@ -123,15 +119,10 @@ class BatchSpec:
         )
 
     def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
-        """Checks a batch against the spec.
-
-        Returns:
-            The batch as numpy arrays, or None for a smaller last batch that
-            has the right layout (the caller decides whether to drop it).
+        """The batch as numpy arrays, or None for a smaller last batch of the right layout.
 
         Raises:
-            BatchError: a key missing or added, another dtype, rank or example
-                shape, or a larger batch.
+            BatchError: another key, dtype, rank or example shape, or a larger batch.
         """
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}{_pairs(batch)}")
@@ -191,15 +182,10 @@ class BatchSpec:
 class ArrayLoader:
     """Batches from arrays in memory, reshuffled each epoch from ``(seed, epoch)``.
 
-    Pass it to :meth:`Trainer.fit`; the Trainer calls it with the epoch index, so
-    every epoch's order is reproducible. On several JAX processes each one
-    takes every ``process_count``-th example of the shuffled order.
+    On several processes each takes every ``process_count``-th example of the shuffled order.
 
     Args:
-        arrays: equal-length arrays by batch key.
         batch_size: examples per batch on this process.
-        shuffle: reshuffle each epoch.
-        seed: the shuffling seed.
         drop_remainder: drop the last, smaller batch.
 
     Examples:
@@ -209,15 +195,8 @@ class ArrayLoader:
         (2, [(4,), (4,)])
     """
 
-    def __init__(
-        self,
-        arrays: Mapping[str, np.ndarray],
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_remainder: bool = True,
-    ):
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_remainder: bool = True):
         lengths = {key: len(a) for key, a in arrays.items()}
         if len(set(lengths.values())) != 1:
             raise BatchError(f"arrays have different lengths: {lengths}")
@@ -231,8 +210,7 @@ class ArrayLoader:
         self._count = next(iter(lengths.values()))
 
     def _mine(self) -> int:
-        """Examples this process takes: an equal share when dropping the
-        remainder, else every ``process_count``-th one, so none is left out."""
+        """Examples this process takes: an equal share when dropping the remainder, else none left out."""
         processes, index = jax.process_count(), jax.process_index()
         if self.drop_remainder:
             return self._count // processes
@@ -243,8 +221,7 @@ class ArrayLoader:
         return whole if self.drop_remainder or not part else whole + 1
 
     def __call__(self, epoch: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        """The batches of ``epoch``, from batch ``start`` on (a resumed run skips
-        the ones it already took without making them)."""
+        """The batches of ``epoch``, from batch ``start`` on (without making the ones before)."""
         order = (
             np.random.default_rng([self.seed, epoch]).permutation(self._count)
             if self.shuffle else np.arange(self._count)

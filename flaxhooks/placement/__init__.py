@@ -1,39 +1,31 @@
-"""Where arrays live: the devices, the mesh, and the rules that place the
-state on it (replicated, FSDP, logical axis rules).
+"""Where arrays live: the devices, the mesh, and the rules that place the state on it.
 
-``__all__`` is what users write; the other names here are the layers' own
-interface and may change in any release.
+``__all__`` is what users write; the other names may change in any release.
 """
 
 from flaxhooks.placement._devices import InFlight as InFlight  # for step and eval, not in __all__
 from flaxhooks.placement._devices import (
-    cpu_pool_size,
-    cpu_threads_needed,
-    device0_copy,
-    first_replica,
-    host_scalars,
-    unreplicate,
-    use_cpu_devices,
+                                          cpu_pool_size,
+                                          cpu_threads_needed,
+                                          device0_copy,
+                                          first_replica,
+                                          host_scalars,
+                                          unreplicate,
+                                          use_cpu_devices,
 )
 from flaxhooks.placement._mesh import (
-    DATA_AXIS,
-    FSDP,
-    Annotation,
-    AxisRules,
-    Placement,
-    Replicated,
-    ShardingError,
-    ShardRule,
-    default_mesh,
-    spec_text,
+                                          DATA_AXIS,
+                                          FSDP,
+                                          Annotation,
+                                          AxisRules,
+                                          Placement,
+                                          Replicated,
+                                          ShardingError,
+                                          ShardRule,
+                                          default_mesh,
+                                          spec_text,
 )
 
 __all__ = [
-    "AxisRules",
-    "FSDP",
-    "Replicated",
-    "ShardRule",
-    "ShardingError",
-    "device0_copy",
-    "use_cpu_devices",
+    "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "device0_copy", "use_cpu_devices"
 ]
