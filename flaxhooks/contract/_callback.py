@@ -105,8 +105,7 @@ def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:
             hint = f" Did you mean on_{close[0]}?" if close else ""
             raise ValueError(
                 f"{type(callback).__name__}.{attr} does not name an event.{hint} "
-                f"Events: {', '.join(EVENTS)}."
-            )
+                f"Events: {', '.join(EVENTS)}.")
         handler = getattr(callback, attr)
         if not callable(handler):
             raise TypeError(f"{type(callback).__name__}.{attr} is not callable")

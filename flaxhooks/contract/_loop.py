@@ -30,9 +30,7 @@ EMITTABLE: dict[Event, type] = {
 
 @dataclasses.dataclass(eq=False)
 class LoopRecord:
-    """What the loop knows, written only by the code that runs the loop (the
-    Trainer, its fit, the step runner, the bus, the stop protocol): each
-    handler reads it through :class:`Loop`, whose fields are read-only."""
+    """What the loop knows, written only by the code that runs the loop; handlers read :class:`Loop`."""
 
     state: TrainState | None = None
     step: int = 0
@@ -62,8 +60,7 @@ class LoopRecord:
     spec: BatchSpec | None = None
     writers: Writers = dataclasses.field(default_factory=Writers)
     clock: FitClock | None = None
-    #: The handler running now (requests are recorded as its), and what the
-    #: handlers of the event being emitted asked to run after all of them.
+    #: The handler running now, and what the event's handlers asked to run after all of them.
     handling: Any = None
     after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list)
     requests: collections.deque[Request] = dataclasses.field(
@@ -72,21 +69,13 @@ class LoopRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request a handler made of the loop, as the loop recorded it.
+    """One request a handler made of the loop, as the loop recorded it."""
 
-    Attributes:
-        kind: ``"stop"``, ``"evaluate"``, ``"emit"``, ``"mark_diverged"`` or ``"replace_state"``.
-        step: the step it was made at.
-        event: the event being handled.
-        by: the callback that made it (None: the loop's own code).
-        detail: the reason, the event emitted, the evaluation's name.
-    """
-
-    kind: str
+    kind: str  # "stop", "evaluate", "emit", "mark_diverged" or "replace_state"
     step: int
-    event: str
-    by: Any
-    detail: str = ""
+    event: str  # the event being handled
+    by: Any  # the callback that made it (None: the loop's own code)
+    detail: str = ""  # the reason, the event emitted, the evaluation's name
 
 
 class _Fact(property, Generic[_T]):
@@ -104,11 +93,9 @@ class _Fact(property, Generic[_T]):
 
 
 class Loop:
-    """What every handler receives: read-only facts about training, and the
-    requests a callback may make of the loop (each checked, and recorded in
-    :attr:`requests`). Device values (``state``, ``metrics``, ``batch``) stay
-    on the devices; reading them on the host waits for the step that makes
-    them, so a callback reads them only when it is due.
+    """What every handler receives: read-only facts about training, and requests it may make.
+
+    Device values (``state``, ``metrics``, ``batch``) stay on the devices: read them only when due.
 
     Examples:
         >>> import flaxhooks
@@ -162,7 +149,7 @@ class Loop:
     clock = _Fact[FitClock | None]("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); "
                                    "None outside fit.")
 
-    # Set once in __init__ (through object.__setattr__, as facts are read-only).
+    # Set once in __init__, through object.__setattr__.
     _record: LoopRecord
     _bus: Any
     _evaluate: Callable[..., EvalResult] | None
@@ -220,10 +207,7 @@ class Loop:
         return tuple(self._record.requests)
 
     def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats.
-
-        Waits for the step; callbacks due at the same step share one transfer.
-        """
+        """The latest step's metrics as Python floats (waits; callbacks of one step share the transfer)."""
         record = self._record
         if record.metrics is None:
             return {}
@@ -234,9 +218,7 @@ class Loop:
     # Requests.
 
     def stop(self, reason: str = "stopped by a callback") -> None:
-        """Asks the loop to stop after the current event (on several processes,
-        at the step every process agrees on); end hooks still run. The first
-        reason given is kept."""
+        """Asks the loop to stop after the current event (end hooks still run); the first reason is kept."""
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"loop.stop needs the reason as a non-empty string, got {reason!r}")
         self._note("stop", reason)
@@ -244,19 +226,14 @@ class Loop:
             self._record.stop_reason = reason
 
     def evaluate(self, data: Any, **options: Any) -> EvalResult | None:
-        """Evaluates the current state on ``data``, emitting ``eval_start`` and
-        ``eval_end``: ``loop.evaluate(data, batch_size=..., metrics=..., name=...)``
-        takes what ``Trainer.evaluate`` takes, and returns its :class:`~flaxhooks.EvalResult`."""
+        """Evaluates the current state on ``data``, taking and returning what ``Trainer.evaluate`` does."""
         if self._evaluate is None:
             raise RuntimeError("loop.evaluate works during fit, where the loop has a state to evaluate")
         self._note("evaluate", str(options.get("name", "eval")))
         return self._evaluate(data, **options)
 
     def emit(self, event: Event | str, payload: Any = None) -> None:
-        """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` to
-        every callback, for a callback that reads losses, evaluates or
-        diagnoses in its own way; the payload is a ``LossRead``, an
-        ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
+        """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` with its payload."""
         try:
             emitted: Event | None = Event(event)
         except ValueError:
@@ -269,15 +246,12 @@ class Loop:
             raise TypeError(f"{emitted.value} takes a {expected}, got {type(payload).__name__}")
         if self._bus is None:
             raise RuntimeError("this Loop is not attached to a Trainer's callbacks: nobody to emit to")
-        if emitted is not Event.LOSS_READ:  # a reading a step is a fact passed on, not a request:
-            self._note("emit", emitted.value)  # logged, it would push the requests out of the log
+        if emitted is not Event.LOSS_READ:  # a reading is a fact passed on: it would flood the log
+            self._note("emit", emitted.value)
         self._bus.emit(emitted, self, payload)
 
     def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:
-        """Runs ``then(loop)`` once every handler of the current event has run,
-        whatever their order (a checkpoint saves after the epoch's evaluation).
-        It does not run if one of them fails; an error in it is ``callback``'s.
-        """
+        """Runs ``then(loop)`` once every handler of the current event has run (not if one fails)."""
         if not callable(then):
             raise TypeError(f"loop.after needs a callable, got {then!r}")
         self._record.after.append((callback, then))
@@ -289,12 +263,9 @@ class Loop:
         self._record.published[topic] = value
 
     def mark_diverged(self, step: int, reason: str, *, details: str | None = None) -> None:
-        """Says training diverged at ``step`` (its loss or a watched value went
-        non-finite) and stops it: no state is evaluated or saved after it, and
-        ``fit`` raises ``NonFiniteError``. The first step marked is kept.
+        """Says training diverged at ``step`` and stops it; ``fit`` raises ``NonFiniteError``.
 
         Args:
-            step: the first non-finite step.
             reason: why training stops, in a few words (the progress summary says it).
             details: the full account ``NonFiniteError`` carries (default: ``reason``).
         """
@@ -307,9 +278,7 @@ class Loop:
         self.stop(reason)
 
     def replace_state(self, state: TrainState) -> None:
-        """Hands the next step ``state`` instead of the current one (weights
-        averaged, an optimizer state reset). It must match the current state
-        leaf for leaf: structure, shapes, dtypes and shardings."""
+        """Hands the next step ``state``, which must match the current one leaf for leaf (and sharding)."""
         record = self._record
         if record.state is not None:
             _check_like(state, record.state)
@@ -317,9 +286,7 @@ class Loop:
         record.state = state
 
     def replay(self, batch: Any, contributors: Any) -> tuple[Any, ...]:
-        """Runs the step from ``loop.state`` on ``batch`` (a device batch kept
-        from an earlier step) with ``contributors`` due, and returns their
-        results; the loop's state is left as it is (the guard names a NaN's layer so)."""
+        """Runs the step from ``loop.state`` on ``batch`` with ``contributors`` due; returns their results."""
         if self._replay is None:
             raise RuntimeError("loop.replay works during fit")
         return self._replay(batch, contributors)

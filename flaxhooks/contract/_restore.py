@@ -52,8 +52,7 @@ def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:
     if len(restorers) != 1:
         raise ValueError(
             f"resume=True needs exactly one Checkpoint callback (or other Restorer) to read from; this "
-            f"Trainer has {len(restorers)}"
-        )
+            f"Trainer has {len(restorers)}")
     restored = restorers[0].restore_latest()
     if restored is None:
         _log.info("nothing to resume from yet: starting afresh")

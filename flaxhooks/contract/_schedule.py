@@ -57,8 +57,7 @@ def refuse_time_on_several_processes(every: Every | None, owner: object, action:
     if jax.process_count() > 1 and every is not None and every.seconds is not None:
         raise ValueError(
             f"{owner!r} is due by time, which differs between processes; every process must {action} "
-            "at the same steps: use Every(steps=N)"
-        )
+            "at the same steps: use Every(steps=N)")
 
 
 def as_every(every: Every | int) -> Every:

@@ -53,8 +53,7 @@ def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np
         if array.shape[0] != size:
             raise BatchError(
                 f"batch key {key!r} has {array.shape[0]} examples (shape {array.shape}) but "
-                f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
-            )
+                f"{first_key!r} has {size} (shape {arrays[first_key].shape})")
     return arrays, size
 
 
@@ -107,16 +106,14 @@ class BatchSpec:
             raise BatchError(
                 f"a batch of {size} examples (key {first_key!r}, shape {arrays[first_key].shape}) "
                 f"does not divide over {num_devices} devices: use a batch size that is a "
-                f"positive multiple of {num_devices}"
-            )
+                f"positive multiple of {num_devices}")
         fields = {key: (a.dtype, a.shape[1:]) for key, a in arrays.items()}
         return cls(size, num_devices, fields, processes)
 
     def describe(self) -> str:
         """The layout as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
         return ", ".join(
-            f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items()
-        )
+            f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items())
 
     def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
         """The batch as numpy arrays, or None for a smaller last batch of the right layout.
@@ -131,8 +128,7 @@ class BatchSpec:
             extra = sorted(batch.keys() - self.fields.keys())
             raise BatchError(
                 f"batch keys changed: missing {missing}, unexpected {extra} "
-                f"(the first batch had {sorted(self.fields)})"
-            )
+                f"(the first batch had {sorted(self.fields)})")
         arrays = {}
         sizes = set()
         for key, (dtype, example_shape) in self.fields.items():
@@ -141,20 +137,17 @@ class BatchSpec:
             if array.dtype != dtype:
                 raise BatchError(
                     f"batch key {key!r} has dtype {array.dtype}, expected {dtype} as in the "
-                    f"first batch (a new dtype would recompile the train step)"
-                )
+                    f"first batch (a new dtype would recompile the train step)")
             if array.ndim != len(expected) or array.shape[1:] != example_shape:
                 raise BatchError(
                     f"batch key {key!r} has shape {array.shape} (rank {array.ndim}), "
-                    f"expected {expected} (rank {len(expected)})"
-                )
+                    f"expected {expected} (rank {len(expected)})")
             sizes.add(array.shape[0])
             arrays[key] = array
         if len(sizes) > 1 or max(sizes) > self.batch_size:
             raise BatchError(
                 f"batch sizes {sorted(sizes)} do not match the first batch's {self.batch_size} "
-                f"(over {self.num_devices} devices)"
-            )
+                f"(over {self.num_devices} devices)")
         return arrays if sizes == {self.batch_size} else None
 
     def per_device(self) -> dict[str, jax.ShapeDtypeStruct]:

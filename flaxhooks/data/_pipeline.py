@@ -120,13 +120,11 @@ class DevicePrefetch:
         if self.ragged == "error":
             raise BatchError(
                 f"a batch of {size} examples; the train step takes {spec.batch_size} "
-                f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)"
-            )
+                f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)")
         if not self.dropped:
             _log.warning(
                 "dropping a batch of %d examples: the train step takes %d (warned once)",
-                size, spec.batch_size,
-            )
+                size, spec.batch_size)
         self.dropped += 1
 
 

@@ -5,25 +5,25 @@
 
 from flaxhooks.placement._devices import InFlight as InFlight  # for step and eval, not in __all__
 from flaxhooks.placement._devices import (
-                                          cpu_pool_size,
-                                          cpu_threads_needed,
-                                          device0_copy,
-                                          first_replica,
-                                          host_scalars,
-                                          unreplicate,
-                                          use_cpu_devices,
+    cpu_pool_size,
+    cpu_threads_needed,
+    device0_copy,
+    first_replica,
+    host_scalars,
+    unreplicate,
+    use_cpu_devices,
 )
 from flaxhooks.placement._mesh import (
-                                          DATA_AXIS,
-                                          FSDP,
-                                          Annotation,
-                                          AxisRules,
-                                          Placement,
-                                          Replicated,
-                                          ShardingError,
-                                          ShardRule,
-                                          default_mesh,
-                                          spec_text,
+    DATA_AXIS,
+    FSDP,
+    Annotation,
+    AxisRules,
+    Placement,
+    Replicated,
+    ShardingError,
+    ShardRule,
+    default_mesh,
+    spec_text,
 )
 
 __all__ = [

@@ -89,8 +89,7 @@ def _local_copy(x: Any) -> Any:
     if not x.is_fully_replicated:
         raise ValueError(
             f"an array of shape {x.shape} is split over devices ({x.sharding}); only replicated values "
-            "have a whole copy on each device"
-        )
+            "have a whole copy on each device")
     return x.addressable_data(0)  # a tenth of the cost of x.addressable_shards[0].data
 
 

@@ -95,8 +95,7 @@ class FSDP:
         if self.axis not in mesh.shape:
             raise ShardingError(
                 f"FSDP shards over mesh axis {self.axis!r}, which the mesh lacks (its axes: "
-                f"{dict(mesh.shape)}): name one of them, e.g. FSDP({next(iter(mesh.shape))!r})"
-            )
+                f"{dict(mesh.shape)}): name one of them, e.g. FSDP({next(iter(mesh.shape))!r})")
 
 
 def default_mesh(devices: Sequence[jax.Device] | None = None, axis: str = DATA_AXIS) -> Mesh:
@@ -193,14 +192,12 @@ class Placement:
         if devices and jax.process_count() > 1:
             raise ShardingError(
                 f"devices= picks local devices, but this run has {jax.process_count()} processes: every "
-                "compiled step spans every device of every process, so leave devices out"
-            )
+                "compiled step spans every device of every process, so leave devices out")
         mesh = mesh if mesh is not None else default_mesh(devices, data_axis)
         if data_axis not in mesh.shape:
             raise ShardingError(
                 f"the batch is split over mesh axis {data_axis!r}, which the mesh lacks (its axes: "
-                f"{dict(mesh.shape)}): name the data axis with Trainer(data_axis=...)"
-            )
+                f"{dict(mesh.shape)}): name the data axis with Trainer(data_axis=...)")
         rule.check(mesh)
         rules = tuple((str(name), target) for name, target in (axis_rules or ()))
         for name, target in rules:
@@ -208,14 +205,12 @@ class Placement:
                 if axis not in mesh.shape:
                     raise ShardingError(
                         f"axis_rules maps logical axis {name!r} to mesh axis {axis!r}, which the mesh "
-                        f"lacks (its axes: {dict(mesh.shape)})"
-                    )
+                        f"lacks (its axes: {dict(mesh.shape)})")
         local = {d.id for d in jax.local_devices()}
         if not any(d.id in local for d in mesh.devices.flat):
             raise ShardingError(
                 f"the mesh's devices {[d.id for d in mesh.devices.flat]} are none of this process's "
-                f"{sorted(local)}: build the mesh from jax.devices()"
-            )
+                f"{sorted(local)}: build the mesh from jax.devices()")
         if jax.process_count() > 1 and {d.process_index for d in mesh.devices.flat} != set(
                 range(jax.process_count())):
             raise ShardingError("on several processes the mesh must span every process's devices")
@@ -281,8 +276,7 @@ class Placement:
         if len(names) > len(shape):
             raise ShardingError(
                 f"{where} of shape {shape} is annotated with {len(names)} axes {names}, more than its "
-                f"{len(shape)} dimensions"
-            )
+                f"{len(shape)} dimensions")
         twice = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if twice:
             raise ShardingError(f"{where} of shape {shape} names axis {twice[0]!r} more than once: {names}")
@@ -303,8 +297,7 @@ class Placement:
                 raise ShardingError(
                     f"{where} of shape {shape} names axis {name!r}, which is neither a mesh axis "
                     f"({list(self.mesh.shape)}) nor a logical axis of the rules ({known}): pass "
-                    "Trainer(axis_rules=[(name, mesh axis or None), ...])"
-                )
+                    "Trainer(axis_rules=[(name, mesh axis or None), ...])")
         used: list[str] = []
         for dim, (size, name, parts) in enumerate(zip(shape, names, axes, strict=False)):
             assert parts is not None  # the loop above gave every named dimension its mesh axes
@@ -312,8 +305,7 @@ class Placement:
                 if part not in self.mesh.shape:
                     raise ShardingError(
                         f"{where} of shape {shape}: axis {name!r} maps to mesh axis {part!r}, which the mesh "
-                        f"lacks (its axes: {dict(self.mesh.shape)})"
-                    )
+                        f"lacks (its axes: {dict(self.mesh.shape)})")
                 if part in used:
                     raise ShardingError(
                         f"{where} of shape {shape} splits two dimensions over mesh axis {part!r}")
@@ -322,8 +314,7 @@ class Placement:
             if size % ways:
                 raise ShardingError(
                     f"{where} of shape {shape}: dimension {dim} of size {size} ({name!r} -> mesh "
-                    f"{parts if len(parts) != 1 else parts[0]!r}) does not divide over {ways} devices"
-                )
+                    f"{parts if len(parts) != 1 else parts[0]!r}) does not divide over {ways} devices")
         spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in axes),
                              *[None] * (len(shape) - len(names)))
         split = ambiguous_split(spec, len(names), self.mesh)
@@ -335,8 +326,7 @@ class Placement:
                 f"dimensions and the rest stay whole, which splits dimension {split} (size {shape[split]}) "
                 f"as {_spec_text(spec)}. Names written for a flattened kernel (flax's DenseGeneral, "
                 "MultiHeadDotProductAttention) may have meant another dimension: name all "
-                f"{len(shape)} to say which", UserWarning, stacklevel=2,
-            )
+                f"{len(shape)} to say which", UserWarning, stacklevel=2)
         return spec
 
     def state_shardings(self, state: Any, annotated: Mapping[str, Any] | None = None) -> Any:
@@ -387,8 +377,7 @@ class Placement:
             step=self.replicated, rng=self.replicated,
             params=jax.tree_util.tree_map_with_path(of_params, state.params),
             model_state={c: of_carried(c) for c in state.model_state},
-            opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state),
-        )
+            opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state))
 
     def replicated_constant(self, make: Any) -> Any:
         """A compiled function making ``make()``'s constants whole on every device.

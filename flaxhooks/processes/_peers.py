@@ -48,8 +48,7 @@ def distributed_client() -> Any:
 
     if not multihost.is_jax_distributed_client_initialized():
         raise RuntimeError(
-            "several JAX processes but no distributed client: call jax.distributed.initialize first"
-        )
+            "several JAX processes but no distributed client: call jax.distributed.initialize first")
     return multihost.get_jax_distributed_client()
 
 
@@ -166,8 +165,7 @@ class Peers:
                     raise PeerTimeout(
                         f"process {self.index} waited {waited:.0f} s for process {process} to reach "
                         f"{what}, and it has not (peer_timeout={self.timeout:g} s: raise it for slower "
-                        "processes)", [process],
-                    )
+                        "processes)", [process])
                 try:
                     raw = wait_posted(self.client, self.key(name, process), min(1.0, self.timeout - waited))
                 except jax.errors.JaxRuntimeError as error:
@@ -184,8 +182,7 @@ class Peers:
                     noted = now
                     _log.warning(
                         "process %d is waiting for process %d to reach %s (%.0f s so far, peer_timeout=%g s)",
-                        self.index, process, what, now - start, self.timeout,
-                    )
+                        self.index, process, what, now - start, self.timeout)
         return values
 
     def check(self, process: int, what: str) -> None:
@@ -261,15 +258,13 @@ def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where
     """The error that names the processes that left the run or were lost, or None."""
     if left:
         each = "; ".join(
-            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items()
-        )
+            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items())
         return ProcessError(f"{each}, {where}", list(left), step)
     if lost:
         return PeerLost(
             f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost {where}: no "
             f"heartbeat for {LOST_AFTER_SECONDS:g} s (killed, crashed, or its host went down), so "
-            "training cannot go on", list(lost), step,
-        )
+            "training cannot go on", list(lost), step)
     return None
 
 

@@ -221,8 +221,7 @@ class AgreedStops(LocalStops):
         if error is None and failed:
             raise ProcessError(
                 "fit failed on " + "; ".join(f"process {i}: {e}" for i, e in failed),
-                [i for i, _ in failed], loop.step,
-            )
+                [i for i, _ in failed], loop.step)
 
     # -- the main thread's checks --------------------------------------------
 
@@ -305,8 +304,7 @@ class AgreedStops(LocalStops):
         return PeerLost(
             f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {step} (killed, crashed, or "
             f"its host went down), so training cannot go on. The collective that noticed failed with "
-            f"{describe(runtime)}", lost, step,
-        )
+            f"{describe(runtime)}", lost, step)
 
     def defer(self, loop: Loop, error: Exception) -> None:
         """An error in the loop: kept, to be raised on every process (as a
@@ -357,8 +355,7 @@ class AgreedStops(LocalStops):
             self._request(self._word(loop, ran_out=True))
         if loop.step < self._settle(current):
             self.fault = self.fault or RuntimeError(
-                f"its data ran out at step {loop.step}, before the other processes'"
-            )
+                f"its data ran out at step {loop.step}, before the other processes'")
             return False
         return not self._conclude(loop, current, ran_out=True)
 
@@ -456,8 +453,7 @@ class AgreedStops(LocalStops):
         word = self._word(loop, ran_out=ran_out)
         self.peers.post(f"round-{current.number}/final", {**word, "step": loop.step})
         finals = self.peers.gather(
-            f"round-{current.number}/final", f"the agreed stop at step {current.target}"
-        )
+            f"round-{current.number}/final", f"the agreed stop at step {current.target}")
         if {f["kind"] for f in finals} == {"data_end"} and len({f["step"] for f in finals}) == 1:
             with self._lock:
                 self._round = _Round(current.number + 1)
@@ -482,8 +478,7 @@ class AgreedStops(LocalStops):
         if self._signal is not None and loop.interrupted is None:
             _log.warning(
                 "%s on another process: every process stops at step %d",
-                signal.Signals(self._signal).name, loop.step,
-            )
+                signal.Signals(self._signal).name, loop.step)
         record = record_of(loop)
         record.interrupted = self._signal
         if reasons:
@@ -587,8 +582,7 @@ def _agreed_failure(
         return None
     each = "; ".join(f"process {i}: {e}" for i, e in errors)
     return ProcessError(
-        f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step
-    )
+        f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step)
 
 
 #: The last id this process asked JAX's preemption sync point about. Every

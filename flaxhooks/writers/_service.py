@@ -226,10 +226,7 @@ class Writers:
         Device arrays are copied first (a later step's donation cannot delete
         them); a function is called off the training thread.
         """
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.scalars(values, step, prefix, run)
+        self._to_each("scalars", values, step, prefix, run)
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
         """Writes one step's scalars (never donated: neither copied nor read here); cheap every step."""
@@ -238,10 +235,7 @@ class Writers:
 
     def run_scalars(self, values: RunValues, step: int) -> None:
         """Writes ``{run: {tag: value}}`` (or a function returning it): one line per run on a tag's chart."""
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.run_scalars(values, step)
+        self._to_each("run_scalars", values, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
@@ -256,17 +250,18 @@ class Writers:
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
         """Writes histograms already binned (or a function returning them)."""
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.histograms(values, step)
+        self._to_each("histograms", values, step)
 
     def images(self, values: Images, step: int) -> None:
         """Writes images (or a function returning them, called off the training thread)."""
+        self._to_each("images", values, step)
+
+    def _to_each(self, method: str, values: Any, *args: Any) -> None:
+        """Calls ``method`` of every writer; a function of values is called once."""
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
-                writer.images(values, step)
+                getattr(writer, method)(values, *args)
 
     def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
         """Writes the histogram of ``values``' finite entries (read off the training thread)."""
