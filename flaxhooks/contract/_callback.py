@@ -30,13 +30,7 @@ class StopTraining(Exception):
 
 
 class CallbackError(RuntimeError):
-    """A callback raised while handling an event.
-
-    Attributes:
-        callback: the callback that raised.
-        event: the event it was handling.
-        step: the loop's step count at the time.
-    """
+    """A callback raised while handling an event (``callback``, ``event`` and ``step`` say where)."""
 
     def __init__(self, callback: Callback, event: str, step: int, error: BaseException):
         self.callback, self.event, self.step = callback, event, step

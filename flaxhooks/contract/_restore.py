@@ -39,7 +39,7 @@ class Restorer(Protocol):
     """A callback that can resume a run (``Checkpoint``)."""
 
     def restore_latest(self) -> SavedRun | None:
-        """The newest save that reads back and verifies; None if there is none."""
+        """The newest save that reads back and verifies, or None."""
 
 
 def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:

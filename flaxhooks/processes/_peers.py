@@ -144,7 +144,6 @@ class Peers:
         return f"{self.prefix}/{name}/{self.index if process is None else process}"
 
     def post(self, name: str, value: Mapping[str, Any]) -> None:
-        """Posts this process's ``value`` under ``name``."""
         self.client.key_value_set(self.key(name), json.dumps(value), allow_overwrite=True)
 
     def gather(self, name: str, what: str) -> list[dict[str, Any]]:
@@ -200,15 +199,10 @@ class Peers:
             pass
 
     def rung(self, name: str, timeout: float) -> bool:
-        """Whether ``name`` was rung, waiting up to ``timeout`` seconds for it.
-
-        Raises:
-            jax.errors.JaxRuntimeError: the coordination service cannot be reached.
-        """
+        """Whether ``name`` was rung within ``timeout`` seconds (raises JaxRuntimeError if unreachable)."""
         return wait_posted(self.client, f"{self.prefix}/{name}", timeout) is not None
 
     def beat(self, count: int) -> None:
-        """Posts this process's heartbeat number ``count``."""
         self.client.key_value_set(self.key("alive"), str(count), allow_overwrite=True)
 
     def leave(self, step: int, error: BaseException) -> None:

@@ -15,11 +15,7 @@ class LogdirError(OSError):
 
 def check_writable(directory: str | os.PathLike[str], what: str = "TensorBoard logs",
                    error_type: type[Exception] = LogdirError) -> None:
-    """Creates ``directory`` and writes a probe file in it.
-
-    Raises:
-        error_type: naming what was to be written there, the directory and the reason.
-    """
+    """Creates ``directory`` and writes a probe file in it; raises ``error_type`` saying why it cannot."""
     try:
         os.makedirs(directory, exist_ok=True)
         probe = os.path.join(directory, f".flaxhooks-probe-{uuid.uuid4().hex}")
