@@ -71,7 +71,7 @@ class Rate:
     """Steps per second between one reading and the next (``clock``: for tests).
 
     Examples:
-        >>> from flaxhooks.core import Rate
+        >>> from flaxhooks.contract import Rate
         >>> ticks = iter([0.0, 2.0])
         >>> rate = Rate(clock=lambda: next(ticks))
         >>> rate.start(step=10)

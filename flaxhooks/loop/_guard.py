@@ -105,7 +105,7 @@ class NonFiniteGuard(Callback):
         replay: replay the failing step to name the call (``"stop"`` only).
 
     Examples:
-        >>> from flaxhooks.core import NonFiniteGuard
+        >>> from flaxhooks.loop import NonFiniteGuard
         >>> NonFiniteGuard("warn").freezes_on_nonfinite
         False
     """
