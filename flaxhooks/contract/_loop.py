@@ -7,7 +7,7 @@ import dataclasses
 import operator
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, overload
 
 import jax
 
@@ -90,6 +90,7 @@ class _Fact(property, Generic[_T]):
         @overload
         def __get__(self, loop: Loop, owner: type | None = None) -> _T: ...
         def __get__(self, loop: Loop | None, owner: type | None = None) -> _Fact[_T] | _T: ...
+        def __set__(self, loop: Loop, value: NoReturn) -> None: ...  # read-only: a callback asks instead
 
 
 class Loop:
