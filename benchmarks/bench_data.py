@@ -80,9 +80,9 @@ class DataWait(flaxhooks.Callback):
         self._start = loop.clock.read()
 
     def on_fit_end(self, loop: flaxhooks.Loop) -> None:
-        window = loop.clock.window(self._start)
-        if window is not None:
-            self.shares.append(window.data_wait)
+        interval = loop.clock.interval(self._start)
+        if interval is not None:
+            self.shares.append(interval.data_wait)
 
 
 def loaders(examples: int, batch_size: int) -> dict[str, Any]:

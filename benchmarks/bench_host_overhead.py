@@ -611,10 +611,10 @@ def profile(args: argparse.Namespace, make: Callable[..., Any], fit: Callable[..
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(25)
+        profile = pstats.Stats(profiler, stream=text)
+        profile.sort_stats("tottime").print_stats(25)
         # The whole fit's: its first steps (the progress bar starting, ...) count here too.
-        stats.sort_stats("cumulative").print_stats(r"on_step_|_bus\.py|_runner\.py", 20)
+        profile.sort_stats("cumulative").print_stats(r"on_step_|_bus\.py|_runner\.py", 20)
         found["cprofile"] = "\n".join(line for line in text.getvalue().splitlines()
                                       if line.strip() and not line.startswith(("   Ordered", "   List")))
     return found

@@ -232,20 +232,20 @@ def parse_mesh(text: str, device_count: int) -> dict[str, int]:
             raise MeshError(f"axis {name!r} has size {size!r}, not a whole number") from None
         if sizes[name] < 1:
             raise MeshError(f"axis {name!r} has size {sizes[name]}: sizes must be positive")
-    layout = {name: sizes.get(name, 1) for name in MESH_AXES}
-    total = math.prod(layout.values())
+    mesh_sizes = {name: sizes.get(name, 1) for name in MESH_AXES}
+    total = math.prod(mesh_sizes.values())
     if total != device_count:
         raise MeshError(f"the sizes multiply to {total}, not to the device count, {device_count}")
-    return layout
+    return mesh_sizes
 
 
-def mesh_of(layout: Mapping[str, int]) -> Any:
-    """The device mesh of ``layout`` (from :func:`parse_mesh`), its axes
+def mesh_of(sizes: Mapping[str, int]) -> Any:
+    """The device mesh of ``sizes`` (from :func:`parse_mesh`), its axes
     automatic: XLA propagates the shardings."""
     import jax
 
-    return jax.make_mesh(tuple(layout.values()), tuple(layout),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(layout))
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
 
 
 def counted(count: int, noun: str) -> str:

@@ -113,15 +113,15 @@ class OptionError(ValueError):
     """Settings that cannot run together; the message names the option to change."""
 
 
-def sharding_arguments(config: Config, mesh_layout: dict[str, int]) -> dict[str, Any]:
-    """The Trainer's ``mesh=``, ``shard=`` and ``axis_rules=`` for ``mesh_layout``."""
+def sharding_arguments(config: Config, mesh_sizes: dict[str, int]) -> dict[str, Any]:
+    """The Trainer's ``mesh=``, ``shard=`` and ``axis_rules=`` for ``mesh_sizes``."""
     import flaxhooks
     from recipes.transformer import AXIS_RULES
 
-    mesh = _common.mesh_of(mesh_layout)
+    mesh = _common.mesh_of(mesh_sizes)
     shard = flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated()
     # Rules to an axis this mesh lacks keep those dimensions whole.
-    rules = tuple((name, axis if axis in mesh_layout else None) for name, axis in AXIS_RULES)
+    rules = tuple((name, axis if axis in mesh_sizes else None) for name, axis in AXIS_RULES)
     return {"mesh": mesh, "shard": shard, "axis_rules": rules}
 
 
@@ -161,11 +161,11 @@ def check_options(config: Config, device_count: int) -> dict[str, int]:
         raise OptionError(
             f"--digits {config.digits} makes {sums} distinct sums, fewer than --train-examples "
             f"{config.train_examples} and --eval-examples {config.eval_examples} together")
-    mesh_layout = parse_mesh(config.mesh or f"data={device_count}", device_count)
-    if config.heads % mesh_layout["model"]:
-        raise OptionError(f"--heads {config.heads} does not split over the {mesh_layout['model']} devices "
+    mesh_sizes = parse_mesh(config.mesh or f"data={device_count}", device_count)
+    if config.heads % mesh_sizes["model"]:
+        raise OptionError(f"--heads {config.heads} does not split over the {mesh_sizes['model']} devices "
                           "of the mesh's model axis")
-    return mesh_layout
+    return mesh_sizes
 
 
 def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
@@ -199,7 +199,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     from recipes import addition_data
     from recipes.transformer import Transformer, batch_loss, example_loss
 
-    mesh_layout = check_options(config, jax.device_count())
+    mesh_sizes = check_options(config, jax.device_count())
     sums = addition_data.make_sums(config.digits, config.train_examples, config.eval_examples, config.seed)
     Path(workdir).mkdir(parents=True, exist_ok=True)
     logdir = str(Path(workdir) / "tensorboard")
@@ -230,7 +230,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     if config.diagnose_every:  # its report (findings.md, heatmaps) beside the TensorBoard logs
         report = Path(workdir) / "diagnose"
         callbacks.append(flaxhooks.Diagnose(every=config.diagnose_every, report_dir=report))
-    sharding = sharding_arguments(config, mesh_layout)
+    sharding = sharding_arguments(config, mesh_sizes)
     trainer = flaxhooks.Trainer(
         flaxhooks.as_model(model, input_keys=("tokens",)),
         optimizer,
@@ -242,8 +242,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         callbacks=callbacks,
         **sharding,
     )
-    layout = ",".join(f"{name}={size}" for name, size in mesh_layout.items())
-    placement = f"mesh {layout}{', FSDP over data' if config.fsdp else ''}"
+    axes = ",".join(f"{name}={size}" for name, size in mesh_sizes.items())
+    placement = f"mesh {axes}{', FSDP over data' if config.fsdp else ''}"
 
     counted = _common.counted
     lines += [

@@ -229,14 +229,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
             flaxhooks.ActivationGradStats(every=config.stats_every, histograms=config.histograms),
             flaxhooks.ParamStats(every=config.stats_every),
         ]
-    layout = _common.parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
+    mesh_sizes = _common.parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
     trainer = flaxhooks.Trainer(
         models[config.api](),
         optax.sgd(config.learning_rate, config.momentum),
         cross_entropy_loss,
         seed=config.seed,
         callbacks=callbacks,
-        mesh=_common.mesh_of(layout),
+        mesh=_common.mesh_of(mesh_sizes),
         shard=flaxhooks.FSDP("data") if config.fsdp else flaxhooks.Replicated(),
     )
     say = print if jax.process_index() == 0 else (lambda *args, **kwargs: None)
@@ -244,7 +244,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
 
     counted = _common.counted
     devices = counted(jax.device_count(), f"{trainer.devices[0].platform.upper()} device")
-    placed = (f", mesh {','.join(f'{k}={v}' for k, v in layout.items())}" if config.mesh else "") + (
+    placed = (f", mesh {','.join(f'{k}={v}' for k, v in mesh_sizes.items())}" if config.mesh else "") + (
         ", FSDP over data" if config.fsdp else "")
     lines += [
         *([data.note] if data.source != "full" else []),

@@ -194,6 +194,14 @@ def test_0_7_import_paths_still_work_until_0_9_with_a_warning_naming_the_new_one
         _ = module.Nonsense
 
 
+def test_0_7_names_renamed_in_0_8_still_work_until_0_9_with_a_warning_naming_the_new_one():
+    from flaxhooks import data
+
+    with pytest.warns(DeprecationWarning, match=r"flaxhooks\.data\.check_layout was renamed "
+                                                r"flaxhooks\.data\.check_batch; the old path goes in 0\.9"):
+        assert data.check_layout is data.check_batch
+
+
 def test_the_api_page_lists_every_public_name_and_no_other():
     """docs/api.md: one line per module, ``- `module`: `name`, ...``, as its ``__all__``."""
     import importlib

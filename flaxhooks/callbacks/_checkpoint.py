@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("flaxhooks")
 
-#: The layout written: orbax's items ``state`` (the train state's leaves by
+#: The items written: orbax's ``state`` (the train state's leaves by
 #: index), ``meta`` (JSON: position, callbacks' states, each leaf's path,
 #: shape, dtype and fingerprint) and ``data`` (each process's position).
 FORMAT = 3

@@ -3,7 +3,7 @@ process, read back for the resume.
 
 The checkpoint's ``data`` item holds, per process ``i`` of ``n``:
 ``position_<i>-of-<n>.json`` (epoch, batch, fingerprint) and, for a loader
-with a state of its own, ``process_<i>-of-<n>.json``: grain's layout, what
+with a state of its own, ``process_<i>-of-<n>.json``: grain's own file, what
 ``grain.checkpoint.CheckpointHandler`` reads for that process. Each process
 writes its own files inside orbax's save, so nothing passes between
 processes; the files commit with the train state, after the TensorBoard logs

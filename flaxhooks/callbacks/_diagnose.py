@@ -364,7 +364,7 @@ class Diagnose(InstrumentedCallback):
             self._restored = None
         plan = self._plan
         if plan is not None:  # the set-up traps, on abstract values: nothing compiles
-            # Traced once per model and layout (tracing takes a good part of a second), said each fit.
+            # Traced once per model and batch spec (tracing takes a good part of a second), said each fit.
             key = (id(plan.model), plan.spec.describe(), jax.tree.structure(plan.state))
             if self._setup[0] != key:
                 state, batch = plan.state, plan.spec.global_batch()

@@ -27,7 +27,7 @@ from flaxhooks.callbacks._console import (
     position_text,
     print_line,
 )
-from flaxhooks.contract import Callback, Every, Reading, Window, as_every
+from flaxhooks.contract import Callback, Every, Interval, Reading, as_every
 from flaxhooks.placement import host_scalars
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Progress(Callback):
 
     Args:
         refresh_per_second: how often the bar is refreshed, at most.
-        every: when to print a plain line and end a window of the time
+        every: when to print a plain line and end an interval of the time
             figures (default every 10 seconds, on ``clock``).
         quiet: print only the summary line at the end of each fit.
         console: the rich console to draw on (default: a new one on stdout);
@@ -91,9 +91,9 @@ class Progress(Callback):
         self._metrics_step: int | None = None
         self._eval = ""
         self._findings: set[str] = set()  # the kinds said this fit (a caveat on eval lines)
-        self._timed: Reading | None = None  # the loop's clock where the current window started
+        self._timed: Reading | None = None  # the loop's clock where the current interval started
         self._timed_start: Reading | None = None  # and at fit_start
-        self._window: Window | None = None  # the last complete window
+        self._interval: Interval | None = None  # the last complete interval
 
     def __repr__(self) -> str:
         quiet = ", quiet=True" if self.quiet else ""
@@ -109,7 +109,7 @@ class Progress(Callback):
         self._total = _total(loop)
         self._metrics, self._metrics_step, self._eval = {}, None, ""
         self._timed = self._timed_start = loop.clock.read() if loop.clock is not None else None
-        self._window = None
+        self._interval = None
         self._first_step_pending = True
         if self.quiet:
             return
@@ -131,13 +131,13 @@ class Progress(Callback):
             return
         if self._bar is not None:
             if self.every(loop.step):
-                self._close_window(loop)
+                self._close_interval(loop)
             now = self._clock()
             if now >= self._next_refresh:
                 self._next_refresh = now + 1 / self.refresh_per_second
                 self._refresh_bar(loop)
         elif self.every(loop.step):
-            self._close_window(loop)
+            self._close_interval(loop)
             self._print(self._plain_line(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
@@ -194,7 +194,7 @@ class Progress(Callback):
             self._bar_line, console=self.console, auto_refresh=False, get_time=self._clock)
         self._task = self._bar.add_task(
             self._epoch_text(loop), total=self._total, completed=loop.step, metrics=[], evaluation="",
-            window=None)
+            interval=None)
         self._bar.start()
 
     def _stop_terminal(self) -> None:
@@ -239,9 +239,9 @@ class Progress(Callback):
             _Field(f"ETA {_clock_text(self._eta(int(task.completed)))}", keep=(3, 0),
                    style="progress.remaining"),
         ]
-        window: Window | None = task.fields.get("window")
-        if window is not None:
-            texts = _time_texts(window)
+        interval: Interval | None = task.fields.get("interval")
+        if interval is not None:
+            texts = _time_texts(interval)
             # The data wait stays longest (an input-bound run); FLOP/s goes first (MFU says more).
             keeps = [(2, 1), (3, 1), (0, -1), (1, 1)]
             for text, keep in zip(texts, keeps, strict=False):
@@ -266,21 +266,21 @@ class Progress(Callback):
         self._metrics = host_scalars(metrics)
         self._metrics_step = step
 
-    def _close_window(self, loop: Loop) -> None:
-        """Ends the window of the time figures here (clock reads only)."""
+    def _close_interval(self, loop: Loop) -> None:
+        """Ends the interval of the time figures here (clock reads only)."""
         if loop.clock is None or self._timed is None:
             return
         now = loop.clock.read()
-        window = loop.clock.window(self._timed, now)
-        if window is not None:  # else the window goes on (no step since, or the first one's compilation)
-            self._window, self._timed = window, now
+        interval = loop.clock.interval(self._timed, now)
+        if interval is not None:  # else the interval goes on (no step since, or the first one's compilation)
+            self._interval, self._timed = interval, now
 
     def _refresh_bar(self, loop: Loop) -> None:
         assert self._bar is not None
         self._pull(loop)
         self._bar.update(self._task, completed=loop.step, description=self._epoch_text(loop),
                          metrics=metric_texts(self._metrics), evaluation=self._eval,
-                         window=self._window)
+                         interval=self._interval)
         self._bar.refresh()
 
     def _epoch_text(self, loop: Loop) -> str:
@@ -317,8 +317,8 @@ class Progress(Callback):
             line += f"  {speed:.1f} steps/s"
         if eta is not None:
             line += f"  ETA {_duration(eta)}"
-        if self._window is not None:
-            line += "".join(f"  {text}" for text in _time_texts(self._window))
+        if self._interval is not None:
+            line += "".join(f"  {text}" for text in _time_texts(self._interval))
         return line
 
     def _summary(self, loop: Loop) -> str:
@@ -340,8 +340,8 @@ class Progress(Callback):
         fields = [f"{how} {position_text(ended, self._total, _epoch_at(loop, ended), loop.max_epochs)}",
                   f"({counted(steps, 'step')} in {_duration(self._now() - start)}{rate})"]
         if loop.clock is not None and self._timed_start is not None:
-            window = loop.clock.window(self._timed_start)  # the whole fit, its compilation left out
-            fields += _time_texts(window) if window is not None else []
+            interval = loop.clock.interval(self._timed_start)  # the whole fit, its compilation left out
+            fields += _time_texts(interval) if interval is not None else []
         # After a NaN the latest metrics are those of steps the guard threw away: the reason says the NaN.
         if self._metrics_step is not None and loop.diverged is None:
             texts = metric_texts(self._metrics)
@@ -360,23 +360,23 @@ class Progress(Callback):
 _INPUT_BOUND = "(input-bound)"
 
 
-def _time_texts(window: Window) -> list[str]:
+def _time_texts(interval: Interval) -> list[str]:
     """``['1,234 ex/s', 'data 3%', '41.2 TFLOP/s', 'MFU 38%']``, each where known.
 
     Examples:
-        >>> from flaxhooks.core import Window
-        >>> _time_texts(Window(10.0, 100, 1234.4, 0.62, 0.01, 4.12e13, 0.376))
+        >>> from flaxhooks.contract import Interval
+        >>> _time_texts(Interval(10.0, 100, 1234.4, 0.62, 0.01, 4.12e13, 0.376))
         ['1,234 ex/s', 'data 62% (input-bound)', '41.2 TFLOP/s', 'MFU 38%']
-        >>> _time_texts(Window(10.0, 100, 12.34, 0.004, 0.5))
+        >>> _time_texts(Interval(10.0, 100, 12.34, 0.004, 0.5))
         ['12.3 ex/s', 'data 0%']
     """
-    rate = window.examples_per_sec
+    rate = interval.examples_per_sec
     texts = [f"{rate:,.0f} ex/s" if rate >= 100 else f"{rate:.1f} ex/s",
-             f"data {window.data_wait:.0%}" + (f" {_INPUT_BOUND}" if window.input_bound else "")]
-    if window.flops_per_sec is not None:
-        texts.append(f"{_si(window.flops_per_sec)}FLOP/s")
-    if window.mfu is not None:
-        texts.append(f"MFU {window.mfu:.0%}" if window.mfu >= 0.1 else f"MFU {window.mfu:.1%}")
+             f"data {interval.data_wait:.0%}" + (f" {_INPUT_BOUND}" if interval.input_bound else "")]
+    if interval.flops_per_sec is not None:
+        texts.append(f"{_si(interval.flops_per_sec)}FLOP/s")
+    if interval.mfu is not None:
+        texts.append(f"MFU {interval.mfu:.0%}" if interval.mfu >= 0.1 else f"MFU {interval.mfu:.1%}")
     return texts
 
 

@@ -93,7 +93,7 @@ class Summary(Callback):
             kwargs force a terminal, as tabulate's defaults do).
         """
         if loop.model is None or loop.spec is None:
-            raise ValueError("no model or batch layout yet: render during a fit")
+            raise ValueError("no model or batch spec yet: render during a fit")
         # Where to print is the console's business: tabulate renders into a buffer of its own.
         console_kwargs = {key: value for key, value in self.console_kwargs.items() if key != "file"}
         if self.console is not None and "width" not in console_kwargs:

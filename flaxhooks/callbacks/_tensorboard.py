@@ -41,7 +41,7 @@ def find_learning_rate(opt_state: Any) -> Any | None:
 
 class TensorBoard(Callback):
     """Writes training and evaluation scalars to TensorBoard, off the training
-    thread, in TensorBoard's usual layout (one sub-run per split, as Keras).
+    thread, in TensorBoard's usual arrangement of runs (one sub-run per split, as Keras).
 
     Training scalars are window means summed on the devices (no host sync per
     step), with the optimizer's curves and where the time went. Every callback,
@@ -153,7 +153,7 @@ class TensorBoard(Callback):
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
             # The charts the stopped run declared are in the files already:
-            # declaring them again would write the layout again.
+            # declaring them again would write the custom-scalars layout again.
             layout = read_layout(self.logdir)
             self._charted.update(layout.get(self.CATEGORY, {}))  # a chart's title is its tag
         self.writer = AsyncWriter(TensorBoardWriter(self.logdir, layout=layout))
@@ -265,15 +265,15 @@ class TensorBoard(Callback):
         if loop.clock is None or self._timed is None:
             return {}
         now = loop.clock.read()
-        window, self._timed = loop.clock.window(self._timed, now), now
-        if window is None:
+        interval, self._timed = loop.clock.interval(self._timed, now), now
+        if interval is None:
             return {}
-        tags = {"train/data_wait": window.data_wait, "train/device_wait": window.device_wait,
-                "train/examples_per_sec": window.examples_per_sec}
-        if window.flops_per_sec is not None:
-            tags["train/flops_per_sec"] = window.flops_per_sec
-        if window.mfu is not None:
-            tags["train/mfu"] = window.mfu
+        tags = {"train/data_wait": interval.data_wait, "train/device_wait": interval.device_wait,
+                "train/examples_per_sec": interval.examples_per_sec}
+        if interval.flops_per_sec is not None:
+            tags["train/flops_per_sec"] = interval.flops_per_sec
+        if interval.mfu is not None:
+            tags["train/mfu"] = interval.mfu
         return tags
 
     def _learning_rate(self, loop: Loop) -> Any | None:

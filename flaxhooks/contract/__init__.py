@@ -5,7 +5,7 @@
 
 from flaxhooks.contract._bus import HookBus
 from flaxhooks.contract._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
-from flaxhooks.contract._clock import PEAK_FLOPS, FitClock, Reading, Window
+from flaxhooks.contract._clock import PEAK_FLOPS, FitClock, Interval, Reading
 from flaxhooks.contract._errors import PeerLost, PeerTimeout, ProcessError
 from flaxhooks.contract._events import ALWAYS_RUN, EVENTS, Event, LossRead, Phase
 from flaxhooks.contract._findings import KINDS, Finding
@@ -20,7 +20,7 @@ from flaxhooks.contract._schedule import Every, Rate, as_every
 from flaxhooks.contract._schedule import refuse_time_on_several_processes as refuse_time_on_several_processes
 
 __all__ = [
-    "Callback", "CallbackError", "EVENTS", "Event", "Every", "Finding", "FitClock", "FitPlan", "KINDS",
-    "Loop", "LossRead", "NonFiniteError", "PEAK_FLOPS", "PeerLost", "PeerTimeout", "ProcessError",
-    "Reading", "Request", "Restorer", "SavedRun", "StopTraining", "Window"
+    "Callback", "CallbackError", "EVENTS", "Event", "Every", "Finding", "FitClock", "FitPlan", "Interval",
+    "KINDS", "Loop", "LossRead", "NonFiniteError", "PEAK_FLOPS", "PeerLost", "PeerTimeout", "ProcessError",
+    "Reading", "Request", "Restorer", "SavedRun", "StopTraining"
 ]

@@ -29,7 +29,7 @@ PEAK_FLOPS: dict[str, float] = {
     "TPU v6 lite": 918e12,  # v6e (Trillium)
 }
 
-#: The data-wait share of a window from which :attr:`Window.input_bound` may hold.
+#: The data-wait share of an interval from which :attr:`Interval.input_bound` may hold.
 INPUT_BOUND = 0.1
 
 
@@ -64,7 +64,7 @@ class Reading:
 
 
 @dataclasses.dataclass(frozen=True)
-class Window:
+class Interval:
     """Where the time of the training steps between two readings went.
 
     Attributes:
@@ -100,13 +100,13 @@ class Window:
         return self.data_wait >= INPUT_BOUND and self.data_wait > max(self.device_wait, rest)
 
 
-def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_step: float | None,
-            peak: float | None) -> Window | None:
+def _interval(earlier: Reading, later: Reading, examples_per_step: int, flops_per_step: float | None,
+            peak: float | None) -> Interval | None:
     """What the steps between two readings took (None: no step or no time),
     given the global batch size, and the whole mesh's FLOPs per step and peak FLOP/s if known.
 
     Examples:
-        >>> w = _window(Reading(10.0, 100), Reading(20.0, 300, data_wait=5.0, device_wait=1.0,
+        >>> w = _interval(Reading(10.0, 100), Reading(20.0, 300, data_wait=5.0, device_wait=1.0,
         ...             evaluating=2.0), examples_per_step=64, flops_per_step=1e12, peak=1e14)
         >>> w.seconds, w.examples_per_sec, w.data_wait, w.flops_per_sec, w.mfu, w.input_bound
         (8.0, 1600.0, 0.625, 25000000000000.0, 0.25, True)
@@ -116,7 +116,7 @@ def _window(earlier: Reading, later: Reading, examples_per_step: int, flops_per_
     if steps <= 0 or seconds <= 0:
         return None
     flops = None if flops_per_step is None else flops_per_step * steps / seconds
-    return Window(
+    return Interval(
         seconds=seconds, steps=steps, examples_per_sec=examples_per_step * steps / seconds,
         data_wait=min(max((later.data_wait - earlier.data_wait) / seconds, 0.0), 1.0),
         device_wait=min(max((later.device_wait - earlier.device_wait) / seconds, 0.0), 1.0),
@@ -127,7 +127,7 @@ class FitClock:
     """The host clock of one fit (``loop.clock``): the loop's waits for batches
     and devices, and its evaluations, timed with ``time.perf_counter`` (no host
     sync). A callback takes a :meth:`read` when due and turns two into a
-    :class:`Window` with :meth:`window`; the loop keeps it, callbacks only read it.
+    :class:`Interval` with :meth:`interval`; the loop keeps it, callbacks only read it.
 
     Args:
         steps: the steps completed now (``lambda: loop.step``).
@@ -142,7 +142,7 @@ class FitClock:
         ...     def on_fit_start(self, loop):
         ...         self.start = loop.clock.read()
         ...     def on_fit_end(self, loop):
-        ...         self.window = loop.clock.window(self.start)
+        ...         self.interval = loop.clock.interval(self.start)
     """
 
     def __init__(self, steps: Callable[[], int], examples_per_step: int, devices: int, device_kind: str,
@@ -194,11 +194,11 @@ class FitClock:
         peak = _peak(self.device_kind)
         return None if peak is None else peak * self.devices
 
-    def window(self, earlier: Reading, later: Reading | None = None) -> Window | None:
+    def interval(self, earlier: Reading, later: Reading | None = None) -> Interval | None:
         """The figures of the steps between ``earlier`` and ``later`` (default:
         now), or None: no step between them.
 
-        The fit's first step waits for XLA to compile it: a window from
+        The fit's first step waits for XLA to compile it: an interval from
         before it starts once the loop went on to fetch the next batch, and
         is None until then."""
         later = later or self.read()
@@ -208,7 +208,7 @@ class FitClock:
             earlier = self.warm
         if later.step <= earlier.step:
             return None
-        return _window(earlier, later, self.examples_per_step, self.flops_per_step, self.peak_flops)
+        return _interval(earlier, later, self.examples_per_step, self.flops_per_step, self.peak_flops)
 
     # -- what the loop times (Fit) ---------------------------------------------
 
@@ -241,7 +241,7 @@ class FitClock:
         return timed
 
     def evaluations(self, evaluate: Callable[..., _T] | None) -> Callable[..., _T] | None:
-        """``evaluate``, timed: windows leave evaluations out."""
+        """``evaluate``, timed: intervals leave evaluations out."""
         if evaluate is None:
             return None
 

@@ -144,7 +144,7 @@ class Loop:
     callbacks = _Fact[tuple[Any, ...]](
         "callbacks", "The registered callbacks, in the order their handlers run.")
     model = _Fact[Model | None]("model", "The model adapter (:class:`flaxhooks.step.Model`).")
-    spec = _Fact[BatchSpec | None]("spec", "The layout of the training batches.")
+    spec = _Fact[BatchSpec | None]("spec", "The keys, shapes and dtypes of the training batches.")
     writers = _Fact[Writers]("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty "
                              "without any.")
     clock = _Fact[FitClock | None]("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); "

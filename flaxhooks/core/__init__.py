@@ -9,7 +9,7 @@ from flaxhooks._moved import moved_names
 __getattr__ = moved_names(__name__, {
     "flaxhooks.contract": "ALWAYS_RUN EVENTS KINDS PEAK_FLOPS Callback CallbackError Event Every Finding "
                           "FitClock FitPlan HookBus Loop LossRead NonFiniteError PeerLost PeerTimeout Phase "
-                          "ProcessError Rate Reading Request Restorer SavedRun StopTraining Window as_every "
+                          "ProcessError Rate Reading Request Restorer SavedRun StopTraining as_every "
                           "handlers_of",
     "flaxhooks.processes": "TrainingInterrupted latest_run run_directory",
     "flaxhooks.loop": "Fit NonFiniteGuard Trainer",

@@ -10,7 +10,7 @@ from flaxhooks.data._batches import (
     BatchSpec,
     EmptyDataError,
     HostBatch,
-    check_layout,
+    check_batch,
 )
 from flaxhooks.data._pipeline import DevicePrefetch
 from flaxhooks.data._sources import Data, DataPosition, DataResumeError, DataSource, fingerprint
@@ -20,9 +20,9 @@ __all__ = [
     "EmptyDataError", "HostBatch"
 ]
 
-# Moved to flaxhooks.placement in 0.8: the old paths work until 0.9, with a warning.
+# Moved to flaxhooks.placement, or renamed, in 0.8: the old names work until 0.9, with a warning.
 __getattr__ = moved_names(__name__, {
     "flaxhooks.placement": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError "
                            "cpu_pool_size cpu_threads_needed default_mesh device0_copy first_replica "
                            "host_scalars spec_text unreplicate use_cpu_devices",
-})
+}, renamed={"check_layout": "flaxhooks.data.check_batch"})

@@ -1,4 +1,4 @@
-"""Host batches: their layout, checking them, and batching arrays in memory."""
+"""Host batches: their structure, checking them, and batching arrays in memory."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _as_array(key: str, value: Any) -> np.ndarray:
     return array
 
 
-def check_layout(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
+def check_batch(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np.ndarray], int]:
     """Checks a batch's structure; returns it as numpy arrays and its size.
 
     Raises:
@@ -79,7 +79,7 @@ def _missing_inputs(missing: Sequence[str], required: tuple[str, ...], keys: Seq
 
 @dataclasses.dataclass(frozen=True)
 class BatchSpec:
-    """The layout every training batch must have: the first batch's.
+    """The keys, shapes and dtypes every training batch must have: the first batch's.
 
     Attributes:
         batch_size: examples per host batch (this process's share of the global batch).
@@ -95,12 +95,12 @@ class BatchSpec:
 
     @classmethod
     def of(cls, batch: Any, num_devices: int, required_keys: Sequence[str], processes: int = 1) -> BatchSpec:
-        """Checks the first batch and takes its layout.
+        """Checks the first batch and takes its structure.
 
         Raises:
-            BatchError: a bad layout, or a batch size that does not divide over the devices.
+            BatchError: a bad batch (see check_batch), or a size that does not divide over the devices.
         """
-        arrays, size = check_layout(batch, required_keys)
+        arrays, size = check_batch(batch, required_keys)
         first_key = next(iter(arrays))
         if size == 0 or size % num_devices:
             raise BatchError(
@@ -111,12 +111,12 @@ class BatchSpec:
         return cls(size, num_devices, fields, processes)
 
     def describe(self) -> str:
-        """The layout as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
+        """The spec as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
         return ", ".join(
             f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items())
 
     def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
-        """The batch as numpy arrays, or None for a smaller last batch of the right layout.
+        """The batch as numpy arrays, or None for a smaller last batch of the right structure.
 
         Raises:
             BatchError: another key, dtype, rank or example shape, or a larger batch.
@@ -163,7 +163,7 @@ class BatchSpec:
         return {key: jax.ShapeDtypeStruct((size, *shape), dtype) for key, (dtype, shape) in fields}
 
     def zeros(self) -> dict[str, np.ndarray]:
-        """A host batch of zeros of this layout."""
+        """A host batch of zeros of this spec."""
         return {k: np.zeros((self.batch_size, *shape), dtype) for k, (dtype, shape) in self.fields.items()}
 
     def shard(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -18,7 +18,7 @@ _log = logging.getLogger("flaxhooks")
 class DevicePrefetch:
     """The input pipeline: reads, checks, shards and prefetches each host batch.
 
-    A background thread checks each batch against the first one's layout and
+    A background thread checks each batch against the first one's structure and
     puts it on the mesh split over the data axis, ``size`` batches ahead.
 
     Args:
@@ -96,7 +96,7 @@ class DevicePrefetch:
     STOP_SECONDS = 60.0
 
     def zeros(self, spec: BatchSpec, placement: Placement) -> Any:
-        """A device batch of zeros of ``spec``'s layout."""
+        """A device batch of zeros of ``spec``'s structure."""
         return placement.put_batch(spec.zeros())
 
     def _sharded(

@@ -17,10 +17,10 @@ class LossThresholds:
     """When the loss is a problem; the defaults of the spike rules are their sources' own.
 
     Attributes:
-        spike_window: LLM-Foundry's rule: the finite losses a spike's mean is taken over (100).
+        spike_history: LLM-Foundry's rule: the finite losses a spike's mean is taken over (100).
         spike_factor: a loss at or above this times that mean is high (2).
         spike_patience: high losses in a row that are tolerated; one more is a spike (4).
-        outlier_window: MaxText's rule: the losses one loss's mean and deviation are taken over (128).
+        outlier_history: MaxText's rule: the losses one loss's mean and deviation are taken over (128).
         outlier_sigmas: a loss this many standard deviations above that mean is a spike (6).
         outlier_min_rise: ... if also this fraction of the mean above it (0.1; ours).
         spike_min_rise: either rule's spike must also rise this fraction of the loss's scale
@@ -28,9 +28,9 @@ class LossThresholds:
             converged classifier whose loss went from 6e-06 to 0.002 rose 0.1% of ``log(10)``,
             noise about zero, no spike).
         spike_quiet: ordinary losses in a row that end a spike's episode; a spike before
-            them is the same episode, not said again (100, the spike window).
-        plateau_window: W, the losses each plateau mean is taken over (200).
-        plateau_min_fall: a fall between two window means is at least this fraction (0.01) ...
+            them is the same episode, not said again (100, the spike history).
+        plateau_history: W, the losses each plateau mean is taken over (200).
+        plateau_min_fall: a fall between the means of two histories is at least this fraction (0.01) ...
         plateau_sigmas: ... and this many standard errors of the difference (2).
         plateau_clear: a plateau is over once the mean falls this fraction below it (0.1).
         initial_high_nats: a first loss more than ``max(this, initial_high_ratio * log(C))``
@@ -48,19 +48,19 @@ class LossThresholds:
 
     Examples:
         >>> from flaxhooks.diagnose import LossThresholds
-        >>> LossThresholds(plateau_window=500).plateau_window
+        >>> LossThresholds(plateau_history=500).plateau_history
         500
     """
 
-    spike_window: int = 100
+    spike_history: int = 100
     spike_factor: float = 2.0
     spike_patience: int = 4
-    outlier_window: int = 128
+    outlier_history: int = 128
     outlier_sigmas: float = 6.0
     outlier_min_rise: float = 0.1
     spike_min_rise: float = 0.05
     spike_quiet: int = 100
-    plateau_window: int = 200
+    plateau_history: int = 200
     plateau_min_fall: float = 0.01
     plateau_sigmas: float = 2.0
     plateau_clear: float = 0.1
@@ -73,7 +73,7 @@ class LossThresholds:
     not_learning_chance: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("spike_window", "outlier_window", "plateau_window", "not_learning_span"):
+        for name in ("spike_history", "outlier_history", "plateau_history", "not_learning_span"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be at least 2, got {getattr(self, name)}")
         if self.not_learning_steps and self.not_learning_steps < 2 * self.not_learning_span:
@@ -83,7 +83,7 @@ class LossThresholds:
             raise ValueError(f"spike_factor must be above 1, got {self.spike_factor}")
 
 
-class _Window:
+class _Recent:
     """The last ``size`` losses with their steps, and their mean and standard deviation.
 
     The sums are kept about a shift (the mean when last recomputed) and recomputed
@@ -153,17 +153,17 @@ class _Window:
         return [[step, value] for step, value in zip(self.steps, self.values, strict=True)]
 
     @staticmethod
-    def restored(size: int, pairs: list[list[float]]) -> _Window:
-        """A window of ``size`` holding the pairs :meth:`state` gave."""
-        window = _Window(size)
+    def restored(size: int, pairs: list[list[float]]) -> _Recent:
+        """A history of ``size`` holding the pairs :meth:`state` gave."""
+        history = _Recent(size)
         for step, value in pairs[-size:]:
-            window.push(int(step), float(value))
-        return window
+            history.push(int(step), float(value))
+        return history
 
 
 @dataclasses.dataclass(frozen=True)
 class _Level:
-    """A window's mean, the steps it covers (as the evidence names them) and its spread."""
+    """A history's mean, the steps it covers (as the evidence names them) and its spread."""
 
     mean: float
     first: int
@@ -172,8 +172,8 @@ class _Level:
     count: int = 1
 
     @staticmethod
-    def of(window: _Window) -> _Level:
-        return _Level(window.mean, *window.span, window.std, len(window))
+    def of(history: _Recent) -> _Level:
+        return _Level(history.mean, *history.span, history.std, len(history))
 
     def steps(self) -> str:
         return f"steps {self.first}-{self.last}"
@@ -202,7 +202,7 @@ def _spike_advice(since: int, step: int) -> str:
 
 
 def _outlier_finding(step: int, loss: float, level: _Level) -> Finding:
-    """MaxText's rule: one loss far above the previous window."""
+    """MaxText's rule: one loss far above the previous history."""
     std = level.std
     if std > 0:
         sigmas = (loss - level.mean) / std
@@ -216,13 +216,13 @@ def _outlier_finding(step: int, loss: float, level: _Level) -> Finding:
         _spike_advice(step, step),
         since=step,
         values={"rule": "outlier", "loss": loss, "mean": level.mean, "std": std, "sigmas": sigmas,
-                "window": (level.first, level.last)},
+                "baseline_steps": (level.first, level.last)},
     )
 
 
 def _sustained_finding(step: int, since: int, count: int, baseline: _Level, factor: float,
                        peak: tuple[float, int]) -> Finding:
-    """LLM-Foundry's rule: several losses in a row far above the window before them."""
+    """LLM-Foundry's rule: several losses in a row far above the history before them."""
     return Finding(
         "loss_spike", step, None,
         f"the loss stayed at or above {factor:g}x its mean of {_num(baseline.mean)} over {baseline.steps()} "
@@ -230,12 +230,12 @@ def _sustained_finding(step: int, since: int, count: int, baseline: _Level, fact
         _spike_advice(since, step),
         since=since,
         values={"rule": "sustained", "loss": peak[0], "mean": baseline.mean, "factor": factor,
-                "steps_high": count, "window": (baseline.first, baseline.last)},
+                "steps_high": count, "baseline_steps": (baseline.first, baseline.last)},
     )
 
 
 def _fell(before: _Level, after: _Level, min_fall: float, sigmas: float) -> bool:
-    """Whether the loss fell from one window to a later one: by a real amount, beyond their noise."""
+    """Whether the loss fell from one history to a later one: by a real amount, beyond their noise."""
     drop = before.mean - after.mean
     noise = math.sqrt(before.std**2 / before.count + after.std**2 / after.count)
     return drop > min_fall * abs(before.mean) and drop > sigmas * noise
@@ -315,7 +315,7 @@ class LossWatch:
     of the loss's scale; one per episode), ``not_learning`` (a fresh
     classifier's loss at chance and not fallen from its first values after
     ``not_learning_steps``),
-    ``loss_plateau`` (no fall over ``3 * plateau_window`` losses; a resumed
+    ``loss_plateau`` (no fall over ``3 * plateau_history`` losses; a resumed
     run is not judged) and ``initial_loss`` (:meth:`initial`: far from
     ``log(C)``). Non-finite losses are skipped. docs/guides/diagnose.md gives
     each rule. :meth:`state_dict` keeps it across a resume.
@@ -348,15 +348,15 @@ class LossWatch:
         self.fresh = fresh
         self.num_classes: int | None = None
         self._first_loss: float | None = None
-        self._spike_window = _Window(thresholds.spike_window)
-        self._outlier_window = _Window(thresholds.outlier_window)
-        self._recent = _Window(thresholds.plateau_window)
-        self._previous = _Window(thresholds.plateau_window)
+        self._spike_history = _Recent(thresholds.spike_history)
+        self._outlier_history = _Recent(thresholds.outlier_history)
+        self._recent = _Recent(thresholds.plateau_history)
+        self._previous = _Recent(thresholds.plateau_history)
         self._seen = 0
         self._start: _Level | None = None
         # The not-learning rule: the first losses, and the latest as many.
-        self._opening = _Window(thresholds.not_learning_span)
-        self._latest = _Window(thresholds.not_learning_span)
+        self._opening = _Recent(thresholds.not_learning_span)
+        self._latest = _Recent(thresholds.not_learning_span)
         # LLM-Foundry's rule: the run of high losses, against the baseline from before it began.
         self._high_baseline: _Level | None = None
         self._high_since = 0
@@ -378,10 +378,10 @@ class LossWatch:
 
     @property
     def retained(self) -> int:
-        """How many losses the watch holds: bounded by its windows, however long the run."""
-        windows = (self._spike_window, self._outlier_window, self._recent, self._previous, self._opening,
+        """How many losses the watch holds: bounded by its histories, however long the run."""
+        histories = (self._spike_history, self._outlier_history, self._recent, self._previous, self._opening,
                    self._latest)
-        return sum(len(window) for window in windows)
+        return sum(len(history) for history in histories)
 
     def add(self, step: int, loss: float) -> list[Finding]:
         """Takes one step's loss, in step order; returns the findings that appear at this step.
@@ -427,12 +427,12 @@ class LossWatch:
         return [finding] if finding else []
 
     def state_dict(self) -> dict[str, Any]:
-        """Its windows and what it has said, as JSON, so a resumed run keeps its
+        """Its histories and what it has said, as JSON, so a resumed run keeps its
         baselines and says nothing twice (:meth:`load_state_dict`)."""
         return {
             "fresh": self.fresh, "num_classes": self.num_classes, "first_loss": self._first_loss,
             "seen": self._seen, "start": _level_state(self._start),
-            "windows": {name: getattr(self, f"_{name}").state() for name in _WINDOWS},
+            "histories": {name: getattr(self, f"_{name}").state() for name in _HISTORIES},
             "high": {"baseline": _level_state(self._high_baseline), "since": self._high_since,
                      "steps": self._high_steps, "peak": list(self._high_peak)},
             "said": {"spike": self._spike_said, "calm_steps": self._calm_steps,
@@ -441,7 +441,7 @@ class LossWatch:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes back what :meth:`state_dict` gave (its windows keep their own sizes).
+        """Takes back what :meth:`state_dict` gave (its histories keep their own sizes).
 
         Examples:
             >>> from flaxhooks.diagnose import LossWatch
@@ -455,9 +455,9 @@ class LossWatch:
         self.fresh, self.num_classes = bool(state["fresh"]), state["num_classes"]
         self._first_loss, self._seen = state["first_loss"], int(state["seen"])
         self._start = _Level.restored(state["start"])
-        for name in _WINDOWS:
-            window = getattr(self, f"_{name}")
-            setattr(self, f"_{name}", _Window.restored(window.size, state["windows"][name]))
+        for name in _HISTORIES:
+            history = getattr(self, f"_{name}")
+            setattr(self, f"_{name}", _Recent.restored(history.size, state["histories"][name]))
         high = state["high"]
         self._high_baseline = _Level.restored(high["baseline"])
         self._high_since, self._high_steps = int(high["since"]), int(high["steps"])
@@ -470,8 +470,8 @@ class LossWatch:
 
     def _push(self, step: int, loss: float) -> None:
         self._seen += 1
-        self._spike_window.push(step, loss)
-        self._outlier_window.push(step, loss)
+        self._spike_history.push(step, loss)
+        self._outlier_history.push(step, loss)
         leaving = self._recent.push(step, loss)
         if leaving is not None:
             self._previous.push(*leaving)
@@ -486,7 +486,7 @@ class LossWatch:
         return self.thresholds.spike_min_rise * self.scale
 
     def _spike(self, step: int, loss: float) -> list[Finding]:
-        """Both spike rules, against the windows before this loss; one finding an episode."""
+        """Both spike rules, against the histories before this loss; one finding an episode."""
         outlier = self._outlier(loss)
         high = self._track_high(step, loss)
         if outlier is None and not high:
@@ -508,11 +508,11 @@ class LossWatch:
         return [finding]
 
     def _outlier(self, loss: float) -> _Level | None:
-        """MaxText's rule: the previous window, when ``loss`` is far above it."""
+        """MaxText's rule: the previous history, when ``loss`` is far above it."""
         limits = self.thresholds
-        if not self._outlier_window.full:
+        if not self._outlier_history.full:
             return None
-        level = _Level.of(self._outlier_window)
+        level = _Level.of(self._outlier_history)
         rise = loss - level.mean
         if (rise > limits.outlier_sigmas * level.std and rise > limits.outlier_min_rise * abs(level.mean)
                 and rise > self._min_rise()):
@@ -523,12 +523,12 @@ class LossWatch:
         """LLM-Foundry's rule: whether ``loss`` is high, keeping the run of high losses."""
         factor = self.thresholds.spike_factor
         if self._high_baseline is None:
-            window = self._spike_window
+            history = self._spike_history
             # Twice a mean means nothing unless the mean is positive, nor a rise below the floor.
-            if (not window.full or window.mean <= 0 or loss < factor * window.mean
-                    or loss - window.mean <= self._min_rise()):
+            if (not history.full or history.mean <= 0 or loss < factor * history.mean
+                    or loss - history.mean <= self._min_rise()):
                 return False
-            self._high_baseline, self._high_since, self._high_steps = _Level.of(window), step, 1
+            self._high_baseline, self._high_since, self._high_steps = _Level.of(history), step, 1
             self._high_peak = (loss, step)
             return True
         baseline = self._high_baseline.mean
@@ -570,7 +570,7 @@ class LossWatch:
     def _plateau(self, step: int) -> list[Finding]:
         """Whether the loss has not fallen since training began, nor lately."""
         limits = self.thresholds
-        if not self.fresh or self._seen <= 3 * limits.plateau_window or self._start is None:
+        if not self.fresh or self._seen <= 3 * limits.plateau_history or self._start is None:
             return []
         if self._stuck_at is not None:  # said as not learning, and still so: the same problem
             return []
@@ -589,5 +589,5 @@ class LossWatch:
         return [_plateau_finding(step, recent, previous, start)]
 
 
-#: The windows a watch keeps, by attribute name (without the underscore).
-_WINDOWS = ("spike_window", "outlier_window", "recent", "previous", "opening", "latest")
+#: The histories a watch keeps, by attribute name (without the underscore).
+_HISTORIES = ("spike_history", "outlier_history", "recent", "previous", "opening", "latest")

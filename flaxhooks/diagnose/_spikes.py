@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flaxhooks.contract import Finding
-from flaxhooks.diagnose._loss import _Level, _Window
+from flaxhooks.diagnose._loss import _Level, _Recent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +17,7 @@ class SpikeThresholds:
     """When a gradient norm is a spike, and when a layer's gradient spiked with it.
 
     Attributes:
-        window: the previous finite gradient norms whose mean and standard deviation a
+        history: the previous finite gradient norms whose mean and standard deviation a
             norm is judged against (128: OLMo-core's ``SkipStepOptimizer`` and MaxText's
             ``skip_step_on_spikes`` interval).
         sigmas: a norm this many standard deviations above that mean is a spike (6: both sources).
@@ -27,18 +27,18 @@ class SpikeThresholds:
         recent: ... and at least ``min_factor`` times the largest of the last this many norms
             (5; ours): a spike is sudden, while a norm that climbs over tens of steps (a
             healthy LSTM's rose from 0.3 to 2 over steps 100-128, noisily) is a trend,
-            far above a window's mean and spread but not above its own latest steps.
+            far above a history's mean and spread but not above its own latest steps.
         quiet: ordinary norms in a row that end a spike's episode (100).
         layer_factor: a layer's gradient spiked when its norm on the spike's batch is at
             least this times its norm on the batch before, at the same parameters (3).
 
     Examples:
         >>> from flaxhooks.diagnose import SpikeThresholds
-        >>> SpikeThresholds(window=64).sigmas
+        >>> SpikeThresholds(history=64).sigmas
         6.0
     """
 
-    window: int = 128
+    history: int = 128
     sigmas: float = 6.0
     min_factor: float = 2.0
     recent: int = 5
@@ -46,10 +46,10 @@ class SpikeThresholds:
     layer_factor: float = 3.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.recent <= self.window:
-            raise ValueError(f"recent must be between 1 and window ({self.window}), got {self.recent}")
-        if self.window < 2:
-            raise ValueError(f"window must be at least 2, got {self.window}")
+        if not 1 <= self.recent <= self.history:
+            raise ValueError(f"recent must be between 1 and history ({self.history}), got {self.recent}")
+        if self.history < 2:
+            raise ValueError(f"history must be at least 2, got {self.history}")
         if self.min_factor <= 1 or self.layer_factor <= 1:
             raise ValueError(f"min_factor and layer_factor must be above 1, got {self.min_factor} and "
                              f"{self.layer_factor}")
@@ -57,13 +57,13 @@ class SpikeThresholds:
 
 class GradNormWatch:
     """Says a gradient-norm spike once per episode: a norm at least ``sigmas``
-    standard deviations above the mean of the ``window`` norms before it, and
+    standard deviations above the mean of the ``history`` norms before it, and
     ``min_factor`` times both that mean and the largest of the ``recent`` norms
     before it (non-finite norms are the guard's, skipped).
 
     Examples:
         >>> from flaxhooks.diagnose import GradNormWatch, SpikeThresholds
-        >>> watch = GradNormWatch(SpikeThresholds(window=20))
+        >>> watch = GradNormWatch(SpikeThresholds(history=20))
         >>> norms = [1.0 + 0.05 * (step % 4) for step in range(60)]
         >>> norms[40] = 30.0
         >>> [(f.kind, f.since) for step, norm in enumerate(norms) for f in watch.add(step, norm)]
@@ -72,7 +72,7 @@ class GradNormWatch:
 
     def __init__(self, thresholds: SpikeThresholds = SpikeThresholds()):
         self.thresholds = thresholds
-        self._window = _Window(thresholds.window)
+        self._history = _Recent(thresholds.history)
         self._said = False
         self._calm = 0
 
@@ -92,15 +92,15 @@ class GradNormWatch:
             if not self._said:
                 self._said = True
                 found.append(_spike_finding(step, norm, level))
-        self._window.push(step, norm)
+        self._history.push(step, norm)
         return found
 
     def state_dict(self) -> dict[str, Any]:
-        """Its window and what it has said, as JSON, so a resumed run keeps its baseline."""
-        return {"window": self._window.state(), "said": self._said, "calm": self._calm}
+        """Its history and what it has said, as JSON, so a resumed run keeps its baseline."""
+        return {"history": self._history.state(), "said": self._said, "calm": self._calm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes back what :meth:`state_dict` gave (the window keeps its own size).
+        """Takes back what :meth:`state_dict` gave (the history keeps its own size).
 
         Examples:
             >>> from flaxhooks.diagnose import GradNormWatch
@@ -111,16 +111,16 @@ class GradNormWatch:
             >>> [f.since for f in resumed.add(200, 50.0)]
             [200]
         """
-        self._window = _Window.restored(self.thresholds.window, state["window"])
+        self._history = _Recent.restored(self.thresholds.history, state["history"])
         self._said, self._calm = bool(state["said"]), int(state["calm"])
 
     def _spiking(self, norm: float) -> _Level | None:
         limits = self.thresholds
-        if not self._window.full:
+        if not self._history.full:
             return None
-        level = _Level.of(self._window)
+        level = _Level.of(self._history)
         rise = norm - level.mean
-        latest = max(list(self._window.values)[-limits.recent:])
+        latest = max(list(self._history.values)[-limits.recent:])
         if (rise > limits.sigmas * level.std and level.mean > 0
                 and norm >= limits.min_factor * max(level.mean, latest)):
             return level
@@ -138,7 +138,7 @@ def _spike_finding(step: int, norm: float, level: _Level) -> Finding:
         "warmup or clip gradients (optax.clip_by_global_norm)",
         since=step,
         values={"grad_norm": norm, "mean": level.mean, "std": level.std, "sigmas": sigmas,
-                "window": (level.first, level.last)},
+                "baseline_steps": (level.first, level.last)},
     )
 
 

@@ -16,7 +16,7 @@ from clu import metrics as clu_metrics
 from flax import errors as flax_errors
 from jax import lax
 
-from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_layout
+from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_batch
 from flaxhooks.placement import InFlight, Placement, first_replica
 from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, split_loss
 
@@ -263,7 +263,7 @@ class Evaluator:
     ) -> int | None:
         """The model's eval-mode call, then the whole eval step (loss and
         metrics), each on abstract values; each failure says which it was."""
-        layout = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
+        described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
         inputs = {k: v for k, v in batch.items() if k not in (VALID, FAILED)}
 
         def call(variables: tuple[Any, Any], batch: Batch) -> Any:  # (params, model_state)
@@ -274,7 +274,7 @@ class Evaluator:
             outputs = jax.eval_shape(in_global_view(call, self.axis), variables, inputs)
         except Exception as error:
             raise BatchError(
-                f"the model cannot be called in eval mode on batches of {layout}: "
+                f"the model cannot be called in eval mode on batches of {described}: "
                 f"{_cause(error, self.model.rng_names)}"
             ) from error
         totals = (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32))
@@ -286,7 +286,7 @@ class Evaluator:
                 "the default metrics need array logits and integer labels under label_key; pass metrics= "
                 "for other outputs")
             raise BatchError(
-                f"the loss or metrics cannot evaluate the model's outputs on batches of {layout}: "
+                f"the loss or metrics cannot be computed from the model's outputs on batches of {described}: "
                 f"{type(error).__name__}: {error} ({hint})"
             ) from error
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
@@ -310,7 +310,7 @@ class Evaluator:
         first: dict[str, np.ndarray] | None = None
         try:
             for batch in batches:
-                first, size = check_layout(batch, self.model.input_keys)
+                first, size = check_batch(batch, self.model.input_keys)
                 if size:
                     break
             else:
@@ -381,7 +381,7 @@ class Evaluator:
         """Every example of ``first`` and ``rest``, in host batches of ``padded``
         rows, the padding masked out."""
         for batch in itertools.chain([first] if first is not None else [], rest):
-            arrays, size = check_layout(batch, self.model.input_keys)
+            arrays, size = check_batch(batch, self.model.input_keys)
             if not labels_checked:
                 self.check_labels(arrays, num_classes)
             for start in range(0, size, padded):
@@ -483,11 +483,11 @@ class Evaluations:
                 if jax.process_count() > 1:
                     return  # this process's share may be empty; the evaluation fails if every one is
                 raise EmptyDataError("it yielded no batch")
-            arrays, _ = check_layout(first, self.model.input_keys)
+            arrays, _ = check_batch(first, self.model.input_keys)
             evaluator = self._evaluator(metrics)
             num_classes = evaluator.check(state, arrays)
             if isinstance(data, Mapping):
-                evaluator.check_labels(check_layout(data, self.model.input_keys)[0], num_classes)
+                evaluator.check_labels(check_batch(data, self.model.input_keys)[0], num_classes)
         except (BatchError, EmptyDataError) as error:
             raise type(error)(f"evaluation {name!r}: {error}") from error.__cause__  # named once, not twice
 
@@ -503,7 +503,7 @@ class Evaluations:
         in_memory = isinstance(data, Mapping)
         layout = None
         if in_memory:  # check every label before compiling
-            arrays, _ = check_layout(data, self.model.input_keys)
+            arrays, _ = check_batch(data, self.model.input_keys)
             layout = {k: v[:1] for k, v in arrays.items()}
             first = {k: v[:batch_size] for k, v in arrays.items()}
             evaluator.check_labels(arrays, evaluator.check(state, first))

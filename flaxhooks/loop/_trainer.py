@@ -128,7 +128,7 @@ class Trainer:
         self.batch_spec = BatchSpec.of(batch, self.placement.local_data_size, self.model.input_keys,
                                        jax.process_count())
         plan = self._plan_made
-        if plan is None or plan.spec != self.batch_spec:  # a later fit of the same layout: planned
+        if plan is None or plan.spec != self.batch_spec:  # a later fit of the same batch spec: planned
             plan = self._plan_made = StatePlan.of(self.model, self.optimizer, self.batch_spec, self.seed,
                                                   self.placement)
         callbacks = self.callbacks
@@ -166,12 +166,12 @@ class Trainer:
                                              self.callbacks, self.evaluations))
         if restored is not None:  # said once nothing refuses the run
             _log.info("resuming from step %d (%s)", restored.step, restored.path)
-        record = {"layout": f"{spec.describe()} over {self.placement.describe()}", "length": source.length,
+        record = {"batches": f"{spec.describe()} over {self.placement.describe()}", "length": source.length,
                   "start": [step, epoch, skip], "resumed": resumed, "first": fingerprint(first)}
         return Start(record, first, batches, step, epoch, skip, state, state is None, restored)
 
     def init(self, batch: HostBatch) -> TrainState:
-        """Checks ``batch`` on abstract values, then builds the initial train state for its layout.
+        """Checks ``batch`` on abstract values, then builds the initial train state for its spec.
 
         Raises:
             BatchError: the batch does not fit the devices, the model or the loss.
@@ -254,7 +254,7 @@ class Trainer:
             if not stops.several:
                 raise
             start, failure = None, unprepared
-        # Several processes: the same layout, length and position, a failure anywhere raised everywhere.
+        # Several processes: the same batch spec, length and position; a failure anywhere raised everywhere.
         stops.start(start.record if start else {}, failure)
         assert start is not None
         plan = cast(StatePlan, self._plan_made)

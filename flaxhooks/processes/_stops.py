@@ -157,7 +157,7 @@ class AgreedStops(LocalStops):
         """Checks that every process starts the same fit; starts the watcher.
 
         Raises:
-            BatchError: the processes feed different batch layouts or data lengths,
+            BatchError: the processes feed batches of different keys, shapes or dtypes or data lengths,
                 or one cannot train on its data.
             ProcessError: a process failed before training, or they start
                 from different places.
@@ -185,7 +185,7 @@ class AgreedStops(LocalStops):
             values = [r[field] for r in everyone]
             if len(set(map(json.dumps, values))) > 1:
                 each = "; ".join(f"process {i}: {v}" for i, v in enumerate(values))
-                error_type = BatchError if field in ("layout", "length") else ProcessError
+                error_type = BatchError if field in ("batches", "length") else ProcessError
                 raise error_type(f"the processes {problem} ({each}): {hint}")
         if len({r.get("first") for r in everyone}) == 1 and jax.process_index() == 0:
             _log.warning(
@@ -556,7 +556,7 @@ class AgreedStops(LocalStops):
 #: What every process must agree on at the start of a fit: (record field,
 #: what differs, what to do about it).
 _AGREED_AT_START = (
-    ("layout", "feed different batches",
+    ("batches", "feed different batches",
      "every process must feed batches of the same keys, shapes and dtypes"),
     ("length", "have different numbers of batches per epoch",
      "every process must take the same number of steps per epoch"),

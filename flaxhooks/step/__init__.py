@@ -1,10 +1,6 @@
-"""The train step: the model adapter, the state, the one step builder and
-the runner that picks the lean or an instrumented variant per step, and what
-an instrumented step exposes (taps) and computes (statistics).
+"""The train step: model adapters, the state, the step builder and runner, taps and statistics.
 
-``__all__`` is what users write and extend (model adapters, step contributors
-and what they see, the train state, statistics names); the other names here
-are the layers' own interface and may change in any release.
+``__all__`` is what users write and extend; the other names are the layers' own and may change.
 """
 
 import warnings
@@ -63,29 +59,9 @@ from flaxhooks.step._totals import (
 )
 
 __all__ = [
-    "ACTIVATION_STATS",
-    "AXIS",
-    "GRADIENT_STATS",
-    "InputKeys",
-    "LinenModel",
-    "LossError",
-    "LossFn",
-    "Model",
-    "ModuleFilter",
-    "NNXModel",
-    "PARAM_STATS",
-    "RecordedCall",
-    "RepeatedTap",
-    "StepContributor",
-    "Tap",
-    "Tapped",
-    "Taps",
-    "Totals",
-    "TrainState",
-    "WithLayout",
-    "select_modules",
-    "tap_stats",
-    "window_means",
+    "ACTIVATION_STATS", "AXIS", "GRADIENT_STATS", "InputKeys", "LinenModel", "LossError", "LossFn", "Model",
+    "ModuleFilter", "NNXModel", "PARAM_STATS", "RecordedCall", "RepeatedTap", "StepContributor", "Tap",
+    "Tapped", "Taps", "Totals", "TrainState", "WithLayout", "select_modules", "tap_stats", "window_means",
     "window_sums",
 ]
 

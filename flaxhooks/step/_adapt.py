@@ -19,23 +19,17 @@ def as_model(
     rng_names: Sequence[str] = ("dropout",), state_collections: Sequence[str] | None = None, *,
     eval_model: Any = None, axis_name: str = AXIS,
 ) -> Model:
-    """The model as the Trainer calls it: how a batch reaches it, how it is
-    told it trains, what it draws and carries. Give the result to
-    :class:`~flaxhooks.Trainer` where the defaults do not fit.
+    """The model as the Trainer calls it; give it to :class:`~flaxhooks.Trainer` where defaults do not fit.
 
     Args:
         model: a Linen Module, an ``nnx.Module``, or an adapter (returned as it is).
         input_keys: batch keys passed positionally, or ``{argument: batch key}``.
         train_arg: the call argument or constructor field saying the model trains
             (``deterministic`` is recognized); docs/guides/models.md.
-        rng_names: the RNG streams of a Linen model, each given a key per step.
-        state_collections: collections a Linen model carries between steps
-            besides ``params`` (default: found).
-        eval_model: a Linen model's eval-mode twin (same parameters).
+        rng_names: Linen only: the RNG streams, each given a key per step.
+        state_collections: Linen only: collections carried besides ``params`` (default: found).
+        eval_model: Linen only: the eval-mode twin (same parameters).
         axis_name: the axis the model's own collectives name (``BatchNorm(axis_name=...)``).
-
-    ``rng_names``, ``state_collections`` and ``eval_model`` concern Linen only:
-    an NNX module carries its own ``nnx.Rngs``, variable types and ``eval()`` switch.
 
     Returns:
         A :class:`LinenModel` for a Linen module, an :class:`NNXModel` for an NNX one.
@@ -51,8 +45,7 @@ def as_model(
         >>> type(model).__name__, model.input_keys
         ('LinenModel', ('tokens',))
     """
-    # Types first: a Protocol check reads attributes, and a Linen module's
-    # ``variables`` property raises when the module is unbound.
+    # Types first: the Protocol check reads ``variables``, which an unbound Linen module raises on.
     if isinstance(model, nn.Module):
         return LinenModel.create(model, input_keys, train_arg, rng_names, state_collections, eval_model,
                                  axis_name)

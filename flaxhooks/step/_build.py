@@ -1,5 +1,4 @@
-"""The one train step: a pure function of the state and a batch, lean or
-instrumented by what the due step contributors ask for."""
+"""The one train step: a pure function of the state and a batch, lean or instrumented."""
 
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ from flaxhooks.step._model import AXIS, Batch, Model, axis_name
 from flaxhooks.step._state import LossError, TrainState
 from flaxhooks.step._taps import Tap, Tapped, Taps
 
-#: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, metrics)``
-#: with a dict of scalar metrics.
+#: ``loss_fn(outputs, batch)`` returns a scalar loss, or ``(loss, {name: scalar metric})``.
 LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
-#: An in-step function a contributor declares: the step's view of the
-#: step to a pytree of arrays, pure and traced once per compiled variant.
+#: An in-step function: the step's view to a pytree of arrays, pure, traced once per variant.
 InsideStep = Callable[[Tapped], Any]
 #: The compiled step: ``(state, batch) -> (state, metrics, results)``.
 Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]]
@@ -31,8 +28,7 @@ Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], tup
 def step_rngs(
     base: jax.Array, step: jax.Array, names: Sequence[str], axis: str = AXIS,
 ) -> dict[str, jax.Array]:
-    """Keys for one step on one device: distinct per step, device (along the
-    mapped ``axis``) and stream."""
+    """Keys for one step on one device: distinct per step, device (along ``axis``) and stream."""
     key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
@@ -46,11 +42,8 @@ def split_loss(result: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 
 def mean_over_devices(tree: Any, axis: str) -> Any:
-    """Averages floating leaves over the device axis; leaves others as they are
-    (integer state such as counters is the same on every device)."""
-    return jax.tree.map(
-        lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
-    )
+    """Averages floating leaves over the device axis (integer ones are the same on every device)."""
+    return jax.tree.map(lambda x: lax.pmean(x, axis) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
 
 
 def metrics_over_devices(metrics: Mapping[str, jax.Array], axis: str) -> dict[str, jax.Array]:
@@ -74,21 +67,10 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True,
                norm_split: Sequence[NamedSharding | None] | None = None) -> Step:
-    """Returns the pure train step, written for one share of the batch with
-    collectives over the model's ``axis_name`` (the runner gives it the whole
-    batch as one share: see :class:`~flaxhooks.step.StepRunner`).
-
-    The step averages gradients, carried model state (BatchNorm statistics)
-    and metrics over the shares, so a step written for ``pmap`` is unchanged. With
-    ``taps`` it also exposes intermediate values: it takes the gradients of
-    the loss with respect to perturbations (zeros built inside the step from
-    this batch's shapes, so any batch size works) in the same backward pass
-    as the parameters', so the update is the same as the lean step's. Each
-    function of ``inside`` gets a :class:`Tapped` view; their results come
-    back in the same order. ``norm_split`` says, per parameter leaf, where
-    the optimizer metrics' reductions of that leaf are shared out (see
-    :func:`optimizer_metrics`).
-    """
+    """The pure train step for one share of the batch, averaging gradients, carried
+    state and metrics over the model's ``axis_name``. With ``taps`` it exposes
+    intermediate values (gradients in the same backward pass) and returns each
+    ``inside`` function's result on a :class:`Tapped` view, in order."""
     taps = taps or Taps()
     axis = axis_name(model)
     instrumented = taps != Taps() or bool(inside)
@@ -139,10 +121,8 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
 
 def _values_apart(taps: Sequence[Tap]) -> WithLayout:
-    """The taps' values as arrays, the rest of each tap as static layout: so
-    they leave ``jax.value_and_grad`` through its aux output."""
-    # The layout's taps hold None for their value (an array would not hash);
-    # _values_joined gives each its value back, so no Tap without one leaves here.
+    """The taps' values as arrays, the rest as static layout (to leave ``value_and_grad``'s aux)."""
+    # None for each value (an array would not hash): _values_joined gives them back.
     layout = tuple(dataclasses.replace(t, value=None) for t in taps)  # type: ignore[arg-type]
     return WithLayout(tuple(t.value for t in taps), layout)
 
@@ -154,13 +134,10 @@ def _values_joined(found: WithLayout) -> tuple[Tap, ...]:
 
 def optimizer_metrics(params: Any, grads: Any, updates: Any,
                       split: Sequence[NamedSharding | None] | None = None) -> dict[str, jax.Array]:
-    """The global gradient norm and the update-to-parameter ratio
-    ``|update| / |params|`` (0 while every parameter is 0).
+    """The global gradient norm and ``|update| / |params|`` (0 while every parameter is 0).
 
-    ``split``, one entry per parameter leaf: a sharding over every device
-    for a leaf every device holds whole (see :attr:`Placement.spread`), else
-    None. Such a leaf's sums of squares are shared out between the devices
-    instead of computed whole by each (``benchmarks/bench_mesh.py``).
+    ``split``, per parameter leaf: a sharding over every device (see
+    :attr:`Placement.spread`) that shares out that leaf's sums of squares, or None.
     """
     return _with_norm_of(_norm(params, split), grads, updates, split)
 
@@ -168,8 +145,7 @@ def optimizer_metrics(params: Any, grads: Any, updates: Any,
 def _with_norm_of(param_norm: jax.Array, grads: Any, updates: Any,
                   split: Sequence[NamedSharding | None] | None) -> dict[str, jax.Array]:
     """:func:`optimizer_metrics`, given the parameters' norm."""
-    # Without the barrier XLA fuses these reductions into the update's
-    # fusion, which made the 2-device CPU step 30% slower (bench_trainer).
+    # Else XLA fuses these into the update, 30% slower on the 2-device CPU step (bench_trainer).
     updates, grads = lax.optimization_barrier((updates, grads))
     update_norm, grad_norm = _norm(updates, split), _norm(grads, split)
     ratio = update_norm / jnp.where(param_norm > 0, param_norm, jnp.inf)
@@ -181,8 +157,7 @@ SPLIT_NORM_MIN_SIZE = 4096
 
 
 def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax.Array:
-    """The global L2 norm, in float32 or wider, as plain sums of squares XLA
-    fuses; the large leaves ``split`` names reduced in parts, one per device."""
+    """The global L2 norm in float32 or wider; large leaves ``split`` names reduced in parts."""
     leaves = jax.tree.leaves(tree)
     # An optimizer whose updates are laid out unlike the parameters: every leaf whole.
     places = split if split is not None and len(split) == len(leaves) else [None] * len(leaves)
@@ -191,8 +166,7 @@ def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax
         x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
         parts = place.num_devices if place is not None else 1
         if place is not None and parts > 1 and x.size >= SPLIT_NORM_MIN_SIZE and x.size % parts == 0:
-            # Pinned whole first: else XLA carries the split back into the
-            # update, which it then computes in parts and gathers every step.
+            # Pinned whole first: else XLA carries the split into the update and gathers every step.
             whole = lax.with_sharding_constraint(x, NamedSharding(place.mesh, PartitionSpec()))
             x = lax.with_sharding_constraint(whole.reshape(parts, -1), place)
         total = total + jnp.sum(x * x)
@@ -200,12 +174,7 @@ def _norm(tree: Any, split: Sequence[NamedSharding | None] | None = None) -> jax
 
 
 def _before(new_params: Any, updates: Any) -> Any:
-    """The parameters before the update, as the updated ones less the update.
-
-    Read from the state's own parameters after the update (which writes them
-    in place: they are donated), XLA would keep a copy of every parameter,
-    every step (``benchmarks/bench_mesh.py``); equal up to rounding.
-    """
+    """The updated parameters less the update (reading the donated originals would copy them)."""
     return jax.tree.map(lambda update, new: new if update is None else new - update.astype(new.dtype),
                         updates, new_params, is_leaf=lambda x: x is None)
 
@@ -219,9 +188,8 @@ def _updated(
     metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
     norm_split: Sequence[NamedSharding | None] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
-    """Applies the gradients, averaged over the shares of the batch; returns the new
-    state, the metrics averaged over devices (with :data:`OPTIMIZER_METRICS`),
-    the averaged gradients and the updates applied."""
+    """Applies the averaged gradients: the new state, the averaged metrics (with
+    :data:`OPTIMIZER_METRICS`), the averaged gradients and the updates."""
     grads = lax.pmean(grads, axis)
     params = state.params
     updates, opt_state = state.tx.update(grads, state.opt_state, params)

@@ -1,6 +1,4 @@
-"""How a batch and the train/eval mode reach a model's call: which batch
-keys go in positionally or by keyword, and the argument that switches modes,
-whether it says ``train`` or its inverse, Flax's ``deterministic``."""
+"""How a batch and the train/eval mode reach a model's call."""
 
 from __future__ import annotations
 
@@ -8,6 +6,8 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 #: Mode arguments that are True in eval mode (the inverse of ``train``).
 INVERTED_MODE_ARGS = frozenset({"deterministic", "eval", "eval_mode", "inference", "is_eval"})
@@ -29,12 +29,8 @@ def _parameters(function: Callable[..., Any]) -> tuple[set[str], bool]:
 
 def mode_argument(function: Callable[..., Any], train_arg: str | None) -> tuple[str | None, bool]:
     """``(argument, inverted)``: the argument of ``function`` that switches
-    train and eval mode, and whether it is True in eval mode.
-
-    ``train_arg`` is used when ``function`` names it (a ``**kwargs`` that
-    passes everything on, as ``Sequential``'s, does not count); the default
-    ``train`` falls back on Flax's ``deterministic``; neither: ``(None, False)``.
-    """
+    train and eval mode (``train_arg`` if named, not through ``**kwargs``;
+    ``train`` falls back on ``deterministic``), and whether it is True in eval mode."""
     named, _ = _parameters(function)
     if train_arg is None:
         return None, False
@@ -101,3 +97,8 @@ class ModelCall:
         """``(args, kwargs)`` for one call on ``batch``."""
         kwargs = {argument: batch[key] for argument, key in self.keywords}
         return [batch[key] for key in self.positional], {**kwargs, **self.mode(train)}
+
+    def zero_arguments(self, batch: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Eval-mode arguments of numpy zeros like ``batch`` (concrete: summaries reject abstract inputs)."""
+        zeros = {key: np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys}
+        return self.arguments(zeros, train=False)

@@ -1,6 +1,4 @@
-"""The step contributor: what a callback declares to have values
-computed inside the train step, and how a result carries the static layout
-of what was traced (:class:`WithLayout`)."""
+"""The step contributor, and the static layout its result carries (:class:`WithLayout`)."""
 
 from __future__ import annotations
 
@@ -15,26 +13,15 @@ from flaxhooks.step._taps import Tapped, Taps
 
 
 class StepContributor:
-    """Base class of what needs values computed inside the train step.
-
-    A contributor declares what the step must expose (:attr:`taps`), a pure
-    function of that (:meth:`inside_step`) and when it is due (:meth:`due`,
-    asked on the host once per step). The runner compiles one variant of the
-    step per set of due contributors and hands each due one its own result
-    (:meth:`take`). Tracing changes nothing on the host: what the trace found
-    (names, sizes) comes back with the result in a :class:`WithLayout`, and
-    :meth:`take_layout` gets it once the runner has checked the step. A
-    contributor that sums its results over several due steps inside the step
-    sets :attr:`combines` and defines :meth:`combine`.
-    :class:`flaxhooks.callbacks.InstrumentedCallback` is the callback built on it.
+    """Base class of what needs values computed inside the train step
+    (docs/guides/inside-the-model.md; the callback is
+    :class:`flaxhooks.callbacks.InstrumentedCallback`).
 
     Attributes:
-        taps: what the step must expose (sown collections, captured or
-            perturbed modules).
-        combines: whether the step combines this contributor's result with
-            its :attr:`carry` (:meth:`combine`) instead of returning it alone.
-        carry: a combining contributor's running result, carried into its
-            next due step; None: zeros shaped like the result.
+        taps: what the step must expose.
+        combines: whether the step combines the result with :attr:`carry`
+            (:meth:`combine`) instead of returning it alone.
+        carry: a combining contributor's running result; None: zeros like the result.
     """
 
     taps: Taps = Taps()
@@ -50,17 +37,14 @@ class StepContributor:
         raise NotImplementedError
 
     def take(self, loop: Any, result: Any) -> None:
-        """This contributor's result of the step just dispatched (replicated
-        device arrays: nothing is read), before ``step_end``."""
+        """The result of the step just dispatched (replicated device arrays), before ``step_end``."""
         raise NotImplementedError
 
     def take_layout(self, layout: Any) -> None:
-        """The layout of a :class:`WithLayout` result, handed over on the host
-        once the step was traced on abstract values (before anything compiles)."""
+        """The layout of a :class:`WithLayout` result, once the step was traced on abstract values."""
 
     def combine(self, carry: Any, result: Any) -> Any:
-        """Inside the step, when :attr:`combines`: ``carry`` and this step's
-        ``result`` made one (pure)."""
+        """Inside the step, when :attr:`combines`: ``carry`` and ``result`` made one (pure)."""
         raise NotImplementedError(f"{type(self).__name__} combines results but defines no combine()")
 
 
@@ -68,9 +52,8 @@ _PROTOCOL = ("taps", "due", "inside_step", "take")
 
 
 def contributors_among(callbacks: Sequence[Any]) -> tuple[StepContributor, ...]:
-    """The step contributors among ``callbacks``, in their order. An object
-    that has the members of 0.7's protocol without subclassing
-    :class:`StepContributor` still contributes, with a ``DeprecationWarning``."""
+    """The step contributors among ``callbacks``, in order (0.7's protocol
+    shape without subclassing: with a ``DeprecationWarning``)."""
     found = []
     for callback in callbacks:
         if isinstance(callback, StepContributor):
@@ -122,12 +105,8 @@ class _Duck(StepContributor):
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class WithLayout:
-    """An in-step result with the static layout of what was traced.
-
-    ``values`` are the arrays; ``layout`` is hashable host data fixed by the
-    trace (the names and sizes of the values), carried out of ``jax.jit`` in
-    the result's tree structure, never as an array. An ``inside_step`` returns
-    one; ``take`` (and ``combine``) receive it back with both.
+    """An in-step result: ``values`` (arrays) with ``layout``, hashable host data
+    fixed by the trace, carried out of ``jax.jit`` in the tree structure.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -137,8 +116,7 @@ class WithLayout:
     """
 
     values: Any
-    #: Hashable; its shape is each contributor's own (names, sizes), so it is
-    #: typed Any for the contributor's ``take`` to read as it wrote it.
+    #: Hashable; Any: each contributor reads it as it wrote it.
     layout: Any = ()
 
     def tree_flatten(self) -> tuple[tuple[Any], Hashable]:

@@ -1,12 +1,5 @@
-"""The model adapter for ``flax.linen`` modules, and how an instrumented
-call sees inside one without changing its code.
-
-Values come from Flax's own mechanisms: ``Module.sow`` collections,
-``capture_intermediates`` with a filter, ``Module.perturb`` sites in the
-model, and ``perturb`` calls added to chosen submodules' outputs through
-``flax.linen.intercept_methods``. Everything but :class:`LinenModel`'s
-constructor runs while a step is traced.
-"""
+"""The model adapter for ``flax.linen`` modules, and how an instrumented call
+records inside one (see docs/architecture.md, "Inside the step")."""
 
 from __future__ import annotations
 
@@ -34,6 +27,7 @@ from flaxhooks.step._recording import (
     Found,
     ReturnedBy,
     as_repeated,
+    is_floating,
     returned_by,
     sown_entries,
     variable_sites,
@@ -48,8 +42,7 @@ from flaxhooks.step._taps import (
     output_name,
 )
 
-#: Collections that hold per-step values, never state: Flax's perturbation and
-#: intermediates collections. Sown collections are found by :meth:`LinenModel.carried`.
+#: Collections of per-step values, never state (sown ones are found by :meth:`LinenModel.carried`).
 PER_STEP_COLLECTIONS = frozenset({PERTURBATIONS, INTERMEDIATES})
 
 
@@ -61,8 +54,7 @@ def _mode_field(module: nn.Module, train_arg: str) -> str | None:
 
 
 def _annotation(box: nn.Partitioned) -> Annotation:
-    """A Linen box's names: logical (through the rules; its own rules first)
-    for ``nn.LogicallyPartitioned``, else mesh axes."""
+    """A Linen box's names: logical (its own rules first) for ``nn.LogicallyPartitioned``, else mesh axes."""
     if isinstance(box, nn.LogicallyPartitioned):
         return Annotation(tuple(box.names), logical=True, rules=tuple(box.rules or ()))
     return Annotation(tuple(box.names), logical=False)
@@ -75,13 +67,13 @@ class LinenModel:
     Args:
         module: the Flax module the train step calls.
         call: how a batch and the mode reach its ``__call__``.
-        eval_module: the module evaluation, initialization and the summary
-            call (the same parameters; by default ``module``).
+        eval_module: the module for evaluation, initialization and the summary
+            (the same parameters; by default ``module``).
         rng_names: the RNG streams the model draws from (e.g. ``dropout``).
         state_collections: the collections carried from step to step besides
             ``params``; None: found by :meth:`carried`.
-        axis_name: the device axis the step maps over, which the model's
-            own collectives (``nn.BatchNorm(axis_name=...)``) name.
+        axis_name: the device axis the model's own collectives
+            (``nn.BatchNorm(axis_name=...)``) name.
 
     Examples:
         >>> import flax.linen as nn
@@ -110,11 +102,9 @@ class LinenModel:
     ) -> LinenModel:
         """Builds the adapter from the module's signature.
 
-        The mode reaches the model as ``train_arg`` when its ``__call__``
-        takes it (``deterministic``, Flax's inverse of ``train``, when it
-        takes that instead); else as a field of its constructor of either
-        name, set on a copy for each mode; else not at all, unless
-        ``eval_module`` gives the eval-mode model.
+        The mode reaches the model as ``train_arg`` (or ``deterministic``) when
+        its ``__call__`` takes it, else as a constructor field of either name set
+        on a copy per mode, else not at all unless ``eval_module`` is given.
         """
         call = ModelCall.of(type(module).__call__, input_keys, train_arg)
         if eval_module is None and call.mode_arg is None and train_arg is not None:
@@ -144,8 +134,7 @@ class LinenModel:
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """Initializes every collection the model creates, in inference mode."""
-        # Annotated parameters come boxed (nn.with_logical_partitioning): the
-        # state holds plain arrays, placed by the names the boxes carry.
+        # The state holds plain arrays; annotated parameters come boxed.
         return dict(nn.unbox(self._boxed_init(key, batch)))
 
     def _boxed_init(self, key: jax.Array, batch: Batch) -> Any:
@@ -155,10 +144,8 @@ class LinenModel:
         return self.eval_module.init(rngs, *args, **kwargs)
 
     def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
-        """Each variable's :class:`~flaxhooks.placement.Annotation` from
-        ``nn.with_logical_partitioning`` (logical names) or
-        ``nn.with_partitioning`` (mesh axes), None where it has none, by
-        collection; on abstract values."""
+        """Each variable's :class:`~flaxhooks.placement.Annotation` (None where
+        it has none), by collection; on abstract values."""
         boxed = jax.eval_shape(self._boxed_init, key, batch)
         is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
         found = jax.tree.map(lambda x: _annotation(x) if is_box(x) else None, dict(boxed), is_leaf=is_box)
@@ -181,14 +168,9 @@ class LinenModel:
         return outputs, ({c: mutated[c] for c in carried} if train else dict(model_state))
 
     def carried(self, variables: Mapping[str, Any], batch: Batch) -> tuple[str, ...]:
-        """Names the collections that are state carried from step to step.
-
-        Given ``state_collections``, those (checked). Otherwise a candidate is
-        any collection ``init`` made other than ``params`` and the per-step
-        ones. It is state when a train-mode call returns it with the same
-        structure, shapes and dtypes (BatchNorm's ``batch_stats``); sown
-        values, which ``sow`` appends to, come back changed and are dropped.
-        Works on abstract values; compiles nothing.
+        """The collections carried from step to step: ``state_collections``
+        (checked), else those a train-mode call returns with the same structure,
+        shapes and dtypes (sown values come back changed); on abstract values.
 
         Raises:
             ValueError: a named state collection is not among the model's.
@@ -225,16 +207,9 @@ class LinenModel:
         return _LinenRecordedCall(self, model_state, batch, rngs, taps)
 
     def tabulate(self, batch: Batch, carried: Sequence[str], **options: Any) -> str:
-        """``flax.linen.tabulate`` on zeros like ``batch`` (one device's share).
-
-        The model is traced with ``mutable=["params", *carried]``, so per-step
-        collections (perturbations, sown values) are never counted as
-        parameters, as a plain ``nn.tabulate`` would. ``options`` are
-        tabulate's (``depth``, ``console_kwargs``, ...).
-        """
-        # Concrete zeros (tabulate rejects abstract inputs), made by numpy: no compilation.
-        zeros = {key: np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys}
-        inputs, kwargs = self.call.arguments(zeros, train=False)
+        """``flax.linen.tabulate`` on zeros like ``batch`` (one device's share),
+        per-step collections left out of the parameters; ``options`` are tabulate's."""
+        inputs, kwargs = self.call.zero_arguments(batch)
         shape = jax.eval_shape(jax.random.PRNGKey, 0)  # only traced: the key's value does not matter
         key = np.zeros(shape.shape, shape.dtype)
         rngs: dict[str, Any] = {"params": key, **dict.fromkeys(self.rng_names, key)}
@@ -268,7 +243,7 @@ class _LinenRecordedCall:
     def perturbations(self, params: Any) -> Any:
         if not self.taps.wants_gradients:
             return {}
-        shapes = jax.eval_shape(  # zeros shaped like this batch's values
+        shapes = jax.eval_shape(
             lambda params: self._run(params, None, [*self.carried, PERTURBATIONS])[1].get(PERTURBATIONS, {}),
             params,
         )
@@ -294,12 +269,9 @@ class _LinenRecordedCall:
 @functools.cache
 def _scan_kwargs(cls: type, method: str) -> tuple[str, Mapping[str, Any]] | None:
     """``("class" | "method", nn.scan's arguments)`` when ``cls.method`` is
-    lifted by ``nn.scan``: a class made by ``nn.scan(Module, ...)``, or a
-    method decorated with ``nn.transforms.scan``; else None.
-
-    Hand-read because Flax keeps the arguments only in the closure of the
-    lifted method (no public attribute); the transform is compared by identity.
-    """
+    lifted by ``nn.scan`` (a class made by it, or a method decorated with
+    ``nn.transforms.scan``), else None. Flax keeps them only in the lifted
+    method's closure."""
     function = next((c.__dict__[method] for c in cls.__mro__ if method in c.__dict__), None)
     if function is None:
         return None
@@ -323,22 +295,15 @@ def scan_axis(variable_axes: Mapping[Any, Any], collection: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Scan:
-    """A lifted scan whose body an instrumented call ran.
+    """A lifted scan whose body an instrumented call ran."""
 
-    Attributes:
-        variable_axes: the collections it hands out, stacked along an axis.
-        what: the scan as a person finds it in the model.
-        fix: how to make it hand out more collections, ``{axes}`` standing for them.
-    """
-
-    variable_axes: Mapping[Any, Any]
-    what: str
-    fix: str
+    variable_axes: Mapping[Any, Any]  # the collections it hands out, stacked along an axis
+    what: str  # the scan as a person finds it in the model
+    fix: str  # how to make it hand out more collections, ``{axes}`` standing for them
 
     @property
     def recurrent(self) -> bool:
-        """Every iteration shares the parameters: a recurrence over time
-        steps (reduced by default), not a stack of layers (split per layer)."""
+        """Every iteration shares the parameters: a recurrence, not a stack of layers."""
         return scan_axis(self.variable_axes, "params") is None
 
 
@@ -348,31 +313,22 @@ def _is_probe(module: nn.Module) -> bool:
 
 
 class _LinenCallRecorder:
-    """A method interceptor: records which module calls ran, in the order they
-    completed, finds the scans they ran in (``nn.scan`` in class or
-    method form, ``nn.RNN``), and perturbs the outputs of selected modules so
-    the loss can be differentiated with respect to them.
-
-    ``sown`` names the collections whose sown values are attributed to the
-    call that sowed them (the innermost one of the module that was running).
-    """
+    """A method interceptor: ranks module calls as they complete, finds the scans
+    they ran in, and perturbs the outputs of selected modules; sown values of the
+    ``sown`` collections are attributed to the call that sowed them."""
 
     def __init__(
         self, perturb: ModuleFilter | None = None, capture: ModuleFilter | None = None,
         sown: Sequence[str] = (),
     ):
-        self.perturb = perturb
-        self.capture = capture
-        self.sown = tuple(sown)
-        #: The order calls completed in (a call keeps its first rank: nn.scan traces its body twice).
+        self.perturb, self.capture, self.sown = perturb, capture, tuple(sown)
         self.order = CallOrder()
         #: (path, collection, name, entry) -> rank of the call that sowed that entry of the
         #: sown tuple (entry None: a value that is no tuple, by the call that last wrote it).
         self._sown_ranks: dict[tuple[tuple[str, ...], str, str, int | None], int] = {}
         self.scans: dict[tuple[str, ...], Scan] = {}  # path of the module a scan runs -> the scan
-        #: (module path, variable) -> (module, method) of each perturbed output.
+        #: (module path, variable or method) -> (module, method) of each perturbed / captured output.
         self.perturbed: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
-        #: (module path, method) -> (module, method) of each captured output.
         self.captured: dict[tuple[tuple[str, ...], str], tuple[nn.Module, str]] = {}
         self._scanned_classes: dict[str, Mapping[Any, Any]] = {}  # name -> variable_axes
         self._rnn_cells: dict[tuple[str, ...], Scan] = {}  # path of an nn.RNN's cell -> its scan
@@ -381,21 +337,19 @@ class _LinenCallRecorder:
         self._scopes: list[Any] = []  # keeps ids in _calls unique while recording
         self._running: list[tuple[tuple[str, ...], str]] = []  # (path, method) of the calls under way
         self._returned: dict[int, ReturnedBy] = {}  # id of each array a submodule returned -> its call
-        #: The arrays of the model's captured output that a captured submodule returned (as ReturnedBy).
+        #: The arrays of the model's captured output that a captured submodule returned.
         self.repeated_outputs: dict[int, ReturnedBy] = {}
         #: (path, variable) of the model's perturbed outputs that a perturbed submodule returned -> its path.
         self.repeated_sites: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}
 
     def _outer(self, module: nn.Module, method: str) -> bool:
-        """Whether this call is not one of a module's method calling itself
-        (``super().__call__``, as ``nn.SelfAttention`` does): only the outermost
-        output of such a chain is its output."""
+        """Not a module's method calling itself (``super().__call__``): only the
+        outermost output of such a chain is its output."""
         return (module_path(module), method) not in self._running
 
     @property
     def capture_filter(self) -> Callable[[nn.Module, str], bool] | None:
-        """The capture filter for ``capture_intermediates``, outermost calls only
-        (Flax checks it once the call has returned, inside any enclosing one)."""
+        """The filter for ``capture_intermediates``, outermost calls only."""
         capture = self.capture
         if capture is None:
             return None
@@ -430,9 +384,8 @@ class _LinenCallRecorder:
     def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module, method = context.module, context.method_name
         if _is_probe(module):
-            # The only call of a class made by nn.scan that is intercepted: its
-            # body runs on a clone of the original class, as the root of a new
-            # scope tree with the same name.
+            # The one intercepted call of a class made by nn.scan: its body runs on a clone,
+            # the root of a new scope tree with the same name.
             lifted = _scan_kwargs(type(module), "__call__")  # type: ignore[arg-type]  # as in _enter
             if lifted is not None and lifted[0] == "class":
                 self._scanned_classes[str(module.name)] = dict(lifted[1].get("variable_axes", {}))
@@ -463,22 +416,18 @@ class _LinenCallRecorder:
             self.captured[(path, method)] = (module, method)
         # Not a helper method the module calls itself (the recipe's ``self._relu``).
         outermost = all(running != path for running, _ in self._running)
-        # Decided on the arrays themselves, before they leave the traced call: the model's
-        # output repeats a module's when it is the very array that module returned.
+        # Decided on the arrays themselves, before they leave the traced call.
         repeats = self._repeats(output) if not path and outermost else None
         if perturbed:
             output = self._perturbed(module, path, method, call, output, repeats)
         self._note_returned(output, path, captured, perturbed, repeats)
-        # A parent's call completes after its children's: the order the outputs were produced in.
         rank = self.order.complete((path, method, call), outermost)
         self._note_sown(module, path, before, rank)
         return output
 
     def _count(self, module: nn.Module, path: tuple[str, ...], method: str) -> int:
-        """Numbers this call of ``method`` from 0, as the captured tuple and
-        the perturbation names (``__call__#1``) do. Calls are counted per
-        scope tree: nn.scan traces its body twice, each time in a new one,
-        while a shared module's calls share one."""
+        """Numbers this call of ``method`` from 0, per scope tree (nn.scan traces
+        its body twice, each in a new one; a shared module's calls share one)."""
         assert module.scope is not None, "interceptors see bound modules"
         root = module.scope.root
         key = (path, method, id(root))
@@ -502,8 +451,8 @@ class _LinenCallRecorder:
     def _note_sown(
         self, module: nn.Module, path: tuple[str, ...], before: Mapping[Any, Any], rank: int,
     ) -> None:
-        """Attributes what the module sowed during this call to it: each entry
-        a sow appended to a tuple, or a value (other reductions) it last wrote."""
+        """Attributes what the module sowed during this call: each entry a sow
+        appended to a tuple, or a value (other reductions) it last wrote."""
         for (collection, name), value in self._sown_state(module).items():
             old = before.get((collection, name))
             if value is old:
@@ -538,7 +487,7 @@ class _LinenCallRecorder:
         leaves, treedef = jax.tree.flatten(output)
         name = method if call == 0 else f"{method}#{call}"
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating):
+            if is_floating(leaf):
                 variable = name if len(leaves) == 1 else f"{name}:{i}"
                 self.perturbed[(path, variable)] = (module, method)
                 source = repeats[i] if repeats is not None else None
@@ -548,8 +497,8 @@ class _LinenCallRecorder:
         return jax.tree.unflatten(treedef, leaves)
 
     def sown_rank(self, path: tuple[str, ...], collection: str, name: str, entry: int | None) -> int:
-        """The rank of the call that sowed ``entry`` of the module's sown
-        ``name`` (None: a value that is no tuple); the module's first call's if unknown."""
+        """The rank of the call that sowed ``entry`` of ``name`` (None: no tuple);
+        the module's first call's if unknown."""
         return self._sown_ranks.get((path, collection, name, entry), self.order.rank(path))
 
 
@@ -579,8 +528,8 @@ def _split_scanned(
     scans: Mapping[tuple[str, ...], Scan],
     split_steps: bool,
 ) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
-    """One (display path, value) per layer of every scan the value passed
-    through; a recurrence's time steps stay together unless ``split_steps``."""
+    """One (display path, value) per layer of every scan the value passed through
+    (a recurrence's time steps together unless ``split_steps``)."""
     enclosing = [s for s in scans if len(s) <= len(module) and module[: len(s)] == s]
     axes = []
     for scan in sorted(enclosing, key=len):
@@ -606,13 +555,9 @@ def _split_scanned(
 def recorded_values(
     collections: Mapping[str, Mapping[str, Any]], recorder: _LinenCallRecorder, split_steps: bool = False,
 ) -> tuple[Tap, ...]:
-    """Taps for every floating value in ``collections``, in execution order:
-    each in the order the call that made it completed (a shared module's
-    outputs each by its own call), a parent's after its children's.
-
-    Values stacked by a scan over layers are split into one tap per layer;
-    those of a recurrence stay one value over every time step unless ``split_steps``.
-    """
+    """Taps for every floating value in ``collections``, in the order the calls
+    that made them completed; values a scan stacked split per layer (per time
+    step of a recurrence only with ``split_steps``)."""
     found = Found()
     for collection, tree in collections.items():
         sites = list(variable_sites(tree))
@@ -654,14 +599,8 @@ def _repeated(
 
 
 def warn_dropped(recorder: _LinenCallRecorder, taps: Sequence[Tap], requested: Sequence[str]) -> None:
-    """Warns once about each scan (``nn.scan``, ``nn.RNN``) that drops values
-    that are wanted, naming it and the exact change that hands them out.
-
-    A collection is wanted inside a scan when a capture or perturbation
-    filter selected a module inside it, or when it is one the user asked for
-    by name (sown values and the model's own ``perturb`` sites, which cannot
-    be seen before they are dropped).
-    """
+    """Warns once about each scan (``nn.scan``, ``nn.RNN``) that drops wanted
+    values (selected inside it, or ``requested`` by name), naming the fix."""
     for path, scan in recorder.scans.items():
         inside = recorder.inside_scans.get(path, set())
         dropped = [

@@ -1,23 +1,5 @@
-"""The model adapter for Flax NNX modules, and how an instrumented call sees
-inside one without changing its code.
-
-The step stays a pure function over arrays: the user's module is split once
-into a graph definition and pure arrays grouped by variable type
-(``params`` for ``nnx.Param``, ``batch_stats`` for ``nnx.BatchStat``,
-``rngs`` for the RNG keys and counts, ...); every call merges them back
-inside the compiled step. Train and eval mode are two graph definitions of
-a clone, made with NNX's own ``train()`` / ``eval()``, so the user's object
-is never changed until :meth:`NNXModel.update` writes the trained state back.
-
-NNX has no ``intercept_methods``: module outputs are recorded by a wrapper
-around each module class's ``__call__``, active only on the thread that
-runs an instrumented call and only for the modules of that call's graph.
-The model's own ``sow`` and ``perturb`` sites are read with ``nnx.capture``.
-Hand-written, not ``nnx.capture(method_outputs=...)``, which wraps only the
-methods a class defines itself (an ``nnx.Linear`` subclass that inherits
-``__call__`` is missed), patches the classes for every thread, and records
-outputs but cannot perturb them (the gradients of intermediates).
-"""
+"""The model adapter for Flax NNX modules, and how an instrumented call records
+inside one (see docs/guides/models.md and docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -44,9 +26,9 @@ from flaxhooks.step._recording import (
     Path,
     ReturnedBy,
     as_repeated,
+    is_floating,
     returned_by,
-    sown_values,
-    variable_sites,
+    sown_taps,
 )
 from flaxhooks.step._taps import (
     INTERMEDIATES,
@@ -61,8 +43,8 @@ from flaxhooks.step._taps import (
 
 
 def collection_of(variable_type: type) -> str:
-    """The collection name of an NNX variable type: ``params``,
-    ``batch_stats``, ``rngs`` (keys and counts), else the type's name in snake case."""
+    """The collection of an NNX variable type: ``params``, ``batch_stats``,
+    ``rngs`` (keys and counts), else the type's name in snake case."""
     if issubclass(variable_type, nnx.Param):
         return "params"
     if issubclass(variable_type, nnx.BatchStat):
@@ -91,12 +73,10 @@ class _Leaf:
         self.path = path  # as NNX names it (list indices stay ints)
         self.key: Path = tuple(str(p) for p in path)
         self.collection = collection_of(type(variable))
-        # NNX never writes an RngKey (its count advances): the step keeps it
-        # and folds the device index into it. Other keys are the model's own.
+        # NNX never writes an RngKey (its count advances): the step keeps it and folds in the device.
         self.rng_key = isinstance(variable, nnx.RngKey)
         value = variable.get_value()
-        # Typed PRNG keys are kept as their raw data: checkpoints and host
-        # copies (np.asarray) cannot take typed keys.
+        # Typed PRNG keys are stored as raw data: checkpoints and np.asarray cannot take them.
         self.impl = jax.random.key_impl(value) if _is_typed_key(value) else None
         self.names = _annotation(variable.get_metadata())
 
@@ -108,9 +88,8 @@ class _Leaf:
 
 
 def _annotation(metadata: Mapping[str, Any]) -> Annotation | None:
-    """``nnx.with_partitioning``'s names (``out_sharding``: a tuple, a
-    PartitionSpec or a NamedSharding), if any: mesh axes, renamed by rules
-    as NNX renames them (its own ``sharding_rules`` first, then the Trainer's)."""
+    """``nnx.with_partitioning``'s mesh axes (``out_sharding``), if any, with
+    NNX's own ``sharding_rules``."""
     names = metadata.get("out_sharding")
     if not names:  # None, or () as NNX writes "no sharding"
         return None
@@ -126,22 +105,20 @@ class NNXModel:
     """A Flax NNX module as the Trainer calls it.
 
     Args:
-        module: the user's ``nnx.Module``, with its parameters (it is not
-            changed until :meth:`update`).
+        module: the user's ``nnx.Module`` (not changed until :meth:`update`).
         input_keys: batch keys passed to the model positionally, in order,
             or ``{argument: batch key}`` passed by keyword.
-        train_arg: a parameter of ``__call__`` telling the model it trains,
-            if it names one (``deterministic``, its inverse, is recognized
-            too); NNX's own switch (``deterministic`` / ``use_running_average``
-            attributes, as ``train()`` / ``eval()`` set them) is always used.
-        axis_name: the device axis the step maps over (every ``nnx.BatchNorm``
-            of the train-mode copy reduces over it; see docs/guides/models.md).
+        train_arg: a ``__call__`` parameter telling the model it trains, if it
+            names one (``deterministic`` too); NNX's ``train()`` / ``eval()``
+            switch is always used.
+        axis_name: the device axis every ``nnx.BatchNorm`` of the train-mode
+            copy reduces over (docs/guides/models.md).
 
     Examples:
         >>> from flax import nnx
         >>> from flaxhooks.step import NNXModel
         >>> model = NNXModel(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "x")
-        >>> sorted(model.layout())
+        >>> sorted(model.variable_paths())
         ['params']
     """
 
@@ -165,32 +142,31 @@ class NNXModel:
     def __repr__(self) -> str:
         return f"NNXModel({type(self.module).__name__}, input_keys={self.input_keys})"
 
-    def layout(self) -> dict[str, list[Path]]:
+    def variable_paths(self) -> dict[str, list[Path]]:
         """The variable paths of each collection."""
         found: dict[str, list[Path]] = {}
         for leaf in self._leaves:
             found.setdefault(leaf.collection, []).append(leaf.key)
         return found
 
-    def _collections(self, module: nnx.Module) -> dict[str, Any]:
-        flat = dict(nnx.to_flat_state(nnx.state(module)))
+    def _by_collection(self, value: Callable[[_Leaf], Any]) -> dict[str, Any]:
         grouped: dict[str, Any] = {}
         for leaf in self._leaves:
-            _put(grouped.setdefault(leaf.collection, {}), leaf.key, leaf.stored(flat[leaf.path].get_value()))
+            _put(grouped.setdefault(leaf.collection, {}), leaf.key, value(leaf))
         return grouped
+
+    def _collections(self, module: nnx.Module) -> dict[str, Any]:
+        flat = dict(nnx.to_flat_state(nnx.state(module)))
+        return self._by_collection(lambda leaf: leaf.stored(flat[leaf.path].get_value()))
 
     def own_variables(self) -> dict[str, Any]:
         """The module's current values by collection (concrete arrays)."""
         return self._collections(self.module)
 
     def annotations(self, key: Any, batch: Batch) -> dict[str, Any]:
-        """Each variable's axis names from ``nnx.with_partitioning`` (None
-        where it has none), by collection."""
+        """Each variable's axis names from ``nnx.with_partitioning`` (None where it has none)."""
         del key, batch
-        found: dict[str, Any] = {}
-        for leaf in self._leaves:
-            _put(found.setdefault(leaf.collection, {}), leaf.key, leaf.names)
-        return found
+        return self._by_collection(lambda leaf: leaf.names)
 
     def init(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         """The module's own values: an NNX module comes initialized."""
@@ -203,19 +179,15 @@ class NNXModel:
         return tuple(c for c in variables if c != "params")
 
     def merged(self, params: Any, model_state: Mapping[str, Any], *, train: bool) -> nnx.Module:
-        """A module of the train- or eval-mode graph holding these values.
-
-        In train mode on several devices, each device's RNG keys are folded
-        with its index, so dropout masks differ between devices.
-        """
+        """A module of the train- or eval-mode graph holding these values (in train
+        mode on several devices, RNG keys folded with the device index)."""
         folds = train and any(leaf.rng_key for leaf in self._leaves)
         devices = jax.lax.psum(1, self.axis_name) if folds else 1
         nested = self._leaf_values({"params": params, **model_state}, per_device=devices > 1)
         return nnx.merge(self._train_def if train else self._eval_def, nested)
 
     def _new_state(self, module: nnx.Module, model_state: Mapping[str, Any]) -> dict[str, Any]:
-        """The carried state after a train-mode call; RNG keys as they were
-        (the counts advanced), so the next step draws new numbers."""
+        """The carried state after a train-mode call, RNG keys as they were (the counts advanced)."""
         after = self._collections(module)
         for leaf in self._leaves:
             if leaf.rng_key:
@@ -232,8 +204,7 @@ class NNXModel:
     ) -> tuple[Any, dict[str, Any]]:
         del rngs  # the model draws from its own nnx.Rngs
         module = self.merged(params, model_state, train=train)
-        # Under nnx.capture with no variable types, the model's own sow and
-        # perturb calls do nothing (outside it they would add attributes).
+        # Under nnx.capture with no variable types the model's sow and perturb calls do nothing.
         outputs = nnx.capture(lambda m: self._call(m, batch, train))(module)
         return outputs, (self._new_state(module, model_state) if train else dict(model_state))
 
@@ -248,17 +219,12 @@ class NNXModel:
         nnx.update(self.module, self._leaf_values({"params": params, **model_state}))
 
     def tabulate(self, batch: Batch, carried: Sequence[str], **options: Any) -> str:
-        """``nnx.tabulate`` of the eval-mode model on zeros like ``batch``.
-
-        Traced under ``jax.eval_shape`` (nothing runs), with the model's own
-        ``sow``/``perturb`` calls left out of the rows, and the total
-        counting ``nnx.Param`` only: the other variables keep their own columns.
-        """
+        """``nnx.tabulate`` of the eval-mode model on zeros like ``batch``, traced
+        under ``jax.eval_shape``; its total counts ``nnx.Param`` only."""
         del carried
         options.pop("show_repeated", None)
         console = {"force_terminal": False, **options.pop("console_kwargs", {})}
-        zeros = {key: np.zeros(batch[key].shape, batch[key].dtype) for key in self.input_keys}
-        inputs, kwargs = self.call.arguments(zeros, train=False)
+        inputs, kwargs = self.call.zero_arguments(batch)
         table: list[str] = []
 
         def rows(info: Any) -> bool:
@@ -323,10 +289,8 @@ def _recording_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _recording(recorder: _NNXCallRecorder, classes: set[type]) -> Iterator[None]:
-    """Wraps the ``__call__`` of ``classes`` while ``recorder`` records on this thread.
-
-    Other threads, and modules outside the recorder's graph, run unchanged.
-    """
+    """Wraps the ``__call__`` of ``classes`` while ``recorder`` records on this
+    thread; other threads, and modules outside its graph, run unchanged."""
     owners = {owner for cls in classes if (owner := _owner_of_call(cls)) is not None}
     with _patch_lock:
         for owner in owners:
@@ -381,13 +345,13 @@ class _NNXCallRecorder:
         self.capture, self.perturb, self.perturbations = capture, perturb, perturbations
         self.order = CallOrder()
         self.calls: dict[Path, int] = {}
-        self.outputs: list[tuple[Path, int, int, int, jax.Array, nnx.Module]] = []  # path, call, leaf, leaves
-        self.perturbed: list[tuple[Path, int, int, int, str, nnx.Module]] = []
+        # (path, call, leaf, leaves, value or perturbation key, module) of each captured / perturbed output
+        self.outputs: list[tuple[Path, int, int, int, Any, nnx.Module]] = []
+        self.perturbed: list[tuple[Path, int, int, int, Any, nnx.Module]] = []
         self.shapes: dict[str, jax.ShapeDtypeStruct] = {}
         self.unseen: dict[str, str] = {}  # type of a module run inside a transform -> its caller
         self._returned: dict[int, ReturnedBy] = {}  # id of each array a submodule returned -> its call
-        #: (call, leaf) of the model's captured / perturbed outputs that a captured / perturbed
-        #: submodule returned -> its path.
+        #: (call, leaf) of the model's outputs that a captured / perturbed submodule returned -> its path.
         self.repeated_outputs: dict[tuple[int, int], Path] = {}
         self.repeated_sites: dict[tuple[int, int], Path] = {}
         self._stack: list[Any] = []
@@ -414,8 +378,7 @@ class _NNXCallRecorder:
         call = self.calls.get(path, 0)
         self.calls[path] = call + 1
         leaves, treedef = jax.tree.flatten(output)
-        floating = [i for i, x in enumerate(leaves)
-                    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+        floating = [i for i, x in enumerate(leaves) if is_floating(x)]
         captured = self.capture is not None and self.capture(module, "__call__")
         perturbed = self.perturb is not None and self.perturb(module, "__call__")
         if not path:  # the model's output: does it repeat a submodule's, the very same array?
@@ -440,7 +403,7 @@ class _NNXCallRecorder:
 
     def _note_repeats(self, call: int, outputs: Sequence[jax.Array]) -> None:
         """Notes which of the model's floating outputs are the very arrays a
-        captured (perturbed) submodule returned: decided while traced."""
+        captured (perturbed) submodule returned."""
         for n, leaf in enumerate(outputs):
             source = returned_by(self._returned, leaf)
             if source is not None and source.captured:
@@ -448,19 +411,25 @@ class _NNXCallRecorder:
             if source is not None and source.perturbed:
                 self.repeated_sites[(call, n)] = source.path
 
-    def name(self, path: Path, call: int, leaf: int, leaves: int) -> str:
-        parts = [*path, *output_name(path, ())]
-        if self.calls.get(path, 1) > 1:
-            parts.append(str(call))
-        if leaves > 1:
-            parts.append(str(leaf))
-        return "/".join(parts)
+    def taps(self, found: Found, collection: str, value: Callable[[Any], jax.Array]) -> None:
+        """Adds the captured (``intermediates``) or perturbed outputs to ``found``."""
+        captured = collection == INTERMEDIATES
+        repeated = self.repeated_outputs if captured else self.repeated_sites
+        for path, call, leaf, leaves, recorded, source in self.outputs if captured else self.perturbed:
+            parts = [*path, *output_name(path, ())]
+            if self.calls.get(path, 1) > 1:
+                parts.append(str(call))
+            if leaves > 1:
+                parts.append(str(leaf))
+            tap = Tap("/".join(parts), path, collection, value(recorded), "__call__", (source, "__call__"))
+            if not path:
+                tap = as_repeated(tap, repeated.get((call, leaf)))
+            found.add(self.order.call_rank((path, "__call__", call)), tap)
 
 
 def _sown_types(collections: Sequence[str]) -> dict[type, str]:
-    """The NNX variable types of the ``sow`` collections asked for by name
-    (``intermediates``: ``nnx.Intermediate``), each with that name; subclasses
-    before their bases, so each value is read under its own type."""
+    """The NNX variable types of the ``sow`` collections named (``intermediates``:
+    ``nnx.Intermediate``), subclasses first so each value is read under its own type."""
     found: dict[type, str] = {}
     for name in collections:
         try:
@@ -521,20 +490,11 @@ class _NNXRecordedCall:
         recorder = self.recorder
         assert recorder is not None
         found = Found()
-        for path, call, leaf, leaves, value, source in recorder.outputs:
-            tap = Tap(recorder.name(path, call, leaf, leaves), path, INTERMEDIATES, value, "__call__",
-                      (source, "__call__"))
-            if not path:
-                tap = as_repeated(tap, recorder.repeated_outputs.get((call, leaf)))
-            found.add(recorder.order.call_rank((path, "__call__", call)), tap)
+        recorder.taps(found, INTERMEDIATES, lambda value: value)
         for var_type, state in captured.items():
-            if var_type is nnx.Perturbation:
-                continue
-            collection = self.sown[var_type]
-            for module_path, key, value in variable_sites(nnx.to_pure_dict(state)):
-                for name, array in sown_values(value, (key,)):
-                    tap = Tap("/".join((*module_path, *name)), module_path, collection, array, key)
-                    found.add(recorder.order.rank(module_path), tap)
+            if var_type is not nnx.Perturbation:
+                for tap in sown_taps(nnx.to_pure_dict(state), self.sown[var_type]):
+                    found.add(recorder.order.rank(tap.module), tap)
         return outputs, self.model._new_state(module, self.model_state), found.in_call_order()
 
     def gradients(self, perturbation_grads: Any) -> tuple[Tap, ...]:
@@ -543,16 +503,9 @@ class _NNXRecordedCall:
         if not perturbation_grads:
             return ()
         found = Found()
-        for path, call, leaf, leaves, key, source in recorder.perturbed:
-            tap = Tap(recorder.name(path, call, leaf, leaves), path, PERTURBATIONS,
-                      perturbation_grads["outputs"][key], "__call__", (source, "__call__"))
-            if not path:
-                tap = as_repeated(tap, recorder.repeated_sites.get((call, leaf)))
-            found.add(recorder.order.call_rank((path, "__call__", call)), tap)
-        for module_path, key, value in variable_sites(perturbation_grads.get("model", {})):
-            for name, array in sown_values(value, (key,)):
-                tap = Tap("/".join((*module_path, *name)), module_path, PERTURBATIONS, array, key)
-                found.add(recorder.order.rank(module_path), tap)
+        recorder.taps(found, PERTURBATIONS, lambda key: perturbation_grads["outputs"][key])
+        for tap in sown_taps(perturbation_grads.get("model", {}), PERTURBATIONS):
+            found.add(recorder.order.rank(tap.module), tap)
         return found.in_call_order()
 
     def finish(self, activations: Sequence[Tap], gradients: Sequence[Tap]) -> None:

@@ -1,12 +1,5 @@
-"""The recording core both model adapters share: the order module calls
-completed in, the values found in sown collections, which module output the
-model's own output repeats, and the unique names of the recorded values.
-
-How an adapter sees a call (Linen's ``intercept_methods``, a wrapper around
-NNX modules' ``__call__``) is its own; what it records, and how the values
-are ordered and named, is decided here. Everything here runs while a step
-is traced, on objects made for that one trace.
-"""
+"""The recording core both model adapters share: call order, sown values,
+repeated outputs and unique names. Runs while a step is traced."""
 
 from __future__ import annotations
 
@@ -27,10 +20,8 @@ CallKey = tuple[Path, str, int]
 
 @dataclasses.dataclass(frozen=True)
 class RepeatedTap(Tap):
-    """The model's own output when it is the very same array as the output
-    of a module the same taps take (the model returns that module's output
-    unchanged): a second copy of a curve, which the statistics callbacks
-    log only when asked for every value.
+    """The model's output when it is the very array a tapped module returned:
+    a second copy of a curve, logged only when every value is asked for.
 
     Attributes:
         repeats: the path of the module whose output the model returns.
@@ -54,6 +45,10 @@ def returned_by(returned: Mapping[int, ReturnedBy], array: Any) -> ReturnedBy | 
     return found if found is not None and found.array is array else None
 
 
+def is_floating(value: Any) -> bool:
+    return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating)
+
+
 def as_repeated(tap: Tap, repeats: Path | None) -> Tap:
     """``tap`` marked as repeating the output of the module at ``repeats`` (if not None)."""
     if repeats is None:
@@ -63,9 +58,8 @@ def as_repeated(tap: Tap, repeats: Path | None) -> Tap:
 
 
 class CallOrder:
-    """The order module calls completed in: a parent's after its children's,
-    the order their outputs were produced in. A call completed twice (a scan
-    traces its body twice) keeps its first rank."""
+    """The order module calls completed in (a parent's after its children's);
+    a call completed twice (a scan traces its body twice) keeps its first rank."""
 
     def __init__(self) -> None:
         self.completed = 0  # calls completed so far: the next one's rank
@@ -73,8 +67,8 @@ class CallOrder:
         self._calls: dict[CallKey, int] = {}
 
     def complete(self, call: CallKey, outermost: bool = True) -> int:
-        """Ranks a call that just completed; ``outermost``: not a helper
-        method its module calls itself, so it ranks its module too."""
+        """Ranks a call that just completed; an ``outermost`` one (not a helper
+        method its module calls itself) ranks its module too."""
         rank = self.completed
         self.completed += 1
         self._calls.setdefault(call, rank)
@@ -83,17 +77,17 @@ class CallOrder:
         return rank
 
     def rank(self, path: Path) -> int:
-        """The order in which ``path``'s module first completed a call (last if never)."""
+        """The rank of ``path``'s module's first completed call (last if never)."""
         return self._first.get(path, self.completed)
 
     def call_rank(self, call: CallKey) -> int:
-        """The order in which ``call`` completed; its module's first call's if unknown."""
+        """The rank of ``call``; its module's first call's if unknown."""
         return self._calls.get(call, self.rank(call[0]))
 
 
 def variable_sites(tree: Mapping[Any, Any], path: Path = ()) -> Iterator[tuple[Path, str, Any]]:
-    """``(module path, variable name, value)`` for each variable of a
-    collection, nested by module (a sown value is a tuple, never a dict)."""
+    """``(module path, variable name, value)`` for each variable of a collection
+    nested by module (a sown value is a tuple, never a dict)."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
             yield from variable_sites(value, (*path, str(key)))
@@ -108,8 +102,7 @@ def sown_values(value: Any, name: Path) -> Iterator[tuple[Path, jax.Array]]:
 
 
 def sown_entries(value: Any, name: Path) -> Iterator[tuple[int | None, Path, jax.Array]]:
-    """:func:`sown_values`, each with the entry of the tuple (the call, or
-    the ``sow``) it is in; None for a value that is no tuple."""
+    """:func:`sown_values`, each with its entry of the tuple (None: no tuple)."""
     if isinstance(value, Mapping):
         for key, item in value.items():
             for item_name, array in sown_values(item, (*name, str(key))):
@@ -119,13 +112,19 @@ def sown_entries(value: Any, name: Path) -> Iterator[tuple[int | None, Path, jax
         for i, item in enumerate(value):
             for item_name, array in sown_values(item, (*name, str(i)) if many else name):
                 yield i, item_name, array
-    elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
+    elif is_floating(value):
         yield None, name, value
 
 
+def sown_taps(tree: Mapping[Any, Any], collection: str) -> Iterator[Tap]:
+    """A tap for each floating array sown into ``tree``, a collection nested by module."""
+    for module, key, value in variable_sites(tree):
+        for name, array in sown_values(value, (key,)):
+            yield Tap("/".join((*module, *name)), module, collection, array, key)
+
+
 class Found:
-    """The values one recorded call found, each with the rank of the call
-    that made it; :meth:`in_call_order` orders and names them."""
+    """The values one recorded call found, each with the rank of its call."""
 
     def __init__(self) -> None:
         self._entries: list[tuple[int, int, Tap]] = []
@@ -134,8 +133,8 @@ class Found:
         self._entries.append((rank, len(self._entries), tap))
 
     def in_call_order(self) -> tuple[Tap, ...]:
-        """The values by the rank of their call (ties in the order found),
-        a name two share suffixed by its collection (``x[custom]``)."""
+        """The values by rank (ties in the order found), a name two share
+        suffixed by its collection (``x[custom]``)."""
         ordered = [tap for _, _, tap in sorted(self._entries, key=lambda entry: entry[:2])]
         return tuple(unique_names(ordered))
 

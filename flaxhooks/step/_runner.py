@@ -1,6 +1,4 @@
-"""Runs the train step: compiles the lean step and one instrumented variant
-per set of due contributors, each one ``jax.jit`` over the mesh, checks them
-on abstract values first, and bounds the steps queued ahead of the devices."""
+"""Runs the train step: the lean step or the variant compiled for the due contributors."""
 
 from __future__ import annotations
 
@@ -27,11 +25,7 @@ class StepRunner:
     """Compiles and runs the train step of one model and loss over one mesh.
 
     Args:
-        model: the model adapter.
-        loss_fn: ``loss_fn(outputs, batch)``.
-        placement: the mesh, and where the batch and the state live on it.
-        max_steps_in_flight: how many dispatched steps may queue ahead of
-            the devices before the runner waits for the oldest.
+        max_steps_in_flight: how many dispatched steps may queue ahead of the devices.
         optimizer_metrics: the steps that also compute :data:`OPTIMIZER_METRICS`:
             every one (True), every n-th (an int n; a variant of its own), or none.
     """
@@ -49,16 +43,14 @@ class StepRunner:
         self.axis = axis_name(model)
         self.max_steps_in_flight = max_steps_in_flight
         self.contributors: tuple[StepContributor, ...] = ()
-        #: How many times each compiled step was traced (each trace compiles),
-        #: by name: ``train_step`` (lean) and ``instrumented_step`` (every variant).
+        #: Traces (each compiles) by name: ``train_step`` (lean), ``instrumented_step`` (every variant).
         self.traces: collections.Counter[str] = collections.Counter()
         self._variants: dict[tuple[tuple[StepContributor, ...], bool, bool], Any] = {}
         self._shardings: Any = None
         self._norm_split: list[Any] | None = None
         self._zero_totals: dict[tuple[str, ...], Any] = {}
         self._checked: set[Any] = set()
-        #: The names of the step's metrics (``loss``, ``loss_fn``'s, the
-        #: optimizer's), known once :meth:`check` traced the step.
+        #: The step's metric names, known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
         self._in_flight: InFlight[tuple[int, Any]] = InFlight(max_steps_in_flight)
         self._freezes: Callable[[], bool] = lambda: False
@@ -68,9 +60,8 @@ class StepRunner:
         self._replays: dict[tuple[StepContributor, ...], Any] = {}  # the latest replay's compiled step
 
     def use(self, callbacks: Sequence[Any], freezes: Callable[[], bool] = lambda: False) -> None:
-        """Takes the step contributors among ``callbacks``, in their order, and
-        ``freezes``: whether the step must keep the state from before the first
-        non-finite loss (asked as each step is dispatched)."""
+        """Takes the step contributors among ``callbacks``, and ``freezes``: whether
+        steps keep the state from before the first non-finite loss (asked per step)."""
         self.contributors = contributors_among(callbacks)
         self._freezes = freezes
         self._in_flight.clear()
@@ -78,8 +69,7 @@ class StepRunner:
 
     @property
     def freeze(self) -> bool:
-        """Whether every step leaves the state as it was once a loss was not
-        finite (this fit's first such step, and every step after it)."""
+        """Whether steps leave the state as it was once a loss was not finite."""
         return self._freezes()
 
     def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None) -> Step:
@@ -109,13 +99,9 @@ class StepRunner:
             self._replays = {}
 
     def variant(self, due: tuple[StepContributor, ...], norms: bool | None = None) -> Any:
-        """The compiled step serving ``due`` (the lean step for none), with or
-        without the optimizer metrics (``norms``; default: as configured), built
-        once: ``(state, batch, totals, carries) -> (state, metrics, totals,
-        results)``, the totals being the running sums of the metrics (see
-        :meth:`zero_totals`), ``carries`` each due contributor's ``carry`` (see
-        :meth:`run`).
-        Everything but the state comes back replicated."""
+        """The compiled step serving ``due`` (lean for none), with or without the
+        optimizer metrics: ``(state, batch, totals, carries) -> (state, metrics,
+        totals, results)``, all but the state replicated; built once."""
         norms, freeze = self._norms(norms), self.freeze
         step = self._variants.get((due, norms, freeze))
         if step is None:
@@ -128,8 +114,7 @@ class StepRunner:
         return step
 
     def _traced(self, step: Any) -> Any:
-        """``step`` seen whole (global arrays), traced under the mesh and the
-        logical axis rules that the model's own sharding constraints read."""
+        """``step`` seen whole, traced under the mesh and the logical axis rules."""
         whole = in_global_view(step, self.axis)
 
         @functools.wraps(step)
@@ -160,8 +145,7 @@ class StepRunner:
 
     def check(self, state: Any, spec: BatchSpec) -> None:
         """Traces the lean step and the one with every contributor on abstract
-        values (the global ``state`` and batch), once per layout, so a batch,
-        a loss or an in-step function they cannot take fails before anything compiles.
+        values, once per batch spec, so errors come before anything compiles.
 
         Raises:
             BatchError: the model or loss cannot take the batch.
@@ -191,13 +175,8 @@ class StepRunner:
         self._checked.add(key)
 
     def replay(self, state: Any, batch: Any, contributors: Sequence[StepContributor]) -> tuple[Any, ...]:
-        """The step from ``state`` on ``batch`` with ``contributors`` due (even
-        if they are not), without optimizer metrics: their results, as
-        :meth:`run` hands them out. ``state`` is left as it is: the step is
-        compiled apart (once for the same contributors, the latest kept),
-        neither donating nor returning a state (XLA leaves out the update), so
-        it needs no copy of the state.
-        """
+        """The results of ``contributors`` on the step from ``state`` on ``batch``,
+        ``state`` left as it is (a step compiled apart that returns no state)."""
         due = tuple(contributors)
         results_only = self._replays.get(due)
         if results_only is None:  # the same contributors replay several batches on one compile
@@ -208,8 +187,7 @@ class StepRunner:
         return tuple(results_only(state, batch, self.zero_totals(), self._carries(due)))
 
     def _carries(self, due: tuple[StepContributor, ...]) -> tuple[Any, ...]:
-        """What each due contributor carries into the step: its ``carry`` (zeros
-        shaped like its result when None) if it ``combine``s results, else None."""
+        """Each due contributor's ``carry`` (zeros like its result when None) if it combines, else None."""
         carries: list[Any] = []
         for contributor in due:
             if not contributor.combines:
@@ -227,11 +205,8 @@ class StepRunner:
         return tuple(carries)
 
     def step_flops(self) -> float | None:
-        """The FLOPs of one lean step on each device, as XLA counts them in the
-        compiled step (its cost analysis), or None: before this fit ran a lean
-        step, or where the backend does not count them. The step is lowered
-        with the types it ran with, so it comes from JAX's caches: nothing is
-        traced or compiled again."""
+        """The FLOPs of one lean step on each device by XLA's cost analysis (from
+        JAX's caches), or None before a lean step ran or where not counted."""
         if self._lean is None:
             return None
         step_fn, types = self._lean
@@ -242,12 +217,9 @@ class StepRunner:
         return float(flops) if flops is not None and flops > 0 else None
 
     def run(self, record: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> list[tuple[Any, Any]]:
-        """Dispatches the step after ``record.step`` on ``batch`` and updates
-        ``record`` (the loop's facts); returns each due contributor with its
-        result. Then waits (reading nothing) for the oldest step beyond
-        ``max_steps_in_flight``, which becomes ``record.settled_step``: dispatch
-        cannot queue a whole epoch.
-        """
+        """Dispatches the step after ``record.step``, updates ``record`` (the loop's
+        facts) and returns each due contributor with its result; then waits for
+        the oldest step beyond ``max_steps_in_flight`` (``record.settled_step``)."""
         step = record.step + 1
         # Decided on the host, per step: the lean step unless a contributor is due.
         due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
@@ -276,14 +248,8 @@ def _types(args: Any) -> Any:
 
 
 def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:
-    """``step(state, batch, *rest)``, written for one device's share of the
-    batch with collectives over ``axis``, as a function of the whole batch.
-
-    Under ``jax.jit`` over a mesh every array is whole (global): the batch
-    is one share of one device on an ``axis`` of size 1, so ``lax.pmean``
-    and ``lax.psum`` over it (the step's, a model's ``BatchNorm(axis_name=...)``,
-    a contributor's) are identities and every reduction spans the whole batch.
-    """
+    """``step(state, batch, *rest)``, written for one share of the batch with
+    collectives over ``axis``, on the whole batch as one share (an ``axis`` of size 1)."""
 
     def whole(state: Any, batch: Any, *rest: Any) -> Any:
         one = jax.tree.map(lambda x: x[None], batch)
@@ -299,16 +265,9 @@ _WATCHED = ("loss", "grad_norm")
 
 
 def _with_totals(step: Step, freeze: bool = False, due: tuple[StepContributor, ...] = ()) -> Any:
-    """``step`` that also adds its metrics to the running totals it is given,
-    and gives each due contributor that ``combine``s its result with what it
-    carries in the combination (added up on the devices, in the same step).
-
-    With ``freeze``, a step whose loss (or, where computed, gradient norm) is
-    not finite, and every step after it (the totals have counted it), returns
-    the state it was given: the guard then finds the state from before the first such step,
-    which it replays instrumented to name the layer. The choice is one
-    select per leaf, fused into the update that writes it.
-    """
+    """``step`` that also adds its metrics to the totals and combines each due
+    combining contributor's result with its carry; with ``freeze``, a step whose
+    loss (or gradient norm) is not finite, and every later one, returns the state given."""
 
     def stepped(state: Any, batch: Any, totals: Totals, carries: tuple[Any, ...] = ()) -> tuple[Any, ...]:
         before = state

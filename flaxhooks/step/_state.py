@@ -1,5 +1,4 @@
-"""The train state, an immutable pytree the compiled step maps to the next one,
-and how it is planned for a model and a batch layout."""
+"""The train state, and how it is planned for a model and a batch spec."""
 
 from __future__ import annotations
 
@@ -27,13 +26,9 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
         step: optimizer steps taken (a device scalar).
-        params: the model's ``params`` collection.
-        model_state: the other collections the model carries from step to
-            step, e.g. BatchNorm's ``batch_stats``. Per-step collections
-            (``perturbations``, ``intermediates``, sown values) never live here.
-        opt_state: the optimizer's state.
-        rng: the base PRNG key; each step derives its keys from it, the step
-            and the device index, so it never changes.
+        model_state: the other collections carried from step to step (``batch_stats``);
+            never per-step ones (``perturbations``, ``intermediates``, sown values).
+        rng: the base PRNG key (never changes: steps fold in the step and device).
         tx: the optax optimizer (static).
     """
 
@@ -69,8 +64,7 @@ def placed(tree: Any, shardings: Any) -> Any:
             x = np.asarray(x)  # one process's value, the same on each: the global value
         return jax.device_put(x, sharding)
     leaves = jax.tree.leaves(tree)
-    # By leaf, in the plan's structure: a given state's optimizer (static,
-    # not a leaf) may be another object doing the same.
+    # By leaf: a given state's (static) optimizer may be another object doing the same.
     places, treedef = jax.tree.flatten(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     if len(places) != len(leaves):
         raise ValueError(f"a state of {len(leaves)} arrays cannot take the planned {len(places)}: "
@@ -88,7 +82,7 @@ def explained(spec: BatchSpec) -> Iterator[None]:
     try:
         yield
     except (BatchError, LossError) as error:
-        # Raised again from here, outside JAX's trace: without JAX's frames and its note about them.
+        # Raised again outside JAX's trace: without its frames and note.
         raise type(error)(*error.args) from error.__cause__
     except KeyError as error:
         raise BatchError(
@@ -105,17 +99,15 @@ def explained(spec: BatchSpec) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class StatePlan:
-    """How the train state of a model is made for a batch layout and placed on
-    a mesh, worked out on abstract values (compiles nothing).
+    """How a model's train state is made for a batch spec and placed on a
+    mesh, worked out on abstract values.
 
     Attributes:
-        spec: the batch layout.
         carried: the collections carried from step to step besides ``params``.
         abstract: the global state, as abstract values with their shardings.
-        shardings: the sharding of every leaf of the state.
-        create: ``create(key, batch, given)``, the state from a PRNG key, one
-            device's share of a batch and the values the model comes with
-            (None: made by its ``init``); traced: compile it to use it.
+        create: ``create(key, batch, given)``: the state from a PRNG key, one
+            device's share of a batch and the values the model comes with (None:
+            its ``init``'s); traced.
         given: the values the model comes with (an NNX module's), else None.
     """
 
@@ -170,9 +162,7 @@ class StatePlan:
         return cls(spec, carried, abstract(state, shardings), shardings, create, model.own_variables)
 
     def build(self, seed: int, batch: Mapping[str, Any]) -> TrainState:
-        """The initial state from ``seed`` and a host batch of the planned
-        layout, made in place on the mesh: no leaf is ever whole on one device
-        unless its sharding says so."""
+        """The initial state from ``seed`` and a host batch, made in place on the mesh."""
         if jax.process_count() > 1:  # the same inputs on every process: its shapes, not its data
             share = {k: np.zeros(x.shape, x.dtype) for k, x in self.spec.per_device().items()}
         else:
@@ -186,16 +176,13 @@ class StatePlan:
 
 
 def _as_input(value: Any) -> Any:
-    """A value a model comes with, as the jitted init takes it: read to the
-    host (it may sit on one device, not the mesh), unless it is a global
-    array already spanning processes."""
+    """A value a model comes with, read to the host unless it is a global array spanning processes."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
         return value
     return np.asarray(value)
 
 
 def model_annotations(model: Model, key: Any, batch: Any) -> dict[str, Any] | None:
-    """The model's own sharding annotations, ``{collection: tree of axis names
-    or None}``, from its optional ``annotations`` method."""
+    """The model's optional sharding annotations, ``{collection: tree of names or None}``."""
     annotate = getattr(model, "annotations", None)
     return None if annotate is None else annotate(key, batch)

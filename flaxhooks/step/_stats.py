@@ -1,23 +1,6 @@
 """Statistics of intermediate values, reduced inside the step and combined
-exactly over devices, and per-module figures of the parameter update.
-
-Each device reduces its share of every value, in one fused pass, to sums
-(count, sum, sum of squares, non-zeros) and extremes; one ``psum`` and one
-``pmax`` over the device axis combine every value's figures
-at once, so the results do not depend on how the batch is split (up to
-float rounding). Only what the asked-for statistics need is computed: no
-extremes (and no ``pmax``) without ``min``, ``max`` or histograms, no
-non-zero count without ``zero_fraction``. Sums are accumulated in float32
-(or the value's wider dtype); the standard deviation comes from the sum of
-squares, so it loses precision when ``|mean|`` is many orders of magnitude
-above it.
-
-Non-finite values: by default the pass stays fused with the step (on CPU,
-mixing comparisons into it costs more than the step itself), so a value with
-any NaN or infinity gets NaN statistics and ``nonfinite`` is NaN: present,
-not counted. With ``count_nonfinite=True`` a masked pass counts them exactly
-and leaves them out of every other statistic.
-"""
+exactly over devices (see docs/guides/inside-the-model.md), and per-module
+figures of the parameter update."""
 
 from __future__ import annotations
 
@@ -39,17 +22,11 @@ GRADIENT_STATS = (*ACTIVATION_STATS, "l2")
 #: Per-module figures of the parameter update (:func:`param_stats`).
 PARAM_STATS = ("grad_norm", "update_ratio")
 
-# The sums each statistic is computed from ("extremes": the min/max pass and
-# its pmax). ``nonfinite`` reads the sum of squares, which NaN and inf reach.
+# The sums each statistic needs ("extremes": min/max and their pmax); NaN and inf reach the squares.
 _NEEDS: Mapping[str, frozenset[str]] = {
-    "mean": frozenset({"sum"}),
-    "std": frozenset({"sum", "squares"}),
-    "rms": frozenset({"squares"}),
-    "l2": frozenset({"squares"}),
-    "min": frozenset({"extremes"}),
-    "max": frozenset({"extremes"}),
-    "zero_fraction": frozenset({"nonzero"}),
-    "nonfinite": frozenset({"squares"}),
+    "mean": frozenset({"sum"}), "std": frozenset({"sum", "squares"}), "rms": frozenset({"squares"}),
+    "l2": frozenset({"squares"}), "min": frozenset({"extremes"}), "max": frozenset({"extremes"}),
+    "zero_fraction": frozenset({"nonzero"}), "nonfinite": frozenset({"squares"}),
 }
 _SUMS = ("count", "sum", "squares", "nonzero")
 
@@ -79,8 +56,7 @@ def _as_float(value: jax.Array) -> jax.Array:
 def _local_sums(
     x: jax.Array, needs: Collection[str], count_nonfinite: bool,
 ) -> tuple[dict[str, jax.Array], jax.Array | None, jax.Array | None]:
-    """This device's sums ``needs`` asks for (``count``, ``sum``, ``squares``,
-    ``nonzero``), and its min and max if ``extremes`` is among them."""
+    """This device's sums ``needs`` asks for, and its min and max if it asks for ``extremes``."""
     x = _as_float(x)
     sums: dict[str, jax.Array] = {}
     low = high = None
@@ -92,8 +68,7 @@ def _local_sums(
             low = jnp.where(finite, x, jnp.inf).min(initial=jnp.inf)
             high = jnp.where(finite, x, -jnp.inf).max(initial=-jnp.inf)
     else:
-        # Only arithmetic and min/max: XLA fuses these reductions into the
-        # step. NaN and inf reach the sum of squares, which flags them.
+        # Only arithmetic and min/max: XLA fuses these reductions into the step.
         kept = x
         if "extremes" in needs:
             low, high = x.min(initial=jnp.inf), x.max(initial=-jnp.inf)
@@ -120,11 +95,9 @@ def tap_stats(
         count_nonfinite: count NaN and infinite entries exactly and leave
             them out of the other statistics (a slower, masked pass).
         axis: the device axis the step maps over (``Tapped.axis_name``).
-        columns: the table's columns, names of :data:`GRADIENT_STATS` in
-            any order; by default :data:`ACTIVATION_STATS` (or
-            :data:`GRADIENT_STATS` with ``l2``).
-        wanted: for each value, the columns to compute; its other entries
-            are NaN and cost nothing. By default every column of every value.
+        columns: names of :data:`GRADIENT_STATS`, any order; default
+            :data:`ACTIVATION_STATS` (:data:`GRADIENT_STATS` with ``l2``).
+        wanted: for each value, the columns to compute (the others NaN, at no cost).
 
     Returns:
         ``stats [len(values), len(columns)]`` (float32, the same on every
@@ -233,12 +206,8 @@ def _natural(name: str) -> tuple[Any, ...]:
 
 
 def param_modules(params: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The modules of a parameter tree: each one's name (its leaves' path
-    minus the leaf's name: ``Conv_0/kernel`` and ``Conv_0/bias`` are
-    ``Conv_0``) and the indices of its leaves in ``jax.tree.leaves(params)``,
-    in natural order of the names.
-
-    Works on Linen's nested dicts and on the NNX adapter's ``params``.
+    """Each module of a parameter tree (its leaves' path less the leaf's name)
+    with the indices of its leaves in ``jax.tree.leaves(params)``, in natural order.
 
     Examples:
         >>> import numpy as np
@@ -254,10 +223,8 @@ def param_modules(params: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def param_stats(params: Any, grads: Any, updates: Any) -> tuple[tuple[str, ...], jax.Array]:
-    """Per module (see :func:`param_modules`): the norm of its gradient and
-    the ratio ``|update| / |params|`` of the update the optimizer applied (0
-    while its parameters are all 0). Pure: call it inside the step, on the
-    values every device shares (``Tapped.params``, ``grads``, ``updates``).
+    """Per module (see :func:`param_modules`): its gradient's norm and
+    ``|update| / |params|`` (0 while its parameters are 0); pure, for inside the step.
 
     Returns:
         The module names, and ``[len(names), 2]`` float32 columns :data:`PARAM_STATS`.

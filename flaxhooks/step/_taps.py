@@ -1,11 +1,5 @@
 """What an instrumented step exposes of the model (:class:`Taps`), and what
-each in-step function sees of it (:class:`Tapped`): sown values, captured
-module outputs, and gradients of the loss with respect to intermediate values.
-
-How a model adapter obtains them is its own business (the Linen adapter uses
-Flax's ``sow``, ``capture_intermediates``, ``perturb`` and
-``intercept_methods``); these are the values it hands over.
-"""
+each in-step function sees of it (:class:`Tapped`)."""
 
 from __future__ import annotations
 
@@ -21,15 +15,13 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-#: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes
-#: (the module is an ``nnx.Module`` under the NNX adapter).
+#: ``filter(module, method_name) -> bool``, as ``capture_intermediates`` takes (or an ``nnx.Module``).
 ModuleFilter = Callable[[nn.Module | nnx.Module, str], bool]
 #: What selects modules: True (every submodule's ``__call__``), a module type
 #: or tuple of types, a name pattern or list of them, or a ``ModuleFilter``.
 ModuleSpec = Union[bool, type, tuple, str, Sequence[str], ModuleFilter, None]  # noqa: UP007
-#: ``interceptor(next_fun, args, kwargs, context) -> output``, as
-#: ``flax.linen.intercept_methods`` takes: ``context.module`` and
-#: ``context.method_name`` say which call it is (the NNX adapter passes the same).
+#: ``interceptor(next_fun, args, kwargs, context) -> output``, as ``flax.linen.intercept_methods``
+#: takes (``context.module``, ``context.method_name``; the NNX adapter passes the same).
 Interceptor = Callable[[Callable[..., Any], tuple, dict, Any], Any]
 
 PERTURBATIONS = "perturbations"
@@ -41,14 +33,12 @@ def select_modules(
     names: str | Sequence[str] = (),
     methods: str | Sequence[str] = ("__call__",),
 ) -> ModuleFilter:
-    """A module filter by type, name and method, as in Flax's guide on
-    extracting intermediates.
+    """A module filter by type, name and method.
 
     Args:
         types: module classes to select (any, if empty).
         names: ``fnmatch`` patterns matched against the module's name and its
             path (``"encoder/Dense_0"``); any, if empty.
-        methods: the methods whose outputs are selected.
 
     Examples:
         >>> import flax.linen as nn
@@ -110,19 +100,13 @@ class Taps:
 
     Attributes:
         collections: ``sow`` collections whose values are returned.
-        optional_collections: ``sow`` collections returned the same way when
-            the model sows into them, never warned about when a scan drops them.
-        capture: modules whose outputs ``capture_intermediates`` records.
-        perturb: modules whose outputs are perturbed (through
-            ``intercept_methods``) to take the loss's gradient with respect to them.
-        model_perturbations: also take gradients at the model's own
-            ``self.perturb(...)`` sites.
-        split_steps: give each time step of a recurrence (``nn.RNN``, a scan
-            whose iterations share parameters) a value of its own, instead of
-            one value over every time step.
-        intercept: method interceptors wrapped around the module calls of
-            the instrumented call only (e.g. to sow what a module computes
-            inside, as ``Diagnose`` does with attention logits).
+        optional_collections: the same, never warned about when a scan drops them.
+        capture: modules whose outputs are recorded.
+        perturb: modules whose outputs get the loss's gradient with respect to them.
+        model_perturbations: also take gradients at the model's own ``self.perturb(...)`` sites.
+        split_steps: a value per time step of a recurrence (``nn.RNN``), not one over all.
+        intercept: method interceptors around the module calls of the
+            instrumented call only (``Diagnose`` sows attention logits with one).
     """
 
     collections: tuple[str, ...] = ()
@@ -135,7 +119,6 @@ class Taps:
 
     @property
     def sown_collections(self) -> tuple[str, ...]:
-        """The ``sow`` collections asked for, required or optional."""
         return tuple(dict.fromkeys(self.collections + self.optional_collections))
 
     @property
@@ -177,15 +160,13 @@ class Tap:
     """One intermediate value exposed by the step (the whole batch's).
 
     Attributes:
-        name: a readable, unique name: the module path, the sown (or captured
-            method) name, then indices where there are several (a module
-            called twice, a tuple output, a layer of an ``nn.scan``).
+        name: a unique name: the module path, the sown (or captured method)
+            name, then indices where there are several (calls, outputs, layers).
         module: the path of the module that produced it (empty for the model).
         collection: the collection it came from (``perturbations`` for gradients).
-        value: the value (a traced array).
         variable: the variable's name in the collection.
-        origin: ``(module, method)`` when the value was captured or perturbed
-            by a filter, None when the model sowed or perturbed it itself.
+        origin: ``(module, method)`` when a filter captured or perturbed the
+            value, None when the model sowed or perturbed it itself.
     """
 
     name: str
@@ -198,8 +179,7 @@ class Tap:
 
 
 def output_name(module: tuple[str, ...], name: tuple[str, ...]) -> tuple[str, ...]:
-    """A module output's name: the method is left out when it is ``__call__``
-    (the model's own output is ``output``)."""
+    """A module output's name, ``__call__`` left out (the model's own output is ``output``)."""
     if name[:1] == ("__call__",):
         name = name[1:]
     return name if module or name else ("output",)
@@ -209,21 +189,17 @@ def output_name(module: tuple[str, ...], name: tuple[str, ...]) -> tuple[str, ..
 class Tapped:
     """What an instrumented step hands to each callback's in-step function.
 
-    Values are global arrays: the whole batch, over the mesh. Functions
-    written for a device's share still work: a collective over
+    Values are global arrays (the whole batch); a collective over
     :attr:`axis_name` spans one share, the whole batch, so it is the identity.
 
     Attributes:
         activations: sown and captured values, in execution order.
-        gradients: gradients of the mean training loss over the whole batch
-            with respect to perturbed values, in execution order.
-        loss: the loss.
+        gradients: gradients of the mean loss over the whole batch with
+            respect to perturbed values, in execution order.
         metrics: the extra metrics from ``loss_fn``.
-        params: the parameters before the update (the updated ones less the
-            update: reading the donated originals would copy them every step).
+        params: the parameters before the update (the updated ones less the update).
         grads: the parameter gradients.
         outputs: the model's outputs on the whole batch.
-        batch: the whole batch.
         devices: the shares the batch is seen in: 1 (the step sees it whole).
         axis_name: the axis of those shares (``as_model(model, axis_name=...)``).
         updates: the updates the optimizer applied to ``params`` this step.
@@ -257,9 +233,8 @@ _naming = threading.local()
 
 @contextlib.contextmanager
 def named_modules(modules: Sequence[tuple[Any, tuple[str, ...]]]) -> Iterator[None]:
-    """Lets :func:`module_path` name the modules of one NNX call, given as
-    ``(module, path)`` pairs: during the call, and afterwards for as long as
-    the modules live (filters run again on the taps once the call is done)."""
+    """Lets :func:`module_path` name the ``(module, path)`` pairs of one NNX call,
+    during it and while the modules live (filters run again on the taps)."""
     previous = getattr(_naming, "paths", None)
     _naming.paths = {id(module): path for module, path in modules}
     for module, path in modules:
@@ -272,9 +247,8 @@ def named_modules(modules: Sequence[tuple[Any, tuple[str, ...]]]) -> Iterator[No
 
 
 def module_path(module: Any) -> tuple[str, ...]:
-    """A module's path, e.g. ``("encoder", "Dense_0")``: a bound Linen
-    module's, or an NNX module's within the model an instrumented call runs
-    (empty if unbound or unknown)."""
+    """A bound Linen module's or a recorded NNX module's path, e.g.
+    ``("encoder", "Dense_0")``; empty if unbound or unknown."""
     if isinstance(module, nn.Module):
         return tuple(module.path) if module.scope is not None else ()
     paths = getattr(_naming, "paths", None)

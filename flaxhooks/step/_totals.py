@@ -1,18 +1,5 @@
-"""Running totals of the step metrics, kept on the devices by the step itself.
-
-Every compiled step adds its metrics to the totals it is given and returns
-the new totals, so a logger can report the mean over any window of steps
-(the difference of two totals) without a host sync per step and without a
-dispatch of its own. The totals are never donated: a reader may keep the
-totals of any step and read them later.
-
-Sums are float32 pairs (a sum and its rounding error, Knuth's two-sum), so a
-window's mean stays exact to float32 even after millions of steps, where a
-plain float32 running sum would lose the window in the rounding. Non-finite
-values are counted, not added: one NaN step does not poison every later window.
-A metric a step does not compute (the optimizer's, on a step it is not due)
-is left out of that step's count: its means are over the steps that took it.
-"""
+"""Running totals of the step metrics, kept on the devices by the step itself
+(see docs/architecture.md, "Inside the step")."""
 
 from __future__ import annotations
 
@@ -29,11 +16,6 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Totals:
     """Running totals of the step metrics ``names`` (sorted), as two arrays.
-
-    Two arrays rather than four per metric: every array a compiled step
-    takes and returns costs it host and device time, which made the 2-device
-    CPU step at batch 4 about 6% slower with the 0.6 layout
-    (``benchmarks/bench_mesh.py``).
 
     Attributes:
         names: the metrics, sorted; column ``i`` of both arrays is ``names[i]``.
@@ -59,8 +41,7 @@ class Totals:
         return self.counts[2, 0] if self.names else 0
 
     def __getitem__(self, key: str) -> Any:
-        """0.6's layout, ``totals["sum"]["loss"]`` (also ``"error"``,
-        ``"finite"``, ``"taken"``, ``"steps"``), for code that reads it."""
+        """0.6's format, ``totals["sum"]["loss"]`` (also ``error``, ``finite``, ``taken``, ``steps``)."""
         rows = {"sum": self.sums[0], "error": self.sums[1], "finite": self.counts[0],
                 "taken": self.counts[1]}
         if key == "steps":
@@ -90,8 +71,7 @@ def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def add_to_totals(totals: Totals, metrics: Mapping[str, Any]) -> Totals:
-    """The totals with one more step's metrics added (pure; traced into the
-    step); a metric the step did not compute is left as it was."""
+    """The totals with one more step's metrics added (pure); missing metrics are left as they were."""
     if not totals.names:
         return totals
     taken = np.array([name in metrics for name in totals.names])
@@ -106,10 +86,8 @@ def add_to_totals(totals: Totals, metrics: Mapping[str, Any]) -> Totals:
 
 
 def window_sums(start: Totals | None, end: Totals) -> dict[str, Any]:
-    """What the steps after ``start`` up to ``end`` add up to, on the host
-    (``start`` None: from zero): ``{"sum": {name: float}, "finite": {name:
-    int}, "taken": {name: int}, "steps": int}``, JSON-ready (a resumed run
-    carries it over)."""
+    """What the steps after ``start`` (None: from zero) up to ``end`` add up to, on the host, JSON-ready:
+    ``{"sum": {name: float}, "finite": {name: int}, "taken": {name: int}, "steps": int}``."""
 
     def read(totals: Totals | None) -> tuple[np.ndarray, np.ndarray]:
         if totals is None:
@@ -141,15 +119,13 @@ def combine_windows(first: Mapping[str, Any] | None, second: Mapping[str, Any]) 
 
 
 def _taken(window: Mapping[str, Any]) -> dict[str, int]:
-    """Each metric's steps in ``window``; a window saved by 0.6 (no counts)
-    took every metric at every step."""
+    """Each metric's steps in ``window`` (a 0.6 window took every metric at every step)."""
     return dict(window.get("taken") or dict.fromkeys(window["sum"], window["steps"]))
 
 
 def window_means(window: Mapping[str, Any]) -> dict[str, float]:
-    """The mean of each metric over the window's steps that took it; NaN for
-    a metric that was not finite at one of them (the chart shows the window
-    diverged); a metric no step of the window took is left out."""
+    """Each metric's mean over the window's steps that took it (NaN if one was
+    not finite); a metric no step took is left out."""
     taken = _taken(window)
     return {
         name: total / taken[name] if window["finite"][name] == taken[name] else float("nan")

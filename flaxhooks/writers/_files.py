@@ -1,4 +1,4 @@
-"""TensorBoard event files on disk: checking a log directory, truncating, reading the layout."""
+"""TensorBoard event files: checking a log directory, truncating, reading the Custom Scalars layout."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class TensorBoardWriter(Writer):
         self.flush_secs = flush_secs
         self._files: dict[str, EventFile] = {}
         self._flushed = time.monotonic()
-        # {category: {title: (tag regex, ...)}}: the layout as last written.
+        # {category: {title: (tag regex, ...)}}: the custom-scalars layout as last written.
         self._layout: dict[str, dict[str, tuple[str, ...]]] = {
             category: {title: tuple(tags) for title, tags in found.items()}
             for category, found in (layout or {}).items()}
@@ -119,7 +119,7 @@ class TensorBoardWriter(Writer):
         self.summary(text_summary(tag, text), step)
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
-        """Sets the charts of ``category``; the whole layout is written again when it changes."""
+        """Sets the charts of ``category``; the whole Custom Scalars layout is written again on a change."""
         from tensorboardX.summary import custom_scalars
 
         wanted = {title: tuple(_exactly(tag) for tag in tags) for title, tags in charts.items()}

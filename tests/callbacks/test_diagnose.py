@@ -193,7 +193,7 @@ def test_a_loss_spike_is_named_with_the_steps_it_began():
                 "label": rng.integers(0, 3, 32).astype(np.int32)} for _ in range(80)]
     for batch in batches[60:66]:  # six batches of garbage, 100 times the scale
         batch["image"] *= 100.0
-    loss = LossThresholds(spike_window=20, outlier_window=20)
+    loss = LossThresholds(spike_history=20, outlier_history=20)
     found, _ = fit(Healthy(), optax.sgd(0.01), steps=80, window=1000, train=batches, loss=loss)
     spikes = [f for f in found if f.kind == "loss_spike"]
     assert len(spikes) == 1 and spikes[0].since == 61

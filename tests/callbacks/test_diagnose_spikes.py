@@ -73,9 +73,9 @@ def layer_grad_norms(params, batch):
 def test_a_corrupted_batch_is_a_gradient_norm_spike_at_its_step_with_its_place_and_first_layer():
     spike_at = 41  # batch 40 of an epoch of 60 (from 0)
     data = batches(spike_at=spike_at)
-    spikes = SpikeThresholds(window=20)
+    spikes = SpikeThresholds(history=20)
     found, params = train(data, 60, optax.sgd(0.05), keep_params=True, spikes=spikes,
-                          loss=LossThresholds(spike_window=20, outlier_window=20))
+                          loss=LossThresholds(spike_history=20, outlier_history=20))
     norms = [f for f in found if f.kind == "grad_norm_spike"]
     assert len(norms) == 1, [f.message() for f in found]
     spike = norms[0]
@@ -98,7 +98,7 @@ def test_a_corrupted_batch_is_a_gradient_norm_spike_at_its_step_with_its_place_a
 
 
 def test_a_healthy_run_and_a_converged_one_have_no_gradient_norm_spike():
-    spikes = SpikeThresholds(window=20)
+    spikes = SpikeThresholds(history=20)
     found, _ = train(batches(60), 60, optax.adam(1e-2), spikes=spikes)
     assert [f for f in found if f.kind in ("grad_norm_spike", "loss_spike")] == []
     # Converged: one batch over and over, its norm tiny and all but constant; noise must not fire.
@@ -111,7 +111,7 @@ def test_the_watch_against_a_numpy_z_score():
     rng = np.random.default_rng(1)
     norms = np.abs(1.0 + 0.1 * rng.normal(size=200))
     norms[150] = 9.0
-    thresholds = SpikeThresholds(window=32)
+    thresholds = SpikeThresholds(history=32)
     watch = GradNormWatch(thresholds)
     found = [f for step, n in enumerate(norms) for f in watch.add(step, float(n))]
     # The reference: every step whose norm is 6 sample deviations and twice the mean above the 32 before it.
@@ -125,17 +125,17 @@ def test_a_blip_far_outside_a_tiny_spread_but_not_twice_the_mean_is_no_spike():
     # A converged model's norm, all but constant: a rise of 30% is thousands of deviations, not a spike.
     norms = [1e-3 * (1.0 + 1e-5 * (step % 3)) for step in range(60)]
     norms[50] = 1.3e-3
-    window = norms[30:50]
-    assert norms[50] - np.mean(window) > 6 * np.std(window, ddof=1)  # the z-score alone would fire
-    watch = GradNormWatch(SpikeThresholds(window=20))
+    history = norms[30:50]
+    assert norms[50] - np.mean(history) > 6 * np.std(history, ddof=1)  # the z-score alone would fire
+    watch = GradNormWatch(SpikeThresholds(history=20))
     assert [f for step, n in enumerate(norms) for f in watch.add(step, n)] == []
 
 
 def test_a_norm_climbing_over_steps_is_a_trend_not_a_spike():
-    # Flat, then doubling every 4 steps: each far above the flat window's spread and mean,
+    # Flat, then doubling every 4 steps: each far above the flat history's spread and mean,
     # never twice the largest of the 5 before it.
     norms = [0.3 + 0.01 * (step % 2) for step in range(40)] + [0.3 * 2 ** (k / 4) for k in range(1, 15)]
-    window = np.array(norms[20:40])
-    assert norms[52] - window.mean() > 6 * window.std(ddof=1) and norms[52] > 2 * window.mean()
-    watch = GradNormWatch(SpikeThresholds(window=20))
+    history = np.array(norms[20:40])
+    assert norms[52] - history.mean() > 6 * history.std(ddof=1) and norms[52] > 2 * history.mean()
+    watch = GradNormWatch(SpikeThresholds(history=20))
     assert [f for step, n in enumerate(norms) for f in watch.add(step, n)] == []

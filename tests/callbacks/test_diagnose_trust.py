@@ -128,7 +128,7 @@ def spiky_batches(steps=60, spike_at=45):
 
 def diagnosed_trainer(tmp_path, findings):
     diagnose = flaxhooks.Diagnose(every=1, window=10, table=False,
-                                  loss=LossThresholds(spike_window=20, outlier_window=20))
+                                  loss=LossThresholds(spike_history=20, outlier_history=20))
     return flaxhooks.Trainer(Killed(), optax.sgd(0.01), cross_entropy, callbacks=[
         Checkpoint(tmp_path / "checkpoints", every=30, at_epoch_end=False), diagnose, findings])
 
@@ -159,7 +159,7 @@ def test_a_loss_spike_names_the_batch_it_began_at():
               "label": rng.integers(0, 3, 640).astype(np.int32)}
     arrays["image"][15 * 32:16 * 32] *= 100.0
     loader = flaxhooks.ArrayLoader(arrays, 32, shuffle=False)
-    loss = LossThresholds(spike_window=10, outlier_window=10, spike_quiet=10)
+    loss = LossThresholds(spike_history=10, outlier_history=10, spike_quiet=10)
     found, _ = fit(Healthy(), optax.sgd(0.01), steps=40, every=10, window=1000, train=loader, loss=loss)
     spikes = [f for f in found if f.kind == "loss_spike"]
     # Step s (from 1) takes batch (s - 1) % 20 of epoch (s - 1) // 20.

@@ -288,7 +288,7 @@ def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):
             training_thread_reads.append(arr.shape)
         return value.fget(arr)
 
-    class Window(Callback):
+    class CountReads(Callback):
         order = -1000
 
         def on_fit_start(self, loop):
@@ -298,7 +298,7 @@ def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):
             monkeypatch.setattr(array.ArrayImpl, "_value", value)
 
     tensorboard = TensorBoard(tmp_path, every=Every(steps=1))
-    sgd_trainer(callbacks=[Window(), tensorboard], if_nonfinite="off").fit(make_batches(4), epochs=2)
+    sgd_trainer(callbacks=[CountReads(), tensorboard], if_nonfinite="off").fit(make_batches(4), epochs=2)
     assert training_thread_reads == []  # the guard's reads: tests/core/test_guard.py
     assert len(scalars(tmp_path, "loss", "train")) == 8
 

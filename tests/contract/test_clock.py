@@ -17,7 +17,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import flaxhooks
-from flaxhooks.contract import FitClock, Window
+from flaxhooks.contract import FitClock, Interval
 from tests.helpers import HostReads, cross_entropy, make_batches, sgd_trainer
 
 SLEEP = 0.02  # seconds the slowed loader takes per batch
@@ -35,22 +35,22 @@ def slowed(batches, seconds=SLEEP):
 
 
 def loader_pace(steps: int) -> float:
-    """The most examples per second a window of ``steps`` steps can show on
+    """The most examples per second an interval of ``steps`` steps can show on
     data slowed to one batch of 16 per ``SLEEP``: the input thread may have
-    begun reading the window's first batch up to one batch's time before it."""
+    begun reading the interval's first batch up to one batch's time before it."""
     return 16 / SLEEP * steps / (steps - 1)
 
 
 class Probe(flaxhooks.Callback):
     """Reads the loop's clock at step ``first`` and at every later step end
-    up to ``last``, with the host's own clock beside it; keeps the window from ``first``.
+    up to ``last``, with the host's own clock beside it; keeps the interval from ``first``.
 
     (The input thread reads ahead while the first step compiles: the first
     steps of a slowed loader's data wait little, their batches came earlier.)"""
 
     def __init__(self, first=4, last=None):
         self.first, self.last = first, last
-        self.window: Window | None = None
+        self.interval: Interval | None = None
         self.clock: FitClock | None = None
         self.steps = 0
 
@@ -58,7 +58,7 @@ class Probe(flaxhooks.Callback):
         if loop.step == self.first:
             self.start, self.started = loop.clock.read(), time.perf_counter()
         elif loop.step > self.first and (self.last is None or loop.step <= self.last):
-            self.window, self.wall = loop.clock.window(self.start), time.perf_counter() - self.started
+            self.interval, self.wall = loop.clock.interval(self.start), time.perf_counter() - self.started
             self.steps = loop.step - self.first
         self.clock = loop.clock
 
@@ -68,20 +68,20 @@ def test_the_data_wait_is_the_share_the_slowed_loaders_sleeps_imply():
     slow, fast = Probe(4, last=20), Probe(4, last=20)
     sgd_trainer(callbacks=[slow], devices=jax.local_devices()[:1]).fit(slowed(batches), epochs=1)
     sgd_trainer(callbacks=[fast], devices=jax.local_devices()[:1]).fit(batches, epochs=1)
-    window = slow.window
-    assert window is not None and window.steps == slow.steps == 16
+    interval = slow.interval
+    assert interval is not None and interval.steps == slow.steps == 16
     # The loader's sleeps set the pace (the input thread overlaps them with the steps): the loop
     # waits for its batches nearly all the time, less the little work of the steps.
-    implied = min(1.0, window.steps * SLEEP / slow.wall)
-    assert implied - 0.1 <= window.data_wait <= 1.0, (window, implied)
-    assert window.data_wait > 0.5 and window.input_bound
+    implied = min(1.0, interval.steps * SLEEP / slow.wall)
+    assert implied - 0.1 <= interval.data_wait <= 1.0, (interval, implied)
+    assert interval.data_wait > 0.5 and interval.input_bound
     # The loader sets the pace: no faster than it hands out batches.
-    assert 0.3 * 16 / SLEEP < window.examples_per_sec < loader_pace(window.steps)
+    assert 0.3 * 16 / SLEEP < interval.examples_per_sec < loader_pace(interval.steps)
     # In-memory batches keep the loop waiting far less, and go far faster. (This model's steps
     # take about 0.3 ms, as long as the input thread's work on a batch: the loop may wait for it
     # half the time. A loader faster than the step hides entirely: the slow test below.)
-    assert fast.window is not None and fast.window.data_wait < window.data_wait - 0.3
-    assert fast.window.examples_per_sec > 2 * window.examples_per_sec
+    assert fast.interval is not None and fast.interval.data_wait < interval.data_wait - 0.3
+    assert fast.interval.examples_per_sec > 2 * interval.examples_per_sec
 
 
 class Wide(nn.Module):
@@ -100,12 +100,12 @@ def test_a_loader_slower_than_the_step_is_input_bound_and_one_faster_is_not():
     batches = [{"image": rng.normal(size=(512, 1024)).astype(np.float32),
                 "label": rng.integers(0, 4, 512).astype(np.int32)} for _ in range(16)]
 
-    def fit(data) -> Window:
+    def fit(data) -> Interval:
         probe = Probe(first=4)
         flaxhooks.Trainer(Wide(), optax.sgd(0.1), cross_entropy, devices=jax.local_devices()[:1],
                           callbacks=[probe]).fit(data, epochs=1)
-        assert probe.window is not None
-        return probe.window
+        assert probe.interval is not None
+        return probe.interval
 
     alone = fit(batches)
     step = alone.seconds / alone.steps  # what the devices take per step, the data in memory
@@ -171,11 +171,11 @@ def test_on_several_devices_each_does_its_share_of_the_flops():
 def test_no_host_read_and_no_compilation_for_the_figures(monkeypatch, compiles):
     reads = HostReads(monkeypatch)
 
-    class Every(Probe):  # a window at every step: the clock's figures, FLOPs included
+    class Every(Probe):  # an interval at every step: the clock's figures, FLOPs included
         def on_step_end(self, loop):
             super().on_step_end(loop)
-            if self.window is not None:
-                assert self.window.flops_per_sec is not None
+            if self.interval is not None:
+                assert self.interval.flops_per_sec is not None
 
     console = Console(file=io.StringIO(), force_terminal=True, width=160)
     bar = flaxhooks.Progress(console=console, every=flaxhooks.Every(steps=1), clock=lambda: 0.0)
@@ -187,7 +187,7 @@ def test_no_host_read_and_no_compilation_for_the_figures(monkeypatch, compiles):
     assert re.search(r"ex/s  data \d+%  [\d.]+ [kMG]?FLOP/s", console.file.getvalue())
 
 
-def test_evaluations_are_left_out_of_the_window():
+def test_evaluations_are_left_out_of_the_interval():
     class SlowEvaluation(flaxhooks.Callback):
         def on_eval_end(self, loop):
             time.sleep(0.3)  # inside loop.evaluate: left out
@@ -196,12 +196,12 @@ def test_evaluations_are_left_out_of_the_window():
     trainer = sgd_trainer(callbacks=[probe, SlowEvaluation()], devices=jax.local_devices()[:1])
     trainer.add(flaxhooks.Evaluate(make_batches(1)[0], every=flaxhooks.Every(steps=4), batch_size=16))
     trainer.fit(make_batches(8), epochs=1)
-    window = probe.window
-    assert window is not None and window.steps == 6
-    assert probe.wall > 0.3 and window.seconds < probe.wall - 0.3  # the evaluation at step 4
+    interval = probe.interval
+    assert interval is not None and interval.steps == 6
+    assert probe.wall > 0.3 and interval.seconds < probe.wall - 0.3  # the evaluation at step 4
 
 
-def test_a_window_holding_the_first_step_leaves_its_compilation_out():
+def test_an_interval_holding_the_first_step_leaves_its_compilation_out():
     seen = []
 
     class FromStart(flaxhooks.Callback):
@@ -209,7 +209,7 @@ def test_a_window_holding_the_first_step_leaves_its_compilation_out():
             self.start = loop.clock.read()
 
         def on_step_end(self, loop):
-            seen.append(loop.clock.window(self.start))
+            seen.append(loop.clock.interval(self.start))
 
     sgd_trainer(callbacks=[FromStart()]).fit(make_batches(4), epochs=1)
     # At the first step's end the compilation cannot be told apart: no figures yet.
@@ -231,7 +231,7 @@ def test_tensorboard_writes_where_the_time_went(tmp_path, monkeypatch):
 
     wait, examples = values("train/data_wait"), values("train/examples_per_sec")
     assert sorted(wait) == sorted(examples) == [4, 8, 12]
-    # The input thread read batches ahead while the first step compiled: the first window took
+    # The input thread read batches ahead while the first step compiled: the first interval took
     # those. From then on every batch is waited for, and training goes no faster than the loader.
     assert all(0.5 < wait[step] <= 1.0 for step in (8, 12)), wait
     device_wait = values("train/device_wait")
@@ -253,7 +253,7 @@ def test_progress_says_a_run_is_input_bound(monkeypatch):
     lines = console.file.getvalue().splitlines()
     periodic = [line for line in lines if line.startswith("step ")]
     assert len(periodic) == 3
-    for line in periodic[1:]:  # the first window's batches were read while the first step compiled
+    for line in periodic[1:]:  # the first interval's batches were read while the first step compiled
         match = re.search(r"  ([\d,.]+) ex/s  data (\d+)% \(input-bound\)  [\d.]+ [kMG]?FLOP/s  MFU [\d.]+%$",
                           line)
         assert match and int(match.group(2)) > 50, line

@@ -74,7 +74,7 @@ def test_losses_twice_the_mean_for_five_steps_are_llm_foundrys_spike():
 
     assert (found.kind, found.step, found.since) == ("loss_spike", 304, 300)
     assert found.values["rule"] == "sustained"
-    assert found.values["window"] == (200, 299)
+    assert found.values["baseline_steps"] == (200, 299)
     mean = losses[200:300].mean()
     assert found.values["mean"] == pytest.approx(mean)
     assert f"2x its mean of {mean:.3g} over steps 200-299" in found.evidence
@@ -90,16 +90,16 @@ def test_four_high_losses_in_a_row_are_tolerated():
 
 def test_a_single_ten_sigma_loss_is_maxtexts_spike():
     losses = noisy_flat(2, 300)
-    window = losses[72:200]
-    losses[200] = window.mean() + 10 * window.std(ddof=1)
+    history = losses[72:200]
+    losses[200] = history.mean() + 10 * history.std(ddof=1)
 
     (found,) = watch_all(losses)
 
     assert (found.kind, found.step, found.since) == ("loss_spike", 200, 200)
     assert found.values["rule"] == "outlier"
     assert found.values["sigmas"] == pytest.approx(10.0)
-    assert found.values["window"] == (72, 199)
-    assert found.values["mean"] == pytest.approx(window.mean())
+    assert found.values["baseline_steps"] == (72, 199)
+    assert found.values["mean"] == pytest.approx(history.mean())
     rose = f"the loss rose to {losses[200]:.2f} at step 200, 10.0 standard deviations above its mean"
     assert found.evidence.startswith(rose)
     assert found.evidence.endswith("over steps 72-199")
@@ -136,7 +136,7 @@ def test_a_resumed_run_is_not_judged_for_a_plateau():
     assert watch_all(noisy_flat(3, 1000, level=0.1), LossWatch(fresh=False)) == []
 
 
-def test_no_plateau_within_the_first_three_windows():
+def test_no_plateau_within_the_first_three_histories():
     assert watch_all(noisy_flat(3, 600, level=math.log(10))) == []
 
 
@@ -191,7 +191,7 @@ def test_the_first_loss_of_a_model_that_is_no_classifier_is_not_judged():
     assert LossWatch().initial(0, 0.1, num_classes=2) == []  # a low bound only from 3 classes
 
 
-def test_non_finite_losses_are_skipped_and_leave_the_windows_alone():
+def test_non_finite_losses_are_skipped_and_leave_the_histories_alone():
     losses = decaying(0)
     losses[600:605] *= 3
     clean, holed = LossWatch(), LossWatch()
@@ -212,14 +212,14 @@ def test_the_watch_holds_a_bounded_number_of_losses():
     thresholds = LossThresholds()
     watch = LossWatch(thresholds)
     watch_all(np.concatenate([decaying(0), converged(1)]), watch)
-    bound = (thresholds.spike_window + thresholds.outlier_window + 2 * thresholds.plateau_window
+    bound = (thresholds.spike_history + thresholds.outlier_history + 2 * thresholds.plateau_history
              + 2 * thresholds.not_learning_span)
     assert watch.retained == bound
 
 
-def test_windows_shorter_than_two_are_refused():
-    with pytest.raises(ValueError, match="plateau_window"):
-        LossThresholds(plateau_window=1)
+def test_histories_shorter_than_two_are_refused():
+    with pytest.raises(ValueError, match="plateau_history"):
+        LossThresholds(plateau_history=1)
     with pytest.raises(ValueError, match="not_learning_steps must be 0 or at least twice"):
         LossThresholds(not_learning_steps=15)  # its first and last 10 losses would overlap
     assert LossThresholds(not_learning_steps=0).not_learning_steps == 0  # the rule off
@@ -247,7 +247,7 @@ def spikes(found: list[Finding]) -> list[Finding]:
 def test_a_converged_loss_rising_from_6e_06_to_0_002_is_no_spike():
     losses = converged_to_zero(0)
     losses[[500, 540, 700]] = 0.002  # the user's case: three "spikes" of 0.002 nats
-    # Against their own window these are dozens of standard deviations: the old rule said each one.
+    # Against their own history these are dozens of standard deviations: the old rule said each one.
     unfloored = watch_all(losses, classifier_watch(LossThresholds(spike_min_rise=0.0, spike_quiet=5)))
     assert [f.since for f in spikes(unfloored)][:3] == [500, 540, 700]
     assert spikes(unfloored)[0].values["sigmas"] > 6

@@ -398,7 +398,7 @@ def test_an_eval_mode_call_that_fails_names_the_cause_before_training():
         "are ['pixels']: give the Trainer flaxhooks.as_model(model, input_keys=('pixels',))" in missing_key
     auc = Evaluate(make_arrays(16), batch_size=8, metrics={"auc": clu_metrics.Average.from_output("auc")})
     wrong_metrics = _refused_before_the_fit(sgd_trainer(), auc, BatchError)
-    assert "the loss or metrics cannot evaluate the model's outputs" in wrong_metrics
+    assert "the loss or metrics cannot be computed from the model's outputs" in wrong_metrics
     assert "auc" in wrong_metrics
 
 

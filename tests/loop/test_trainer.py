@@ -88,24 +88,24 @@ def test_batch_norm_matches_a_hand_written_loop():
     tx = optax.sgd(0.1, 0.9)
     trainer = sgd_trainer(model, devices=jax.local_devices()[:1])
     initial = trainer.init(batches[0])
-    params, stats = initial.params, initial.model_state["batch_stats"]
+    params, batch_stats = initial.params, initial.model_state["batch_stats"]
     opt_state = tx.init(params)
 
     @jax.jit
-    def step(params, stats, opt_state, batch):
+    def step(params, batch_stats, opt_state, batch):
         def loss(p):
-            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["image"], train=True,
+            logits, new = model.apply({"params": p, "batch_stats": batch_stats}, batch["image"], train=True,
                                       mutable=["batch_stats"])
             return cross_entropy(logits, batch), new["batch_stats"]
-        grads, stats = jax.grad(loss, has_aux=True)(params)
+        grads, batch_stats = jax.grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state
+        return optax.apply_updates(params, updates), batch_stats, opt_state
 
     for i in range(6):
-        params, stats, opt_state = step(params, stats, opt_state, batches[i % 3])
+        params, batch_stats, opt_state = step(params, batch_stats, opt_state, batches[i % 3])
     state = trainer.fit(batches, epochs=2, state=initial)
     assert tree_allclose(state.params, params, rtol=1e-4, atol=1e-5)
-    assert tree_allclose(state.model_state["batch_stats"], stats, rtol=1e-4, atol=1e-5)
+    assert tree_allclose(state.model_state["batch_stats"], batch_stats, rtol=1e-4, atol=1e-5)
 
 
 class DropoutProbe(nn.Module):
