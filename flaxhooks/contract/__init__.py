@@ -1,10 +1,6 @@
-"""The callback contract: the events and the bus that delivers them, the
-``Callback`` base, the loop's facts and requests (``Loop``), schedules, the
-fit's plan and clock, findings, the restore protocol, and the errors the loop
-raises.
+"""The callback contract: events, ``Callback``, the loop's facts and requests, schedules, the clock, errors.
 
-``__all__`` is what users write and extend; the other names here are the
-layers' own interface and may change in any release.
+``__all__`` is what users write and extend; the other names may change in any release.
 """
 
 from flaxhooks.contract._bus import HookBus
@@ -24,26 +20,7 @@ from flaxhooks.contract._schedule import Every, Rate, as_every
 from flaxhooks.contract._schedule import refuse_time_on_several_processes as refuse_time_on_several_processes
 
 __all__ = [
-    "Callback",
-    "CallbackError",
-    "EVENTS",
-    "Event",
-    "Every",
-    "Finding",
-    "FitClock",
-    "FitPlan",
-    "Interval",
-    "KINDS",
-    "Loop",
-    "LossRead",
-    "NonFiniteError",
-    "PEAK_FLOPS",
-    "PeerLost",
-    "PeerTimeout",
-    "ProcessError",
-    "Reading",
-    "Request",
-    "Restorer",
-    "SavedRun",
-    "StopTraining",
+    "Callback", "CallbackError", "EVENTS", "Event", "Every", "Finding", "FitClock", "FitPlan", "Interval",
+    "KINDS", "Loop", "LossRead", "NonFiniteError", "PEAK_FLOPS", "PeerLost", "PeerTimeout", "ProcessError",
+    "Reading", "Request", "Restorer", "SavedRun", "StopTraining"
 ]

@@ -1,5 +1,4 @@
-"""The hook bus: registers callbacks and emits events to them in order, with
-one bracket that guarantees every phase's end event."""
+"""The hook bus: emits events to the callbacks in order; every phase's end event is guaranteed."""
 
 from __future__ import annotations
 
@@ -23,16 +22,10 @@ Handler = Callable[[Loop], Any]
 class HookBus:
     """Holds callbacks and calls their handlers, in ``order``, for each event.
 
-    Handlers are looked up once at registration, so emitting an event nobody
-    handles costs one dictionary lookup.
-
     Args:
-        callbacks: the callbacks to register.
-        defer: on runs of several processes, where a handler's error goes
-            instead of being raised: every handler of an event then runs even
-            if one raises, and ``StopTraining`` acts as ``loop.stop``, so each
-            process runs the same collectives (an evaluation) at the same step.
-            The error is raised on every process at the step they agree on.
+        defer: on several processes, where a handler's error goes instead of
+            being raised (every handler still runs, ``StopTraining`` acts as
+            ``loop.stop``), to be raised everywhere at the agreed step.
         failure: turns an error that ends training into the one reported
             (names a lost process); called once, where the error is first caught.
     """
@@ -70,10 +63,7 @@ class HookBus:
         return tuple(self._callbacks)
 
     def add(self, *callbacks: Callback) -> None:
-        """Registers callbacks, checking every ``on_*`` name first.
-
-        Callbacks marked ``process_zero_only`` are skipped on other processes.
-        """
+        """Registers callbacks, checking every ``on_*`` name (``process_zero_only``: on process 0 only)."""
         checked = [(cb, handlers_of(cb)) for cb in callbacks]
         seen = list(self._callbacks)
         for cb, _ in checked:
@@ -99,13 +89,9 @@ class HookBus:
     def emit(self, event: Event, loop: Loop, payload: Any = None, *, failing: bool = False) -> None:
         """Calls every handler of ``event`` with ``loop``; ``loop.payload`` is ``payload``.
 
-        ``loop.event`` and ``loop.payload`` are put back afterwards, so an
-        event emitted from inside another (an evaluation during ``step_end``)
-        leaves the outer one intact. Handlers of the events in
-        :data:`ALWAYS_RUN` all run even if one raises; the first error is
-        raised after them. While ``failing`` (another error is ending
-        training) every handler runs, and their own errors are logged
-        instead of hiding the original one.
+        An event emitted inside another leaves the outer one's facts intact.
+        Handlers of :data:`ALWAYS_RUN` events all run, the first error raised
+        after them; while ``failing``, their errors are logged, not raised.
 
         Raises:
             StopTraining: passed through from a handler.
@@ -126,16 +112,13 @@ class HookBus:
                     self._emit_to_all(event, loop, handlers)
                 except Exception:
                     if self._defer is not None:
-                        # Several processes: what handlers asked for still runs (a
-                        # checkpoint's save), so that every process takes part in the
-                        # same saves; the error is agreed on at the stop it asks for.
+                        # Several processes: loop.after still runs, so every process takes the same saves.
                         self._call_logging(record.after, event, loop, "after an earlier handler failed")
                     raise
             else:
                 for callback, handler in handlers:
                     record.handling = callback
                     self._call(callback, handler, event, loop)
-            # What handlers asked to do once all of them had run (loop.after).
             for callback, then in record.after:
                 record.handling = callback
                 self._call(callback, then, event, loop)
@@ -196,14 +179,10 @@ class HookBus:
 
     @contextlib.contextmanager
     def phase(self, phase: Phase, loop: Loop, payload: Any = None) -> Iterator[None]:
-        """The bracket of every phase: emits its start event, runs the body,
-        and always emits its end event.
+        """Emits the phase's start event, runs the body, and always emits its end event.
 
-        On a normal exit, or ``StopTraining`` (which asks the loop to stop),
-        the end event runs as usual. On an error the first bracket to see it
-        sets ``loop.exception`` and emits ``exception``; every bracket then
-        emits its end event while failing (each handler runs; their own
-        errors are logged) and lets the error go on.
+        On an error the first bracket to see it sets ``loop.exception`` and
+        emits ``exception``; every bracket then emits its end event while failing.
         """
         try:
             self.emit(phase.start, loop, payload)
@@ -230,9 +209,7 @@ class HookBus:
         except StopTraining as stop:
             loop.stop(str(stop) or "a callback raised StopTraining")
         except CallbackError as error:
-            # A peer lost (or gone) while an end hook waited for it, e.g. for
-            # its part of a checkpoint: reported as anywhere else in the loop
-            # (``failure`` names it, and this process leaves the run).
+            # A peer lost while an end hook waited for it: reported as anywhere else in the loop.
             if loop.exception is not None or not isinstance(error.__cause__, ProcessError):
                 raise
             reported = record_of(loop).exception = self._failure(loop, error.__cause__)

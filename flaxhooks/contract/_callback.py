@@ -14,10 +14,7 @@ if TYPE_CHECKING:
 
 
 class NonFiniteError(FloatingPointError):
-    """The loss or an intermediate value became NaN or infinite.
-
-    Raised by ``fit`` once every end hook has run, after a guard stopped
-    training at the step it names (``ActivationStats(if_nonfinite="stop")``).
+    """The loss or an intermediate value became NaN or infinite (raised by ``fit`` after the end hooks).
 
     Attributes:
         step: the first step whose loss or watched values were not finite.
@@ -29,48 +26,27 @@ class NonFiniteError(FloatingPointError):
 
 
 class StopTraining(Exception):
-    """Raised by a callback to end training cleanly.
-
-    Equivalent to ``loop.stop(reason)``, but takes effect at once: the rest of
-    the current event's handlers are skipped, then ``epoch_end`` and ``fit_end``
-    run as on any other stop.
-    """
+    """Raised by a callback to end training cleanly: ``loop.stop(reason)`` that skips the other handlers."""
 
 
 class CallbackError(RuntimeError):
-    """A callback raised while handling an event.
-
-    Attributes:
-        callback: the callback that raised.
-        event: the event it was handling.
-        step: the loop's step count at the time.
-    """
+    """A callback raised while handling an event (``callback``, ``event`` and ``step`` say where)."""
 
     def __init__(self, callback: Callback, event: str, step: int, error: BaseException):
-        self.callback = callback
-        self.event = event
-        self.step = step
-        super().__init__(
-            f"{callback!r} raised in on_{event} at step {step}: "
-            f"{type(error).__name__}: {error}"
-        )
+        self.callback, self.event, self.step = callback, event, step
+        super().__init__(f"{callback!r} raised in on_{event} at step {step}: {type(error).__name__}: {error}")
 
 
 class Callback:
     """Base class of everything that plugs into a :class:`~flaxhooks.Trainer`.
 
-    Define ``on_<event>(self, loop)`` for any name in :data:`flaxhooks.EVENTS`;
-    refuse a fit in :meth:`check_fit`; keep what a resumed run needs with
-    :meth:`state_dict` and :meth:`load_state_dict`. docs/guides/callbacks.md has
-    the contract.
+    Define ``on_<event>(self, loop)`` for any name in :data:`flaxhooks.EVENTS`
+    (docs/guides/callbacks.md has the contract).
 
     Attributes:
-        order: where this callback runs relative to others (lower first;
-            default 0, ties keep registration order).
+        order: where this callback runs relative to others (lower first; ties keep registration order).
         process_zero_only: when True the callback is only registered on JAX process 0.
-        freezes_on_nonfinite: when True the train step keeps the state from
-            before the first non-finite loss (the non-finite guard's, in its
-            ``"stop"`` mode).
+        freezes_on_nonfinite: when True the step keeps the state from before the first non-finite loss.
 
     Examples:
         >>> import flaxhooks
@@ -93,21 +69,10 @@ class Callback:
         return f"{type(self).__name__}()"
 
     def check_fit(self, plan: FitPlan) -> None:
-        """Refuses the fit ``plan`` describes by raising, before anything of it
-        is written (logs, summaries, checkpoints) or compiled.
-
-        Runs on every process the callback is registered on, after the data's
-        first batch and the checkpoint to resume are read; the error reaches
-        the caller of ``fit`` as it is (on several processes, on every
-        process), so it should name the cause and the fix. The default does
-        nothing.
-        """
+        """Refuses the fit ``plan`` describes by raising (naming cause and fix) before anything is written."""
 
     def state_dict(self) -> dict[str, Any] | None:
-        """What a resumed run must get back, as JSON-serializable values.
-
-        None (the default) means the callback holds no such state.
-        """
+        """What a resumed run must get back, as JSON-serializable values (None: nothing)."""
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -116,7 +81,7 @@ class Callback:
 
 
 def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:
-    """Returns the callback's event handlers by event name.
+    """The callback's event handlers by event name.
 
     Raises:
         TypeError: if it is not a Callback, or an ``on_*`` handler is not callable.
@@ -134,8 +99,7 @@ def handlers_of(callback: Callback) -> dict[str, Callable[[Loop], Any]]:
             hint = f" Did you mean on_{close[0]}?" if close else ""
             raise ValueError(
                 f"{type(callback).__name__}.{attr} does not name an event.{hint} "
-                f"Events: {', '.join(EVENTS)}."
-            )
+                f"Events: {', '.join(EVENTS)}.")
         handler = getattr(callback, attr)
         if not callable(handler):
             raise TypeError(f"{type(callback).__name__}.{attr} is not callable")

@@ -11,13 +11,9 @@ from typing import Any, TypeVar
 _log = logging.getLogger("flaxhooks")
 _T = TypeVar("_T")
 
-#: Peak dense bf16 FLOP/s of one device, by the start of its ``jax.Device.device_kind``
-#: (the longest matching start wins): the tensor-core (GPU) or MXU (TPU) peak
-#: without sparsity, from the vendors' data sheets (NVIDIA's H100/H200, A100,
-#: B200; Google Cloud's TPU pages), the denominator MaxText's MFU uses. One JAX
-#: device of a TPU v4 or later is one chip. Add an entry for another device
-#: (``flaxhooks.PEAK_FLOPS["NVIDIA L4"] = 121e12``) or to count against
-#: another precision's peak; with none, MFU is not shown.
+#: Peak dense bf16 FLOP/s of one device (vendors' data sheets, no sparsity), by the
+#: longest start of its ``jax.Device.device_kind``. Add another device with
+#: ``flaxhooks.PEAK_FLOPS["NVIDIA L4"] = 121e12``; with none, MFU is not shown.
 PEAK_FLOPS: dict[str, float] = {
     "NVIDIA H100": 989e12,  # SXM (device kind "NVIDIA H100 80GB HBM3")
     "NVIDIA H100 PCIe": 756e12,
@@ -55,9 +51,8 @@ class Reading:
     Attributes:
         time: ``time.perf_counter()`` then.
         step: the optimizer steps completed (``loop.step``).
-        data_wait: seconds the loop was blocked fetching its next batch, since the fit started.
-        device_wait: seconds it was blocked waiting for a step in flight
-            (to bound the steps in flight), since the fit started.
+        data_wait: seconds blocked fetching the next batch, since the fit started.
+        device_wait: seconds blocked waiting for a step in flight, since the fit started.
         evaluating: seconds spent in ``loop.evaluate``, since the fit started.
     """
 
@@ -137,10 +132,8 @@ class FitClock:
     Args:
         steps: the steps completed now (``lambda: loop.step``).
         examples_per_step: the global batch size (every process's examples).
-        devices: the devices of the mesh, every process's.
-        device_kind: their ``jax.Device.device_kind``.
-        flops: the FLOPs of one lean step on each device (None when not known),
-            called once, when an interval first needs it.
+        devices: the number of devices of the mesh.
+        flops: the FLOPs of one lean step on each device (None: not known), called once when needed.
         clock: the time source (seconds), for tests.
 
     Examples:
@@ -166,31 +159,25 @@ class FitClock:
         self._data_wait = self._device_wait = self._evaluating = 0.0
         self._evaluation: float | None = None  # when the evaluation under way started
         self.started = self.read()
-        #: The reading once the fit's first step was dispatched (it waits for
-        #: XLA to compile the step): intervals start no earlier. None until then.
+        #: The reading once the first step (which waits for compiling) was dispatched.
         self.warm: Reading | None = None
 
     @classmethod
     def of(cls, loop: Any, flops: Callable[[], float | None], mesh: Any) -> FitClock:
-        """The clock of ``loop`` (a :class:`~flaxhooks.Loop` with its batch
-        spec), training over ``mesh`` (a ``jax.sharding.Mesh``)."""
+        """The clock of ``loop``, training over ``mesh``."""
         spec = loop.spec
         examples = 0 if spec is None else spec.batch_size * spec.processes
         return cls(lambda: loop.step, examples, mesh.size, mesh.devices.flat[0].device_kind, flops)
 
     def read(self) -> Reading:
-        """The running timings now (a clock read, nothing from the devices).
-        Read during an evaluation (``eval_end``), they count it so far."""
+        """The running timings now (a clock read, nothing from the devices)."""
         now = self._clock()
         evaluating = self._evaluating + (0.0 if self._evaluation is None else now - self._evaluation)
         return Reading(now, self._steps(), self._data_wait, self._device_wait, evaluating)
 
     @property
     def flops_per_step(self) -> float | None:
-        """The FLOPs of one lean step over the whole mesh: XLA's count for one
-        device (its cost analysis of the compiled step) times the devices; None
-        where the backend does not count them. A step an instrumented variant
-        runs does more. Found once, the first time it is asked for."""
+        """The FLOPs of one lean step over the whole mesh (XLA's count), or None where not counted."""
         if not self._flops_known:
             self._flops_known = True
             try:

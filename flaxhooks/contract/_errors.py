@@ -6,11 +6,7 @@ from collections.abc import Sequence
 
 
 class ProcessError(RuntimeError):
-    """Training failed on one of the processes, so it stopped on all of them.
-
-    Every process raises it, at the same step, naming the process(es) that
-    failed and their original error (on a failing process it is also the
-    ``__cause__``).
+    """Training failed on one of the processes, so every process raises it at the same step.
 
     Attributes:
         processes: the indices of the processes that failed.

@@ -1,5 +1,4 @@
-"""What a diagnosis found: one problem with training, said once, with the
-layer, the evidence and what to try."""
+"""What a diagnosis found: one problem with training, with the layer, the evidence and what to try."""
 
 from __future__ import annotations
 
@@ -23,14 +22,10 @@ class Finding:
     Attributes:
         kind: what is wrong, one of :data:`KINDS` (``"dead_units"``, ...).
         step: the step at which it was found.
-        layer: the layer it is about, by the path the statistics use
-            (``"encoder/layers_3/mlp"``), or None for the whole model.
-        since: the first step the evidence covers (the problem began at or after it), or None.
-        evidence: what was seen, in words and numbers.
-        advice: what to try.
+        layer: the layer's path (``"encoder/layers_3/mlp"``), or None for the whole model.
+        since: the first step the evidence covers, or None.
         values: the numbers behind the evidence, by name.
-        brief: the evidence in a few words, for a finding said in full elsewhere
-            (the guard's NaN: by the ``NonFiniteError`` fit raises); a table shows it.
+        brief: the evidence in a few words, for a finding said in full elsewhere (a table shows it).
 
     Examples:
         >>> from flaxhooks import Finding

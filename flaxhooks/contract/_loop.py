@@ -7,7 +7,7 @@ import dataclasses
 import operator
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, overload
 
 import jax
 
@@ -20,6 +20,8 @@ from flaxhooks.placement import host_scalars
 from flaxhooks.step import Model, TrainState
 from flaxhooks.writers import Writers
 
+_T = TypeVar("_T")
+
 #: The events a callback may emit itself, and the payload each takes.
 EMITTABLE: dict[Event, type] = {
     Event.LOSS_READ: LossRead, Event.EVAL_START: EvalStart, Event.EVAL_END: EvalResult,
@@ -28,9 +30,7 @@ EMITTABLE: dict[Event, type] = {
 
 @dataclasses.dataclass(eq=False)
 class LoopRecord:
-    """What the loop knows, written only by the code that runs the loop (the
-    Trainer, its fit, the step runner, the bus, the stop protocol): each
-    handler reads it through :class:`Loop`, whose fields are read-only."""
+    """What the loop knows, written only by the code that runs the loop; handlers read :class:`Loop`."""
 
     state: TrainState | None = None
     step: int = 0
@@ -60,8 +60,7 @@ class LoopRecord:
     spec: BatchSpec | None = None
     writers: Writers = dataclasses.field(default_factory=Writers)
     clock: FitClock | None = None
-    #: The handler running now (requests are recorded as its), and what the
-    #: handlers of the event being emitted asked to run after all of them.
+    #: The handler running now, and what the event's handlers asked to run after all of them.
     handling: Any = None
     after: list[tuple[Any, Callable[[Loop], Any]]] = dataclasses.field(default_factory=list)
     requests: collections.deque[Request] = dataclasses.field(
@@ -70,33 +69,34 @@ class LoopRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request a handler made of the loop, as the loop recorded it.
+    """One request a handler made of the loop, as the loop recorded it."""
 
-    Attributes:
-        kind: ``"stop"``, ``"evaluate"``, ``"emit"``, ``"mark_diverged"`` or ``"replace_state"``.
-        step: the step it was made at.
-        event: the event being handled.
-        by: the callback that made it (None: the loop's own code).
-        detail: the reason, the event emitted, the evaluation's name.
-    """
-
-    kind: str
+    kind: str  # "stop", "evaluate", "emit", "mark_diverged" or "replace_state"
     step: int
-    event: str
-    by: Any
-    detail: str = ""
+    event: str  # the event being handled
+    by: Any  # the callback that made it (None: the loop's own code)
+    detail: str = ""  # the reason, the event emitted, the evaluation's name
 
 
-def _fact(name: str, doc: str) -> property:
-    return property(operator.attrgetter(f"_record.{name}"), doc=doc)
+class _Fact(property, Generic[_T]):
+    """A read-only fact of the loop's record, typed for mypy."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__(operator.attrgetter(f"_record.{name}"), doc=doc)
+
+    if TYPE_CHECKING:
+        @overload
+        def __get__(self, loop: None, owner: type | None = None) -> _Fact[_T]: ...
+        @overload
+        def __get__(self, loop: Loop, owner: type | None = None) -> _T: ...
+        def __get__(self, loop: Loop | None, owner: type | None = None) -> _Fact[_T] | _T: ...
+        def __set__(self, loop: Loop, value: NoReturn) -> None: ...  # read-only: a callback asks instead
 
 
 class Loop:
-    """What every handler receives: read-only facts about training, and the
-    requests a callback may make of the loop (each checked, and recorded in
-    :attr:`requests`). Device values (``state``, ``metrics``, ``batch``) stay
-    on the devices; reading them on the host waits for the step that makes
-    them, so a callback reads them only when it is due.
+    """What every handler receives: read-only facts about training, and requests it may make.
+
+    Device values (``state``, ``metrics``, ``batch``) stay on the devices: read them only when due.
 
     Examples:
         >>> import flaxhooks
@@ -107,40 +107,50 @@ class Loop:
         'enough'
     """
 
-    state = _fact("state", "The train state after the latest step (its buffers are donated to the "
-                  "next step: copy what you keep; ask for another with :meth:`replace_state`).")
-    step = _fact("step", "Optimizer steps completed, counting a resumed state's.")
-    epoch = _fact("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
-    epoch_step = _fact("epoch_step", "Batches taken so far in the current epoch.")
-    epoch_done = _fact("epoch_done", "Whether the current epoch's data ran out (set before ``epoch_end``).")
-    data_position = _fact("data_position", "Where this process's data stands after the latest step's "
-                          "batch (a :class:`~flaxhooks.data.DataPosition`), as a checkpoint saves it.")
-    max_steps = _fact("max_steps", "The step at which training ends, if bounded by steps.")
-    max_epochs = _fact("max_epochs", "The number of epochs, if bounded by epochs.")
-    steps_per_epoch = _fact("steps_per_epoch", "Batches per epoch when the data has a length, else None.")
-    resumed_from = _fact("resumed_from", "On ``fit(resume=True)``, the checkpoint's step (0: none); else "
-                         "None. Writers drop what they logged after it.")
-    batch = _fact("batch", "The device batch of the current step (``step_start`` / ``step_end``).")
-    metrics = _fact("metrics", "The latest step's metrics, device arrays: reading them waits for the step.")
-    settled_step = _fact("settled_step", "The newest step known to have finished on the devices.")
-    settled_metrics = _fact("settled_metrics", "That step's metrics: reading them does not wait.")
-    totals = _fact("totals", "Running totals of every step's metrics since ``fit`` started, on the "
-                   "devices (``window_means(window_sums(earlier, later))``).")
-    event = _fact("event", "The event being emitted.")
-    payload = _fact("payload", "That event's data: an ``EvalStart`` or ``EvalResult``, a ``Finding``, "
-                    "the error for ``exception``; else None.")
-    stop_reason = _fact("stop_reason", "Why training was asked to stop, or None.")
-    diverged = _fact("diverged", "The first step whose loss (or a watched value) went non-finite, once a "
-                     "guard stopped training for it; ``fit`` then raises ``NonFiniteError``.")
-    interrupted = _fact("interrupted", "The signal (SIGINT, SIGTERM) that asked training to stop, or None.")
-    exception = _fact("exception", "The error that is ending training, if any.")
-    callbacks = _fact("callbacks", "The registered callbacks, in the order their handlers run.")
-    model = _fact("model", "The model adapter (:class:`flaxhooks.step.Model`).")
-    spec = _fact("spec", "The keys, shapes and dtypes of the training batches.")
-    writers = _fact("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty without any.")
-    clock = _fact("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); None outside fit.")
+    state = _Fact[TrainState]("state", "The train state after the latest step (its buffers are donated to "
+                              "the next step: copy what you keep; ask for another with "
+                              ":meth:`replace_state`).")
+    step = _Fact[int]("step", "Optimizer steps completed, counting a resumed state's.")
+    epoch = _Fact[int]("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
+    epoch_step = _Fact[int]("epoch_step", "Batches taken so far in the current epoch.")
+    epoch_done = _Fact[bool](
+        "epoch_done", "Whether the current epoch's data ran out (set before ``epoch_end``).")
+    data_position = _Fact[DataPosition | None](
+        "data_position", "Where this process's data stands after the latest step's batch (a "
+        ":class:`~flaxhooks.data.DataPosition`), as a checkpoint saves it.")
+    max_steps = _Fact[int | None]("max_steps", "The step at which training ends, if bounded by steps.")
+    max_epochs = _Fact[int | None]("max_epochs", "The number of epochs, if bounded by epochs.")
+    steps_per_epoch = _Fact[int | None](
+        "steps_per_epoch", "Batches per epoch when the data has a length, else None.")
+    resumed_from = _Fact[int | None]("resumed_from", "On ``fit(resume=True)``, the checkpoint's step (0: "
+                                     "none); else None. Writers drop what they logged after it.")
+    batch = _Fact[Any]("batch", "The device batch of the current step (``step_start`` / ``step_end``).")
+    metrics = _Fact[Any](
+        "metrics", "The latest step's metrics, device arrays: reading them waits for the step.")
+    settled_step = _Fact[int | None]("settled_step", "The newest step known to have finished on the devices.")
+    settled_metrics = _Fact[Any]("settled_metrics", "That step's metrics: reading them does not wait.")
+    totals = _Fact[Any]("totals", "Running totals of every step's metrics since ``fit`` started, on the "
+                        "devices (``window_means(window_sums(earlier, later))``).")
+    event = _Fact[str]("event", "The event being emitted.")
+    payload = _Fact[Any]("payload", "That event's data: an ``EvalStart`` or ``EvalResult``, a ``Finding``, "
+                         "the error for ``exception``; else None.")
+    stop_reason = _Fact[str | None]("stop_reason", "Why training was asked to stop, or None.")
+    diverged = _Fact[int | None]("diverged", "The first step whose loss (or a watched value) went "
+                                 "non-finite, once a guard stopped training for it; ``fit`` then raises "
+                                 "``NonFiniteError``.")
+    interrupted = _Fact[int | None]("interrupted", "The signal (SIGINT, SIGTERM) that asked training to "
+                                    "stop, or None.")
+    exception = _Fact[BaseException | None]("exception", "The error that is ending training, if any.")
+    callbacks = _Fact[tuple[Any, ...]](
+        "callbacks", "The registered callbacks, in the order their handlers run.")
+    model = _Fact[Model | None]("model", "The model adapter (:class:`flaxhooks.step.Model`).")
+    spec = _Fact[BatchSpec | None]("spec", "The keys, shapes and dtypes of the training batches.")
+    writers = _Fact[Writers]("writers", "The fit's writers (:class:`flaxhooks.writers.Writers`); empty "
+                             "without any.")
+    clock = _Fact[FitClock | None]("clock", "The fit's host clock (:class:`~flaxhooks.contract.FitClock`); "
+                                   "None outside fit.")
 
-    # Set once in __init__ (through object.__setattr__, as facts are read-only).
+    # Set once in __init__, through object.__setattr__.
     _record: LoopRecord
     _bus: Any
     _evaluate: Callable[..., EvalResult] | None
@@ -198,10 +208,7 @@ class Loop:
         return tuple(self._record.requests)
 
     def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats.
-
-        Waits for the step; callbacks due at the same step share one transfer.
-        """
+        """The latest step's metrics as Python floats (waits; callbacks of one step share the transfer)."""
         record = self._record
         if record.metrics is None:
             return {}
@@ -212,9 +219,7 @@ class Loop:
     # Requests.
 
     def stop(self, reason: str = "stopped by a callback") -> None:
-        """Asks the loop to stop after the current event (on several processes,
-        at the step every process agrees on); end hooks still run. The first
-        reason given is kept."""
+        """Asks the loop to stop after the current event (end hooks still run); the first reason is kept."""
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"loop.stop needs the reason as a non-empty string, got {reason!r}")
         self._note("stop", reason)
@@ -222,19 +227,14 @@ class Loop:
             self._record.stop_reason = reason
 
     def evaluate(self, data: Any, **options: Any) -> EvalResult | None:
-        """Evaluates the current state on ``data``, emitting ``eval_start`` and
-        ``eval_end``: ``loop.evaluate(data, batch_size=..., metrics=..., name=...)``
-        takes what ``Trainer.evaluate`` takes, and returns its :class:`~flaxhooks.EvalResult`."""
+        """Evaluates the current state on ``data``, taking and returning what ``Trainer.evaluate`` does."""
         if self._evaluate is None:
             raise RuntimeError("loop.evaluate works during fit, where the loop has a state to evaluate")
         self._note("evaluate", str(options.get("name", "eval")))
         return self._evaluate(data, **options)
 
     def emit(self, event: Event | str, payload: Any = None) -> None:
-        """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` to
-        every callback, for a callback that reads losses, evaluates or
-        diagnoses in its own way; the payload is a ``LossRead``, an
-        ``EvalStart``, an ``EvalResult`` or a ``Finding``."""
+        """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` with its payload."""
         try:
             emitted: Event | None = Event(event)
         except ValueError:
@@ -247,15 +247,12 @@ class Loop:
             raise TypeError(f"{emitted.value} takes a {expected}, got {type(payload).__name__}")
         if self._bus is None:
             raise RuntimeError("this Loop is not attached to a Trainer's callbacks: nobody to emit to")
-        if emitted is not Event.LOSS_READ:  # a reading a step is a fact passed on, not a request:
-            self._note("emit", emitted.value)  # logged, it would push the requests out of the log
+        if emitted is not Event.LOSS_READ:  # a reading is a fact passed on: it would flood the log
+            self._note("emit", emitted.value)
         self._bus.emit(emitted, self, payload)
 
     def after(self, callback: Any, then: Callable[[Loop], Any]) -> None:
-        """Runs ``then(loop)`` once every handler of the current event has run,
-        whatever their order (a checkpoint saves after the epoch's evaluation).
-        It does not run if one of them fails; an error in it is ``callback``'s.
-        """
+        """Runs ``then(loop)`` once every handler of the current event has run (not if one fails)."""
         if not callable(then):
             raise TypeError(f"loop.after needs a callable, got {then!r}")
         self._record.after.append((callback, then))
@@ -267,12 +264,9 @@ class Loop:
         self._record.published[topic] = value
 
     def mark_diverged(self, step: int, reason: str, *, details: str | None = None) -> None:
-        """Says training diverged at ``step`` (its loss or a watched value went
-        non-finite) and stops it: no state is evaluated or saved after it, and
-        ``fit`` raises ``NonFiniteError``. The first step marked is kept.
+        """Says training diverged at ``step`` and stops it; ``fit`` raises ``NonFiniteError``.
 
         Args:
-            step: the first non-finite step.
             reason: why training stops, in a few words (the progress summary says it).
             details: the full account ``NonFiniteError`` carries (default: ``reason``).
         """
@@ -285,9 +279,7 @@ class Loop:
         self.stop(reason)
 
     def replace_state(self, state: TrainState) -> None:
-        """Hands the next step ``state`` instead of the current one (weights
-        averaged, an optimizer state reset). It must match the current state
-        leaf for leaf: structure, shapes, dtypes and shardings."""
+        """Hands the next step ``state``, which must match the current one leaf for leaf (and sharding)."""
         record = self._record
         if record.state is not None:
             _check_like(state, record.state)
@@ -295,9 +287,7 @@ class Loop:
         record.state = state
 
     def replay(self, batch: Any, contributors: Any) -> tuple[Any, ...]:
-        """Runs the step from ``loop.state`` on ``batch`` (a device batch kept
-        from an earlier step) with ``contributors`` due, and returns their
-        results; the loop's state is left as it is (the guard names a NaN's layer so)."""
+        """Runs the step from ``loop.state`` on ``batch`` with ``contributors`` due; returns their results."""
         if self._replay is None:
             raise RuntimeError("loop.replay works during fit")
         return self._replay(batch, contributors)

@@ -1,5 +1,4 @@
-"""What a fit is about to do, told to every callback before anything is
-written or compiled, so that a check that refuses the fit leaves no trace."""
+"""What a fit is about to do, told to every callback before anything is written or compiled."""
 
 from __future__ import annotations
 
@@ -19,17 +18,10 @@ class FitPlan:
     Attributes:
         step: the step training starts from (a resumed run's: its checkpoint's).
         epoch: the index of the epoch it starts in, from 0.
-        resumed_from: on ``fit(..., resume=True)``, the checkpoint's step (0
-            when there was none); else None.
-        state: the global train state as abstract values (shapes, dtypes and
-            each leaf's sharding over the mesh): nothing is built yet.
-        spec: the keys, shapes and dtypes of the training batches.
-        model: the model adapter.
-        callbacks: the registered callbacks, in the order their handlers run.
-        check_evaluation: ``check_evaluation(data, batch_size=None,
-            metrics=None, name="eval")`` checks on abstract values that the
-            data can be evaluated (nothing compiles); raises ``BatchError``
-            or ``EmptyDataError`` naming the evaluation and the cause.
+        resumed_from: on ``fit(..., resume=True)``, the checkpoint's step (0: none); else None.
+        state: the global train state as abstract values, with each leaf's sharding.
+        check_evaluation: ``check_evaluation(data, batch_size=None, metrics=None, name="eval")``
+            checks on abstract values that the data can be evaluated (raises ``BatchError``).
     """
 
     step: int
@@ -55,7 +47,6 @@ class FitPlan:
 
 
 def check_fit(callbacks: Sequence[Any], plan: FitPlan) -> None:
-    """Every callback's :meth:`~flaxhooks.Callback.check_fit`, in handler order;
-    the first that refuses the fit raises its own error."""
+    """Every callback's :meth:`~flaxhooks.Callback.check_fit`, in handler order."""
     for callback in callbacks:
         callback.check_fit(plan)

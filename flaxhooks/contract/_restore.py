@@ -1,5 +1,4 @@
-"""The restore protocol: what ``fit(resume=True)`` asks of the callback that
-keeps checkpoints. The Trainer knows no checkpoint class."""
+"""The restore protocol: what ``fit(resume=True)`` asks of the callback that keeps checkpoints."""
 
 from __future__ import annotations
 
@@ -17,12 +16,9 @@ class SavedRun(Protocol):
     """A saved run, read back and verified.
 
     Attributes:
-        step: the optimizer steps the saved state had taken.
         position: ``(epoch, batches into it)`` where training goes on.
         stop_reason: why the saved run had decided to stop, if it had.
-        path: where it was read from.
-        data: every process's :class:`~flaxhooks.data.DataPosition` at the
-            save, in process order (None: the checkpoint holds none).
+        data: every process's :class:`~flaxhooks.data.DataPosition` at the save (None: none saved).
     """
 
     step: int
@@ -40,11 +36,10 @@ class SavedRun(Protocol):
 
 @runtime_checkable
 class Restorer(Protocol):
-    """A callback that can resume a run (``Checkpoint``): ``fit(resume=True)``
-    asks the one registered for the latest good save."""
+    """A callback that can resume a run (``Checkpoint``)."""
 
     def restore_latest(self) -> SavedRun | None:
-        """The newest save that reads back and verifies; None if there is none."""
+        """The newest save that reads back and verifies, or None."""
 
 
 def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:
@@ -57,8 +52,7 @@ def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:
     if len(restorers) != 1:
         raise ValueError(
             f"resume=True needs exactly one Checkpoint callback (or other Restorer) to read from; this "
-            f"Trainer has {len(restorers)}"
-        )
+            f"Trainer has {len(restorers)}")
     restored = restorers[0].restore_latest()
     if restored is None:
         _log.info("nothing to resume from yet: starting afresh")

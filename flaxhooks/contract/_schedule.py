@@ -11,13 +11,9 @@ import jax
 class Every:
     """Due every ``steps`` optimizer steps and/or every ``seconds`` of wall time.
 
-    Step-based schedules are due at the same steps on every process, so use
-    them for anything that runs collectives (evaluation). Time-based ones suit
-    console output.
+    Use steps for anything that runs collectives (every process is due at the same steps).
 
     Args:
-        steps: due when the completed-step count is a multiple of this.
-        seconds: due when this long has passed since it was last due.
         clock: the time source, for tests.
 
     Examples:
@@ -27,13 +23,8 @@ class Every:
         [100, 200, 300]
     """
 
-    def __init__(
-        self,
-        steps: int | None = None,
-        seconds: float | None = None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, steps: int | None = None, seconds: float | None = None, *,
+                 clock: Callable[[], float] = time.monotonic):
         if steps is None and seconds is None:
             raise ValueError("Every needs steps, seconds or both")
         if steps is not None and steps < 1:
@@ -62,17 +53,11 @@ class Every:
 
 
 def refuse_time_on_several_processes(every: Every | None, owner: object, action: str) -> None:
-    """Refuses a schedule by time on several processes, whose clocks differ:
-    every process must do ``action`` at the same steps.
-
-    Raises:
-        ValueError: ``every`` is due by time and there are several processes.
-    """
+    """Raises ValueError for a schedule by time on several processes (whose clocks differ)."""
     if jax.process_count() > 1 and every is not None and every.seconds is not None:
         raise ValueError(
             f"{owner!r} is due by time, which differs between processes; every process must {action} "
-            "at the same steps: use Every(steps=N)"
-        )
+            "at the same steps: use Every(steps=N)")
 
 
 def as_every(every: Every | int) -> Every:
@@ -83,10 +68,7 @@ def as_every(every: Every | int) -> Every:
 
 
 class Rate:
-    """Steps per second between one reading and the next.
-
-    Args:
-        clock: the time source (seconds), for tests.
+    """Steps per second between one reading and the next (``clock``: for tests).
 
     Examples:
         >>> from flaxhooks.contract import Rate
@@ -106,8 +88,7 @@ class Rate:
         self._mark = (step, self._clock())
 
     def __call__(self, step: int) -> float | None:
-        """The rate since the last reading (or ``start``), then restarts at
-        ``step``; None when no step or no time has passed."""
+        """The rate since the last reading, then restarts at ``step``; None when no step or time passed."""
         now = self._clock()
         mark, self._mark = self._mark, (step, now)
         if mark is None or step <= mark[0] or now <= mark[1]:

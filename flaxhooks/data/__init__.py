@@ -1,9 +1,6 @@
-"""The data side: host batches and their structure, arrays in memory, data
-sources and their positions, and the input pipeline that puts batches on the
-devices.
+"""The data side: host batches, arrays in memory, data sources and positions, the input pipeline.
 
-``__all__`` is what users write and extend (loaders, positions, errors); the
-other names here are the layers' own interface and may change in any release.
+``__all__`` is what users write and extend; the other names may change in any release.
 """
 
 from flaxhooks._moved import moved_names
@@ -16,24 +13,11 @@ from flaxhooks.data._batches import (
     check_batch,
 )
 from flaxhooks.data._pipeline import DevicePrefetch
-from flaxhooks.data._sources import (
-    Data,
-    DataPosition,
-    DataResumeError,
-    DataSource,
-    fingerprint,
-)
+from flaxhooks.data._sources import Data, DataPosition, DataResumeError, DataSource, fingerprint
 
 __all__ = [
-    "ArrayLoader",
-    "BatchError",
-    "BatchSpec",
-    "Data",
-    "DataPosition",
-    "DataResumeError",
-    "DevicePrefetch",
-    "EmptyDataError",
-    "HostBatch",
+    "ArrayLoader", "BatchError", "BatchSpec", "Data", "DataPosition", "DataResumeError", "DevicePrefetch",
+    "EmptyDataError", "HostBatch"
 ]
 
 # Moved to flaxhooks.placement, or renamed, in 0.8: the old names work until 0.9, with a warning.

@@ -12,7 +12,6 @@ import numpy as np
 #: A batch as the user gives it: equal-length arrays by key.
 HostBatch = Mapping[str, np.ndarray]
 
-
 #: The batch keys a Trainer passes to the model unless ``input_keys`` names others.
 DEFAULT_INPUT_KEYS = ("image",)
 
@@ -54,8 +53,7 @@ def check_batch(batch: Any, required_keys: Sequence[str]) -> tuple[dict[str, np.
         if array.shape[0] != size:
             raise BatchError(
                 f"batch key {key!r} has {array.shape[0]} examples (shape {array.shape}) but "
-                f"{first_key!r} has {size} (shape {arrays[first_key].shape})"
-            )
+                f"{first_key!r} has {size} (shape {arrays[first_key].shape})")
     return arrays, size
 
 
@@ -85,8 +83,7 @@ class BatchSpec:
 
     Attributes:
         batch_size: examples per host batch (this process's share of the global batch).
-        num_devices: the parts of the batch this process feeds (its devices
-            along the mesh's data axis).
+        num_devices: the parts of the batch this process feeds (along the data axis).
         fields: per key, the dtype and the shape of one example.
         processes: the processes feeding a share each.
     """
@@ -101,9 +98,7 @@ class BatchSpec:
         """Checks the first batch and takes its structure.
 
         Raises:
-            BatchError: not a mapping, a required key missing, non-numeric or
-                scalar values, keys of different lengths, or a batch size that
-                does not divide over the devices.
+            BatchError: a bad batch (see check_batch), or a size that does not divide over the devices.
         """
         arrays, size = check_batch(batch, required_keys)
         first_key = next(iter(arrays))
@@ -111,27 +106,20 @@ class BatchSpec:
             raise BatchError(
                 f"a batch of {size} examples (key {first_key!r}, shape {arrays[first_key].shape}) "
                 f"does not divide over {num_devices} devices: use a batch size that is a "
-                f"positive multiple of {num_devices}"
-            )
+                f"positive multiple of {num_devices}")
         fields = {key: (a.dtype, a.shape[1:]) for key, a in arrays.items()}
         return cls(size, num_devices, fields, processes)
 
     def describe(self) -> str:
         """The spec as ``key dtype[batch, ...]``, e.g. ``image float32[128, 28, 28]``."""
         return ", ".join(
-            f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items()
-        )
+            f"{key} {dtype}{[self.batch_size, *shape]}" for key, (dtype, shape) in self.fields.items())
 
     def conform(self, batch: HostBatch) -> dict[str, np.ndarray] | None:
-        """Checks a batch against the spec.
-
-        Returns:
-            The batch as numpy arrays, or None for a smaller last batch that
-            has the right structure (the caller decides whether to drop it).
+        """The batch as numpy arrays, or None for a smaller last batch of the right structure.
 
         Raises:
-            BatchError: a key missing or added, another dtype, rank or example
-                shape, or a larger batch.
+            BatchError: another key, dtype, rank or example shape, or a larger batch.
         """
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch must be a dict of arrays, got {type(batch).__name__}{_pairs(batch)}")
@@ -140,8 +128,7 @@ class BatchSpec:
             extra = sorted(batch.keys() - self.fields.keys())
             raise BatchError(
                 f"batch keys changed: missing {missing}, unexpected {extra} "
-                f"(the first batch had {sorted(self.fields)})"
-            )
+                f"(the first batch had {sorted(self.fields)})")
         arrays = {}
         sizes = set()
         for key, (dtype, example_shape) in self.fields.items():
@@ -150,20 +137,17 @@ class BatchSpec:
             if array.dtype != dtype:
                 raise BatchError(
                     f"batch key {key!r} has dtype {array.dtype}, expected {dtype} as in the "
-                    f"first batch (a new dtype would recompile the train step)"
-                )
+                    f"first batch (a new dtype would recompile the train step)")
             if array.ndim != len(expected) or array.shape[1:] != example_shape:
                 raise BatchError(
                     f"batch key {key!r} has shape {array.shape} (rank {array.ndim}), "
-                    f"expected {expected} (rank {len(expected)})"
-                )
+                    f"expected {expected} (rank {len(expected)})")
             sizes.add(array.shape[0])
             arrays[key] = array
         if len(sizes) > 1 or max(sizes) > self.batch_size:
             raise BatchError(
                 f"batch sizes {sorted(sizes)} do not match the first batch's {self.batch_size} "
-                f"(over {self.num_devices} devices)"
-            )
+                f"(over {self.num_devices} devices)")
         return arrays if sizes == {self.batch_size} else None
 
     def per_device(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -191,15 +175,10 @@ class BatchSpec:
 class ArrayLoader:
     """Batches from arrays in memory, reshuffled each epoch from ``(seed, epoch)``.
 
-    Pass it to :meth:`Trainer.fit`; the Trainer calls it with the epoch index, so
-    every epoch's order is reproducible. On several JAX processes each one
-    takes every ``process_count``-th example of the shuffled order.
+    On several processes each takes every ``process_count``-th example of the shuffled order.
 
     Args:
-        arrays: equal-length arrays by batch key.
         batch_size: examples per batch on this process.
-        shuffle: reshuffle each epoch.
-        seed: the shuffling seed.
         drop_remainder: drop the last, smaller batch.
 
     Examples:
@@ -209,15 +188,8 @@ class ArrayLoader:
         (2, [(4,), (4,)])
     """
 
-    def __init__(
-        self,
-        arrays: Mapping[str, np.ndarray],
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_remainder: bool = True,
-    ):
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_remainder: bool = True):
         lengths = {key: len(a) for key, a in arrays.items()}
         if len(set(lengths.values())) != 1:
             raise BatchError(f"arrays have different lengths: {lengths}")
@@ -231,8 +203,7 @@ class ArrayLoader:
         self._count = next(iter(lengths.values()))
 
     def _mine(self) -> int:
-        """Examples this process takes: an equal share when dropping the
-        remainder, else every ``process_count``-th one, so none is left out."""
+        """Examples this process takes: an equal share when dropping the remainder, else none left out."""
         processes, index = jax.process_count(), jax.process_index()
         if self.drop_remainder:
             return self._count // processes
@@ -243,8 +214,7 @@ class ArrayLoader:
         return whole if self.drop_remainder or not part else whole + 1
 
     def __call__(self, epoch: int, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        """The batches of ``epoch``, from batch ``start`` on (a resumed run skips
-        the ones it already took without making them)."""
+        """The batches of ``epoch``, from batch ``start`` on (without making the ones before)."""
         order = (
             np.random.default_rng([self.seed, epoch]).permutation(self._count)
             if self.shuffle else np.arange(self._count)

@@ -1,5 +1,4 @@
-"""The input pipeline: a thread that reads, checks and puts each host batch
-on the devices ahead of the step that takes it."""
+"""The input pipeline: a thread that puts each host batch on the devices ahead of its step."""
 
 from __future__ import annotations
 
@@ -15,23 +14,16 @@ from flaxhooks.placement import Placement
 
 _log = logging.getLogger("flaxhooks")
 
+
 class DevicePrefetch:
     """The input pipeline: reads, checks, shards and prefetches each host batch.
 
-    A background thread reads each host batch from the data (a loader's own
-    workers, such as grain's, run beside it), checks it against the first
-    one's structure and puts it on the mesh as global arrays split over the
-    data axis (one transfer call per batch; on several processes each feeds
-    its share, with ``jax.make_array_from_process_local_data``), ``size``
-    batches ahead of the step that takes it. Give one to the Trainer
-    (``Trainer(..., pipeline=DevicePrefetch(size=4))``); by default it uses
-    one with these defaults.
+    A background thread checks each batch against the first one's structure and
+    puts it on the mesh split over the data axis, ``size`` batches ahead.
 
     Args:
-        size: batches waiting on the devices for the steps to take them
-            (besides one that the thread holds, read, until there is room).
-        ragged: what to do with a smaller last batch: ``"drop"`` it with a
-            warning (the compiled step only takes full batches) or ``"error"``.
+        size: batches waiting on the devices (besides one the thread holds until there is room).
+        ragged: a smaller last batch is dropped with a warning (``"drop"``) or an ``"error"``.
 
     Examples:
         >>> import flaxhooks
@@ -45,8 +37,7 @@ class DevicePrefetch:
             raise ValueError(f"ragged must be 'drop' or 'error', got {ragged!r}")
         self.size = size
         self.ragged = ragged
-        #: Smaller last batches dropped so far.
-        self.dropped = 0
+        self.dropped = 0  # smaller last batches dropped so far
 
     def __repr__(self) -> str:
         return f"DevicePrefetch(size={self.size}, ragged={self.ragged!r})"
@@ -55,19 +46,14 @@ class DevicePrefetch:
         self, batches: Iterable[tuple[HostBatch, DataPosition]], spec: BatchSpec, placement: Placement,
         limit: int | None = None,
     ) -> Iterator[tuple[Any, DataPosition]]:
-        """The device batches of ``batches``, each with its position, at most
-        ``limit`` in all (a one-shot iterator is never read past the last step).
+        """The device batches of ``batches``, each with its position, at most ``limit`` in all.
 
-        A thread reads, checks and transfers them, ``size`` ahead of the
-        caller, so that loading overlaps the steps; an error it meets is
-        raised here, at the batch where it happened. Closing the iterator
-        stops the thread (after the batch it is reading).
+        The thread's errors are raised here, in order; closing the iterator stops the thread.
 
         Raises:
             BatchError: a batch does not fit ``spec`` (or is smaller, with ``ragged="error"``).
         """
-        # Batches ready, in order, and room for more: the queue's C fast path,
-        # bounded by a semaphore the training thread releases as it takes them.
+        # A SimpleQueue (C fast path) bounded by a semaphore the training thread releases.
         ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
         room = threading.Semaphore(self.size)
         stop = threading.Event()
@@ -134,13 +120,11 @@ class DevicePrefetch:
         if self.ragged == "error":
             raise BatchError(
                 f"a batch of {size} examples; the train step takes {spec.batch_size} "
-                f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)"
-            )
+                f"(pass ragged='drop' to DevicePrefetch, or drop the remainder)")
         if not self.dropped:
             _log.warning(
                 "dropping a batch of %d examples: the train step takes %d (warned once)",
-                size, spec.batch_size,
-            )
+                size, spec.batch_size)
         self.dropped += 1
 
 

@@ -1,6 +1,4 @@
-"""What ``fit`` trains on, epoch by epoch, and where in it a run stands: the
-loader's own state where it keeps one (grain), else the batch index, with a
-fingerprint of the latest batch so that a resume can tell the same data."""
+"""What ``fit`` trains on, epoch by epoch, and where in it a run stands (docs/guides/data.md)."""
 
 from __future__ import annotations
 
@@ -21,19 +19,16 @@ from flaxhooks.data._batches import BatchError, HostBatch
 
 _log = logging.getLogger("flaxhooks")
 
-#: What ``fit`` accepts as data: an iterable of host batches (iterated afresh
-#: each epoch; a grain ``MapDataset``, ``IterDataset`` or ``DataLoader``), a
-#: one-shot iterator, or a callable taking the epoch index.
+#: What ``fit`` accepts: an iterable of host batches (iterated afresh each epoch), a one-shot
+#: iterator, or a callable taking the epoch index.
 Data = Iterable[HostBatch] | Callable[[int], Iterable[HostBatch]]
 
-#: Elements sampled from each array for a batch's fingerprint: enough to tell
-#: another dataset, seed or order, cheap enough for every batch.
+#: Elements sampled from each array for a batch's fingerprint (cheap enough for every batch).
 FINGERPRINT_SAMPLES = 4096
 
 
 class DataResumeError(BatchError):
-    """The data cannot go on from where a checkpoint says the run stood: it is
-    shorter, another dataset or order, or saved by another number of processes."""
+    """The data cannot go on from where a checkpoint says the run stood."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +38,8 @@ class DataPosition:
     Attributes:
         epoch: the epoch's index, from 0.
         index: batches of the epoch taken, this one included.
-        fingerprint: a checksum of a sample of this batch's values: a resume
-            makes the batch again and compares, so another dataset, seed or
-            order is refused before training.
-        state: the loader's own state after this batch (grain's
-            ``get_state()``), or None for data positioned by index.
+        fingerprint: a checksum of a sample of this batch's values, compared on resume.
+        state: the loader's own state after this batch (grain's ``get_state()``), or None.
         before: the loader's state before this batch.
     """
 
@@ -78,8 +70,7 @@ def _state_from_json(state: Any) -> Any:
 
 
 def fingerprint(batch: Any) -> str:
-    """A checksum of a batch's keys, shapes, dtypes and up to
-    :data:`FINGERPRINT_SAMPLES` evenly spaced values per key.
+    """A checksum of a batch's keys, shapes, dtypes and up to :data:`FINGERPRINT_SAMPLES` values per key.
 
     Examples:
         >>> import numpy as np
@@ -109,10 +100,7 @@ def _grain_map(data: Any) -> bool:
 
 
 def _read_options() -> Any:
-    """How a grain ``MapDataset`` is read: by as many of grain's threads as
-    there are cores (grain's default is 16: on fewer cores they only contend
-    with the steps for the CPU), each two batches ahead (grain's default
-    holds 500 elements, here batches, in memory)."""
+    """How a grain ``MapDataset`` is read: a thread per core (at most 16), two batches ahead each."""
     import grain
 
     try:
@@ -124,8 +112,7 @@ def _read_options() -> Any:
 
 
 def _parse_absl_flags(data: Any) -> None:
-    """grain's worker processes read absl flags, which fail unless parsed
-    (a program not started by ``absl.app``): take their defaults then."""
+    """Marks absl flags parsed (their defaults), which grain's workers need outside ``absl.app``."""
     if not type(data).__module__.startswith("grain"):
         return
     try:
@@ -145,29 +132,16 @@ def _length(data: Any) -> int | None:
 
 
 class DataSource:
-    """The data given to ``fit``, epoch by epoch, each batch with its
-    :class:`DataPosition`.
+    """The data given to ``fit``, epoch by epoch, each batch with its :class:`DataPosition`.
 
-    How it goes on from a position without replaying the run: a callable
-    taking ``start`` (as :class:`~flaxhooks.ArrayLoader`) and a grain
-    ``MapDataset`` by index (epoch ``e`` is indices ``[e * len, (e + 1) * len)``
-    of ``ds.repeat()``, reshuffled per epoch as grain's ``repeat`` does, read
-    by one grain thread per core, at most 16); an
-    iterator with ``get_state``/``set_state`` (grain's ``IterDataset`` and
-    ``DataLoader`` iterators) from its saved state; anything else by reading
-    and dropping the batches before it, which one log line says and times.
-
-    Args:
-        data: a callable of the epoch index, a re-iterable, or a one-shot iterator.
+    How each kind of data goes on from a position: docs/guides/data.md.
     """
 
     def __init__(self, data: Data):
         self.data = data
         _parse_absl_flags(data)
-        #: Batches per epoch, when the data has a length.
-        self.length: int | None = _length(data)
-        #: A one-shot iterator: never rewound, it keeps its own position.
-        # (Asked of the type: iter() would start a grain DataLoader's workers.)
+        self.length: int | None = _length(data)  # batches per epoch
+        # A one-shot iterator keeps its own position (asked of the type: iter() starts grain's workers).
         self.one_shot = isinstance(data, Iterator)
         self._grain_map = _grain_map(data)
         self._by_index = self._grain_map or (
@@ -183,15 +157,11 @@ class DataSource:
     def resume(
         self, epoch: int, skip: int, saved: Sequence[DataPosition] | None
     ) -> Iterator[tuple[HostBatch, DataPosition]]:
-        """The batches from ``(epoch, skip)``, where a checkpoint says the run
-        stood; ``saved``: every process's position there (None: the
-        checkpoint holds none). This process's is checked first: the batch it
-        took last is made again and must have the same fingerprint.
+        """The batches from ``(epoch, skip)``, checking this process's ``saved`` position's last batch.
 
         Raises:
-            DataResumeError: the data is shorter than the position, is other
-                data than the checkpointed run's, or keeps a loader state
-                saved by another number of processes.
+            DataResumeError: the data is shorter, other data than the run's,
+                or its loader states were saved by another number of processes.
         """
         processes, index = jax.process_count(), jax.process_index()
         if self.length is not None and skip >= self.length > 0:
@@ -208,7 +178,7 @@ class DataSource:
             return self.epoch(epoch, skip)
         here = (mine.epoch, mine.index) == (epoch, skip)
         if mine.state is not None and mine.before is not None and (here or self.one_shot):
-            # The loader that took the batch: made again from the state before it, then on from there.
+            # The batch made again from the loader's state before it, then on from there.
             iterator = self.data if self.one_shot else self._iterator(mine.epoch)
             self._set(iterator, mine.before, mine)
             self._check(self._take(iterator, mine), mine)  # type: ignore[arg-type]
@@ -223,18 +193,12 @@ class DataSource:
         return self.epoch(epoch, skip)
 
     def rewind(self, position: DataPosition | None) -> None:
-        """Puts a one-shot iterator that keeps a state back to ``position``:
-        the batches read ahead of the last step stay for the next ``fit``."""
+        """Puts a one-shot stateful iterator back to ``position``, for the next ``fit``."""
         if self.one_shot and position is not None and position.state is not None and _stateful(self.data):
             self.data.set_state(position.state)  # type: ignore[union-attr]
 
     def position(self, step: int, last: tuple[int, int] | None) -> tuple[int, int]:
-        """The epoch and the batches into it at which training ``step`` starts.
-
-        Data with a length gives it exactly; otherwise a continued ``fit``
-        (``last``: where the previous one stopped) picks up there. A one-shot
-        iterator keeps its own position, so nothing is skipped.
-        """
+        """The epoch and the batches into it at which ``step`` starts (``last``: the previous fit's)."""
         if self.one_shot:
             return (last[0] if last else 0), 0
         if self.length:
@@ -313,8 +277,7 @@ class DataSource:
                 f"seed, order or batch size. Resume with the run's data, or train afresh in a new directory")
 
     def _verify(self, saved: DataPosition) -> None:
-        """Makes the batch ``saved`` stands after again and compares it, where
-        that costs at most that one batch."""
+        """Makes the batch ``saved`` stands after again and compares it, where that costs one batch."""
         if saved.index < 1:
             return
         if self._by_index:

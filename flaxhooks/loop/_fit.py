@@ -29,21 +29,11 @@ _log = logging.getLogger("flaxhooks")
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """Drives one ``fit`` from ``fit_start`` to ``fit_end``.
-
-    Attributes:
-        loop: what every handler sees.
-        record: what the loop knows, which this fit (and its runner, bus and stops) writes.
-        bus: the callbacks with this fit's error policy, and the bracket of every phase.
-        runner: runs each step (lean, or instrumented when a contributor is due).
-        pipeline: puts the host batches on the devices.
-        placement: the mesh, and where batches go on it.
-        stops: where stops take effect (agreed between processes on several).
-    """
+    """Drives one ``fit`` from ``fit_start`` to ``fit_end``."""
 
     loop: Loop
-    record: LoopRecord
-    bus: HookBus
+    record: LoopRecord  # written by this fit, its runner, bus and stops
+    bus: HookBus  # with this fit's error policy
     runner: StepRunner
     pipeline: DevicePrefetch
     placement: Placement
@@ -61,7 +51,6 @@ class Fit:
             totals=runner.zero_totals())
         record.clock = clock = FitClock.of(record, runner.step_flops, placement.mesh)
         bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
-        # The clock's intervals leave evaluations out.
         loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
                     replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
         return cls(loop, record, bus, runner, trainer.pipeline, placement, stops)
@@ -69,7 +58,6 @@ class Fit:
     def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:
         """Trains until the loop's limits or a stop; every end hook runs."""
         loop, record, bus, stops = self.loop, self.record, self.bus, self.stops
-        # Writers open before fit_start and close after fit_end: every handler can write.
         writer_callbacks = bus.of(WriterCallback)
         try:
             record.writers = Writers.open(writer_callbacks, loop)
@@ -152,8 +140,7 @@ class Start:
 
 
 def _closed(failures: Sequence[tuple[Any, Exception]], loop: Loop) -> None:
-    """A writer that failed to close fails the fit (unless it is failing already),
-    as an error of its callback's ``fit_end``."""
+    """A writer that failed to close fails the fit (unless failing already) as its ``fit_end``'s error."""
     for i, (callback, error) in enumerate(failures):
         if loop.exception is None and i == 0:
             raise CallbackError(callback, Event.FIT_END.value, loop.step, error) from error

@@ -1,6 +1,4 @@
-"""The non-finite guard every Trainer has: it watches every step's loss, and
-at the first NaN or infinity names the call that made it, replaying the
-failing step instrumented from the state before it."""
+"""The non-finite guard every Trainer has: at the first NaN it replays the step to name the call."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ MODES = ("stop", "warn", "off")
 
 
 class _Probe(StepContributor):
-    """The step contributor of a replay: every module call's output and the
-    gradient with respect to it, each reduced to a non-finite flag."""
+    """A replay's contributor: a non-finite flag for every module call's output and its gradient."""
 
     taps = Taps(capture=lambda module, method: method == "__call__",
                 perturb=lambda module, method: method == "__call__")
@@ -57,8 +54,7 @@ class _Probe(StepContributor):
         pass
 
 
-#: Modules whose own operation makes no NaN or infinity from finite inputs and
-#: parameters (a product and a sum, or a look-up), short of overflowing float16.
+#: Modules that make no NaN from finite inputs and parameters (short of overflowing float16).
 _AFFINE: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.Embed,
     nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum, nnx.Embed,
@@ -99,17 +95,13 @@ def _key(entry: Any) -> str:
 
 
 class NonFiniteGuard(Callback):
-    """Watches every step's loss; at the first NaN or infinity it names the
-    call whose output (or gradient) first went non-finite and stops training.
+    """Watches every step's loss; at the first NaN or infinity it names the call that made it and stops.
 
-    Every Trainer has one (``Trainer(if_nonfinite=...)`` sets its mode). With
-    ``"stop"`` it replays the step from the state kept before it, and ``fit``
-    raises :class:`~flaxhooks.NonFiniteError`. docs/guides/diagnose.md has the
-    details.
+    Every Trainer has one (``Trainer(if_nonfinite=...)``); docs/guides/diagnose.md has the details.
 
     Args:
-        mode: ``"stop"``, ``"warn"`` (log the first non-finite loss, train on)
-            or ``"off"``.
+        mode: ``"stop"`` (``fit`` raises :class:`~flaxhooks.NonFiniteError`),
+            ``"warn"`` (log the first non-finite loss, train on) or ``"off"``.
         replay: replay the failing step to name the call (``"stop"`` only).
 
     Examples:
@@ -142,8 +134,7 @@ class NonFiniteGuard(Callback):
         return [guard, *callbacks]
 
     def follow_deprecated_modes(self, callbacks: Sequence[Callback]) -> None:
-        """Warns instead of stopping if one of ``callbacks`` asks so with the
-        deprecated ``if_nonfinite="warn"`` of the statistics callbacks (gone in 0.9)."""
+        """Warns instead of stopping if a statistics callback has the deprecated ``if_nonfinite="warn"``."""
         if self.mode == "stop" and any(getattr(cb, "guard_mode", None) == "warn" for cb in callbacks):
             self.mode = "warn"
 
@@ -208,8 +199,7 @@ class NonFiniteGuard(Callback):
             cause = _Cause(f"the replay that names the layer failed ({type(error).__name__}: {error})")
         advice = _advice(cause, step, growth)
         full = f"{what} at step {step}: {cause.text}"
-        # Said in full once, by the NonFiniteError fit raises; the log line, the stop's
-        # reason (the progress summary) and Diagnose's table say it in a few words.
+        # Said in full once, by NonFiniteError; the log, the stop reason and Diagnose say it briefly.
         first = f"; first non-finite: {cause.where}" if cause.where else ""
         brief = f"{what}{first}"
         self.finding = Finding("nonfinite", step, cause.layer, full, advice, brief=brief,
@@ -226,8 +216,7 @@ class NonFiniteGuard(Callback):
         if batch is not None:  # the batch itself: one compiled reduction, at the NaN only
             names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
             bad = [n for n, b in zip(names, first_replica(_nonfinite_leaves(batch)), strict=True) if b]
-        # A Dense whose output went non-finite took a non-finite input, unless values grew
-        # until it overflowed: then growth is said, not a guess about its input.
+        # With a bad batch or growth, a non-finite Dense output says nothing about its input.
         replayed = self._replayed(loop, step, value, batch, inputs_sane=not bad and growth is None)
         if not bad:
             return replayed
@@ -249,13 +238,11 @@ class NonFiniteGuard(Callback):
         (result,) = replay(batch, (_Probe(),))
         flags = {k: first_replica(v) for k, v in result.values.items()}
         activations, gradients, param_names = result.layout
-        # Each process times its own replay; on several, the words (their agreed stop
-        # is said once if they are the same) leave the time out.
+        # On several processes the time is left out, so every process's words are the same.
         seconds = time.perf_counter() - started
         timed = f", in {seconds:.1f} s" if jax.process_count() == 1 else " on every process"
         cost = f"found by replaying step {step} instrumented{timed}"
-        # The state itself, before the step (the probe's view of the parameters is the
-        # updated ones less the update, non-finite when the update is).
+        # The state before the step (the probe's parameters are non-finite when the update is).
         flags["params"] = first_replica(_nonfinite_leaves(loop.state.params))
         params = [name for name, bad in zip(param_names, flags["params"], strict=True) if bad]
         if params:
@@ -279,8 +266,7 @@ def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: 
         call: _Call = activations[acts[0]]
         values = {"call": call.name}
         if call.affine and inputs_sane:
-            # Finite inputs and parameters make a finite output: its input was not finite,
-            # made by its caller's own code (a jnp.log between two submodules), as the batch is finite.
+            # Its input was not finite: made by its caller's own code (a jnp.log between submodules).
             after = f", after {activations[acts[0] - 1].words()} returned" if acts[0] else ""
             first = (f"the first call, in execution order, whose output went non-finite is {call.words()}, "
                      "which makes no NaN or infinity from finite inputs and parameters: its input already "
@@ -303,8 +289,7 @@ def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: 
                       "/".join(call.module) or None, values, "op")
     grads = [i for i, bad in enumerate(flags["gradients"]) if bad]
     if grads:
-        # The backward pass runs from the loss to the input: it went non-finite in the
-        # call after the deepest output whose gradient is not finite, which took that output in.
+        # Backward runs from the loss: the call after the deepest non-finite gradient made it.
         deepest: _Call = gradients[grads[-1]]
         if grads[-1] + 1 < len(gradients):
             consumer: _Call = gradients[grads[-1] + 1]
@@ -326,8 +311,7 @@ def _first_call(flags: dict[str, Any], activations: Sequence[_Call], gradients: 
 
 
 def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
-    """The outermost modules holding parameters whose calls the replay did not
-    see (an ``nn.scan`` that drops the values made in its body), in parameter order.
+    """The outermost modules with parameters whose calls the replay did not see (an ``nn.scan``'s body).
 
     Examples:
         >>> seen = [_Call("encoder", ("encoder",), "Dense", True), _Call("head", ("head",), "Dense", True)]
@@ -340,7 +324,6 @@ def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
         module = tuple(name.split("/")[:-1])
         if not module or module in tapped:
             continue
-        # The outermost module on its path whose call was not seen.
         outer = next(module[:i] for i in range(1, len(module) + 1) if module[:i] not in tapped)
         if "/".join(outer) not in found:
             found.append("/".join(outer))
@@ -349,22 +332,13 @@ def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class _Cause:
-    """What made the first non-finite value, as the replay (or the batch) shows it.
+    """What made the first non-finite value, as the replay (or the batch) shows it."""
 
-    Attributes:
-        text: the full account, with how it was found.
-        where: a few words naming it ("the output of 'Dense_2'"), or "" when unknown.
-        layer: the module to look at, for the finding.
-        values: what the finding holds besides the loss.
-        made_by: ``"data"`` (the batch), ``"op"`` (an operation on finite values: log,
-            sqrt, division), ``"params"`` (the parameters already were), or "" (unknown).
-    """
-
-    text: str
-    where: str = ""
-    layer: str | None = None
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)
-    made_by: str = ""
+    text: str  # the full account, with how it was found
+    where: str = ""  # a few words naming it ("the output of 'Dense_2'")
+    layer: str | None = None  # the module to look at
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)  # the finding's besides the loss
+    made_by: str = ""  # "data", "op", "params", "growth" or "" (unknown)
 
 
 #: Finite losses and gradient norms of the latest steps, enough to see growth before a NaN.
@@ -372,11 +346,11 @@ HISTORY = 256
 
 
 def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
-    """How the loss or the gradient norm grew over the steps before a NaN, in
-    words, or None when neither did: the last 3 steps' largest value at least
-    10 times (the gradient norm) or 3 times (a positive loss) the median of the
-    steps before them (at least 5); with fewer than 8 steps, the last 10 times
-    more than that against the first.
+    """How the loss or gradient norm grew before a NaN, in words, or None.
+
+    Grown: the last 3 steps' largest is 10x (gradient norm) or 3x (positive
+    loss) the median before them; under 8 steps, the last is 10 times more
+    than that against the first.
 
     Examples:
         >>> _growth([(s, 1.0, 1.0) for s in range(1, 9)] + [(9, 1.0, 40.0)])
@@ -393,7 +367,6 @@ def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
         values = [value for h in history if (value := h[index]) is not None]
         if len(values) < 2 or (index == 1 and min(values) <= 0):
             continue
-        # Few steps: the last against the first, ten times the bar.
         many = len(values) >= 8
         before, recent = (float(np.median(values[:-3])), max(values[-3:])) if many else \
             (values[0], values[-1])
@@ -404,8 +377,7 @@ def _growth(history: Sequence[tuple[int, float, float | None]]) -> str | None:
 
 
 def _advice(cause: _Cause, step: int, growth: str | None) -> str:
-    """What to try, the likeliest first: the data or the operation for a NaN
-    that came at once, the learning rate for one that growth came before."""
+    """What to try, the likeliest first."""
     if cause.made_by == "data":
         return ("check the data: find and drop or repair the examples holding NaN or infinity (np.isfinite "
                 "where the data is read); the learning rate is not the cause")

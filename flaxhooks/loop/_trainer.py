@@ -1,5 +1,4 @@
-"""The Trainer: owns the loop and emits its events; the step runner, the
-input pipeline, evaluation, the writers and the restorer do the rest."""
+"""The Trainer: owns the loop and emits its events; the step runner, pipeline and evaluation do the rest."""
 
 from __future__ import annotations
 
@@ -49,25 +48,19 @@ class Trainer:
             RNG streams or eval twin are not the defaults.
         optimizer: any optax ``GradientTransformation``.
         loss_fn: ``loss_fn(outputs, batch)`` to a scalar loss or ``(loss, {name: scalar})``.
-        callbacks: callbacks to register (more with :meth:`add`).
         seed: seeds initialization and the per-step keys.
         devices: local devices on one mesh axis ``data_axis`` (default: all); or give ``mesh``.
         mesh: the device mesh (``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``).
         shard: where unannotated state leaves go: ``Replicated()`` (default) or ``FSDP(axis)``.
         axis_rules: ``(logical axis, mesh axis or None)`` pairs for logically annotated models.
-        data_axis: the mesh axis the batch is split over.
         example_loss_fn: for evaluation, ``(outputs, batch)`` to one loss per example.
         label_key: the batch key of class labels, given to metrics as ``labels``.
         max_steps_in_flight: dispatched steps queued before the loop waits for the oldest.
         peer_timeout: on several processes, the longest wait (seconds) for another process.
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
-        optimizer_metrics: the steps that compute the gradient norm and update ratio:
-            all (True), every n-th (n), or none (False).
-        if_nonfinite: the non-finite guard's mode: ``"stop"`` (``fit`` raises
-            ``NonFiniteError``), ``"warn"`` or ``"off"``.
-        **model_options: deprecated (goes in 0.9): ``input_keys``, ``train_arg``,
-            ``eval_model``, ``rng_names``, ``state_collections`` and ``axis_name``
-            are :func:`flaxhooks.as_model`'s.
+        optimizer_metrics: the steps computing the gradient norm and update ratio: all, every n-th, none.
+        if_nonfinite: the non-finite guard's mode: ``"stop"``, ``"warn"`` or ``"off"``.
+        **model_options: deprecated (goes in 0.9): :func:`flaxhooks.as_model`'s options.
 
     Examples:
         >>> import flax.linen as nn, numpy as np, optax, optax.losses
@@ -131,8 +124,7 @@ class Trainer:
         return self._final
 
     def _plan(self, batch: HostBatch, state: TrainState | None = None) -> StatePlan:
-        """Checks ``batch`` (and a given ``state``) and plans the state on the
-        mesh on abstract values (compiles nothing)."""
+        """Checks ``batch`` (and a given ``state``) and plans the state on the mesh (compiles nothing)."""
         self.batch_spec = BatchSpec.of(batch, self.placement.local_data_size, self.model.input_keys,
                                        jax.process_count())
         plan = self._plan_made
@@ -190,14 +182,12 @@ class Trainer:
         self, data: Any, *, batch_size: int | None = None, metrics: Metrics | None = None,
         name: str = "eval", state: TrainState | None = None, check: bool = False,
     ) -> EvalResult | None:
-        """Evaluates every example of ``data`` exactly once, in inference mode, emitting
-        ``eval_start`` (an ``EvalStart``) and ``eval_end`` (the :class:`EvalResult` it returns).
+        """Evaluates each example of ``data`` once (inference mode), emitting ``eval_start`` and ``eval_end``.
 
         Args:
             data: a dict of equal-length arrays, or an iterable of host batches of any sizes.
             batch_size: batch size for arrays (default: the training batch size).
             metrics: a clu Collection or Metric class, or ``{name: Metric}`` (default: loss, accuracy).
-            name: the result's name.
             state: the state to evaluate (default: the current one).
             check: only check, on abstract values, that ``data`` can be evaluated.
 
@@ -234,13 +224,11 @@ class Trainer:
     ) -> TrainState:
         """Trains until ``epochs`` epochs or ``steps`` total steps, whichever is first.
 
-        Ctrl-C and SIGTERM stop at the next step boundary (a second one at once).
-        On several processes every process calls ``fit`` alike, and every stop
-        takes effect at the same step on each (docs/guides/several-hosts.md).
+        Ctrl-C and SIGTERM stop at the next step boundary (a second one at once). On several
+        processes every stop takes effect at the same step on each (docs/guides/several-hosts.md).
 
         Args:
-            data: host batches (dicts of numpy arrays): a callable of the epoch
-                index (as ``ArrayLoader``), an iterable (iterated afresh each
+            data: host batches: a callable of the epoch index, an iterable (iterated afresh each
                 epoch) or a one-shot iterator (training ends when it runs out).
             epochs: total epochs to reach.
             steps: total optimizer steps to reach (counting a given ``state``'s).
@@ -266,17 +254,14 @@ class Trainer:
             if not stops.several:
                 raise
             start, failure = None, unprepared
-        # On several processes: the same batch spec, length and position
-        # everywhere, and a failure anywhere raised everywhere, before compiling.
+        # Several processes: the same batch spec, length and position; a failure anywhere raised everywhere.
         stops.start(start.record if start else {}, failure)
         assert start is not None
         plan = cast(StatePlan, self._plan_made)
         if start.fresh:
             self._state = plan.build(self.seed, start.first)
         elif start.state is not None and start.state is not self._state:  # the caller's stay whole
-            # Every leaf that was a device array is copied: device_put onto a sharding that
-            # includes its device may alias the caller's buffer, which the step donates.
-            # (A restored state's arrays are this fit's own.)
+            # Device arrays are copied: device_put may alias the caller's buffer, which the step donates.
             given = [isinstance(x, jax.Array) and start.restored is None
                      for x in jax.tree.leaves(start.state)]
             moved = placed(start.state, plan.shardings)

@@ -1,8 +1,6 @@
-"""Where arrays live: the devices, the mesh, and the rules that place the
-state on it (replicated, FSDP, logical axis rules).
+"""Where arrays live: the devices, the mesh, and the rules that place the state on it.
 
-``__all__`` is what users write; the other names here are the layers' own
-interface and may change in any release.
+``__all__`` is what users write; the other names may change in any release.
 """
 
 from flaxhooks.placement._devices import InFlight as InFlight  # for step and eval, not in __all__
@@ -29,11 +27,5 @@ from flaxhooks.placement._mesh import (
 )
 
 __all__ = [
-    "AxisRules",
-    "FSDP",
-    "Replicated",
-    "ShardRule",
-    "ShardingError",
-    "device0_copy",
-    "use_cpu_devices",
+    "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "device0_copy", "use_cpu_devices"
 ]

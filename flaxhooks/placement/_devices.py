@@ -16,7 +16,6 @@ _T = TypeVar("_T")
 
 _XLA_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
-
 #: What XLA's CPU client sizes its thread pool by, in this order; else the cores.
 _POOL_SIZE_VARIABLES = ("PJRT_NPROC", "NPROC")
 
@@ -26,17 +25,15 @@ def _cores() -> int:
 
 
 def cpu_threads_needed(devices: int) -> int:
-    """The threads XLA's CPU client needs in its pool to run a computation
-    with collectives across processes on ``devices`` local devices: the
-    launches of the next computation (one per device) can hold pool threads
-    while this one's executions (one per device) wait for each other, so
-    two per device and one spare."""
+    """The CPU client pool's threads that collectives across processes need on ``devices`` devices.
+
+    The next computation's launches can hold threads while this one's executions wait for each other.
+    """
     return 2 * devices + 1
 
 
 def cpu_pool_size(devices: int) -> int:
-    """The threads of XLA's CPU client pool: ``PJRT_NPROC``, else ``NPROC``,
-    else the cores; at least one per device."""
+    """The threads of XLA's CPU client pool (``PJRT_NPROC``, ``NPROC`` or the cores; >= devices)."""
     for name in _POOL_SIZE_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit():
@@ -47,22 +44,13 @@ def cpu_pool_size(devices: int) -> int:
 def use_cpu_devices(count: int | None = None, *, across_processes: bool = False) -> int | None:
     """Splits the host CPU into ``count`` XLA devices.
 
-    Precedence: an explicit ``count``; else a device count already set in
-    ``XLA_FLAGS`` (left untouched); else one device per core. Only the CPU
-    platform is affected. Call it before any JAX computation runs.
-
-    With several processes (``across_processes``) and several devices per
-    process, a collective across processes can deadlock XLA's CPU client when
-    its thread pool has only one thread per core (2 cores, 2 devices): the
-    next step's launch takes the thread a device's part of the collective
-    needs. So it also sets ``PJRT_NPROC`` (the pool's size) to
-    :func:`cpu_threads_needed`, unless the environment sets it already. On
-    one process this is not needed, and not done: more threads than cores
-    slow XLA:CPU's own work.
+    Precedence: ``count``; else a count already in ``XLA_FLAGS`` (left untouched);
+    else one device per core. Call it before any JAX computation runs.
 
     Args:
-        count: devices to expose, or None for the default above.
-        across_processes: the devices take part in a run of several processes.
+        across_processes: the devices take part in a run of several processes:
+            sets ``PJRT_NPROC`` to :func:`cpu_threads_needed` unless set, so
+            collectives across processes cannot deadlock XLA's CPU client.
 
     Returns:
         The count it set, or None when XLA_FLAGS decides.
@@ -91,10 +79,7 @@ def use_cpu_devices(count: int | None = None, *, across_processes: bool = False)
 
 
 def device0_copy(tree: Any) -> Any:
-    """This process's first copy of each leaf of a replicated pytree (metrics,
-    statistics), left on its device: no transfer, no wait. Works on several
-    processes, where the global value is not this process's to read whole.
-    """
+    """This process's first copy of each leaf of a replicated pytree, left on its device (no wait)."""
     return jax.tree.map(_local_copy, tree)
 
 
@@ -104,25 +89,19 @@ def _local_copy(x: Any) -> Any:
     if not x.is_fully_replicated:
         raise ValueError(
             f"an array of shape {x.shape} is split over devices ({x.sharding}); only replicated values "
-            "have a whole copy on each device"
-        )
+            "have a whole copy on each device")
     return x.addressable_data(0)  # a tenth of the cost of x.addressable_shards[0].data
 
 
 def first_replica(tree: Any) -> Any:
-    """Pulls this process's copy of a replicated pytree to the host.
-
-    Only that copy is transferred. This waits for the values: call it only
-    when they are needed.
-    """
+    """Pulls this process's copy of a replicated pytree to the host (waits for the values)."""
     if isinstance(tree, jax.Array):  # one array: no tree walk, no device_get (each costs more than the read)
         return np.asarray(tree if tree.is_fully_addressable else _local_copy(tree))
     return jax.device_get(device0_copy(tree))
 
 
 def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
-    """Each scalar of a replicated mapping (metrics), as floats; entries that
-    are not scalars are left out. Waits for the values."""
+    """Each scalar of a replicated mapping (metrics), as floats, others left out; waits for them."""
     values = {}
     for name, host in first_replica(dict(tree or {})).items():
         host = np.asarray(host)
@@ -132,9 +111,7 @@ def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
 
 
 def unreplicate(tree: Any) -> Any:
-    """Deprecated: the Trainer's state is one global array per leaf since 0.7,
-    with no device axis to take a copy from. Returns a replicated tree's local
-    copy (see :func:`device0_copy`)."""
+    """Deprecated (global arrays since 0.7): a replicated tree's local copy, as :func:`device0_copy`."""
     warnings.warn(
         "flaxhooks.placement.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
         "(no device axis) since 0.7; use them as they are, or flaxhooks.placement.device0_copy for a "
@@ -143,11 +120,7 @@ def unreplicate(tree: Any) -> Any:
 
 
 class InFlight(Generic[_T]):
-    """Work dispatched ahead of the devices, at most ``limit`` items not waited for.
-
-    Args:
-        limit: how many dispatched items may queue ahead of the devices.
-    """
+    """Work dispatched ahead of the devices, at most ``limit`` items not waited for."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -157,9 +130,7 @@ class InFlight(Generic[_T]):
         return len(self._queue)
 
     def push(self, item: _T, wait: Callable[[_T], None]) -> _T | None:
-        """Queues ``item``. Past ``limit`` items the oldest leaves the queue and
-        is waited for with ``wait`` (on several processes, one a lost peer
-        ends); returns it, else None."""
+        """Queues ``item``; past ``limit``, waits for the oldest with ``wait`` and returns it."""
         self._queue.append(item)
         if len(self._queue) <= self.limit:
             return None

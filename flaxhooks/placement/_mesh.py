@@ -1,6 +1,4 @@
-"""Where arrays live: one device mesh, the batch split over its data axis, and
-the train state placed by a sharding rule (replicated, FSDP) or by the
-model's own annotations."""
+"""Where arrays live: one mesh, the batch split over its data axis, the state by a rule or annotations."""
 
 from __future__ import annotations
 
@@ -24,13 +22,11 @@ AxisRules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
 
 class ShardingError(ValueError):
-    """A mesh, a sharding rule or an annotation that cannot place the arrays
-    it names (raised before anything compiles)."""
+    """A mesh, a sharding rule or an annotation that cannot place its arrays (raised before compiling)."""
 
 
 class ShardRule(Protocol):
-    """How a leaf of the train state without an annotation of its own is
-    placed: :class:`Replicated` or :class:`FSDP`."""
+    """How an unannotated leaf of the train state is placed: :class:`Replicated` or :class:`FSDP`."""
 
     def spec(self, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
         """The leaf's partition over ``mesh``."""
@@ -58,15 +54,10 @@ class Replicated:
 
 @dataclasses.dataclass(frozen=True)
 class FSDP:
-    """Fully sharded data parallelism: each leaf split along its largest
-    dimension that ``axis`` divides; XLA gathers it inside the step where it is
-    used. Leaves of fewer than ``min_size`` elements, or with no such
-    dimension, stay replicated. A leaf the model annotates keeps its
-    annotation and is split over ``axis`` along a dimension it leaves whole.
+    """Fully sharded data parallelism: each leaf split over ``axis`` along its largest dimension it divides.
 
-    Args:
-        axis: the mesh axis the leaves are split over (the data axis).
-        min_size: the smallest leaf (in elements) worth splitting.
+    Leaves under ``min_size`` elements, or with no such dimension, stay
+    replicated; an annotated leaf is split along a dimension it leaves whole.
 
     Examples:
         >>> import flaxhooks
@@ -88,9 +79,7 @@ class FSDP:
         return PartitionSpec(*(self.axis if d == largest else None for d in range(len(shape))))
 
     def extend(self, spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-        """An annotated leaf's ``spec``, also split over ``axis`` along its
-        largest dimension the annotation leaves whole (FSDP and tensor
-        parallelism together), unless it names ``axis`` already."""
+        """An annotated leaf's ``spec``, also split over ``axis`` along its largest whole dimension."""
         named = [p for part in spec for p in ((part,) if isinstance(part, str) else (part or ()))]
         ways = mesh.shape[self.axis]
         if self.axis in named or ways == 1 or math.prod(shape) < self.min_size:
@@ -106,13 +95,11 @@ class FSDP:
         if self.axis not in mesh.shape:
             raise ShardingError(
                 f"FSDP shards over mesh axis {self.axis!r}, which the mesh lacks (its axes: "
-                f"{dict(mesh.shape)}): name one of them, e.g. FSDP({next(iter(mesh.shape))!r})"
-            )
+                f"{dict(mesh.shape)}): name one of them, e.g. FSDP({next(iter(mesh.shape))!r})")
 
 
 def default_mesh(devices: Sequence[jax.Device] | None = None, axis: str = DATA_AXIS) -> Mesh:
-    """One ``axis`` over ``devices`` (default: every device of every process),
-    with automatic (GSPMD) sharding propagation."""
+    """One ``axis`` over ``devices`` (default: every device of every process), with automatic sharding."""
     if devices is None:
         return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Auto,))
     return Mesh(np.asarray(list(devices)), (axis,), axis_types=(AxisType.Auto,))
@@ -128,9 +115,7 @@ class Annotation:
 
     Attributes:
         names: one axis name (or None) per leading dimension.
-        logical: logical names (``nn.with_logical_partitioning``): one no rule
-            maps stays whole. Otherwise mesh-axis names (``nn.with_partitioning``,
-            ``nnx.with_partitioning``): one no rule maps must be a mesh axis.
+        logical: logical names (unmapped: whole), else mesh-axis names (unmapped: must be a mesh axis).
         rules: the variable's own logical axis rules, tried before the Trainer's.
 
     Examples:
@@ -144,9 +129,7 @@ class Annotation:
 
 
 def _assign(names: Sequence[Any], rules: AxisRules) -> list[tuple[str, ...] | None]:
-    """Each dimension's mesh axes by ``rules``, as ``nn.logical_to_mesh_axes``
-    assigns them: rules in order, each mesh axis to one dimension at most; None
-    where no rule assigned a name (an unnamed dimension is ``()``, whole)."""
+    """Each dimension's mesh axes by ``rules``, as ``nn.logical_to_mesh_axes`` does; None: unassigned."""
     axes: list[tuple[str, ...] | None] = [
         None if isinstance(name, str) else tuple(name) if isinstance(name, tuple | list) else ()
         for name in names]
@@ -162,15 +145,9 @@ def _assign(names: Sequence[Any], rules: AxisRules) -> list[tuple[str, ...] | No
 
 
 def ambiguous_split(spec: PartitionSpec, named: int, mesh: Mesh) -> int | None:
-    """The first dimension after the first that an annotation of ``named``
-    names, shorter than ``spec``'s rank, splits: None when it splits none.
+    """The first dimension after the first that a shorter annotation of ``named`` names splits, or None.
 
-    A shorter annotation names the leading dimensions (JAX's reading). Flax's
-    DenseGeneral calls an annotated initializer on its flattened 2-D kernel
-    and reshapes the value, keeping the two names: the first name stays on a
-    leading part of the dimension it meant (the same blocks), but whether a
-    later name meant the next dimension or a later one cannot be told from
-    the shapes. A name that splits nothing is not ambiguous.
+    Which dimension such a name meant is ambiguous (docs/guides/mesh.md).
 
     Examples:
         >>> import jax, numpy as np
@@ -193,11 +170,6 @@ def ambiguous_split(spec: PartitionSpec, named: int, mesh: Mesh) -> int | None:
 class Placement:
     """The mesh a fit runs on and where each array lives.
 
-    Attributes:
-        mesh: every device the step runs on.
-        data_axis: the mesh axis the batch is split over.
-        rule: where leaves without annotations go.
-        axis_rules: logical axis names to mesh axes, for annotated models.
     """
 
     mesh: Mesh
@@ -213,23 +185,19 @@ class Placement:
         """Checks the pieces against each other, before anything compiles.
 
         Raises:
-            ShardingError: the data axis or the rule's axis is not the mesh's,
-                a rule names an unknown mesh axis, or this process sees none
-                of the mesh's devices.
+            ShardingError: an axis is not the mesh's, or this process sees none of its devices.
         """
         if mesh is not None and devices:
             raise ShardingError("give devices= or mesh=, not both: a mesh names its devices")
         if devices and jax.process_count() > 1:
             raise ShardingError(
                 f"devices= picks local devices, but this run has {jax.process_count()} processes: every "
-                "compiled step spans every device of every process, so leave devices out"
-            )
+                "compiled step spans every device of every process, so leave devices out")
         mesh = mesh if mesh is not None else default_mesh(devices, data_axis)
         if data_axis not in mesh.shape:
             raise ShardingError(
                 f"the batch is split over mesh axis {data_axis!r}, which the mesh lacks (its axes: "
-                f"{dict(mesh.shape)}): name the data axis with Trainer(data_axis=...)"
-            )
+                f"{dict(mesh.shape)}): name the data axis with Trainer(data_axis=...)")
         rule.check(mesh)
         rules = tuple((str(name), target) for name, target in (axis_rules or ()))
         for name, target in rules:
@@ -237,14 +205,12 @@ class Placement:
                 if axis not in mesh.shape:
                     raise ShardingError(
                         f"axis_rules maps logical axis {name!r} to mesh axis {axis!r}, which the mesh "
-                        f"lacks (its axes: {dict(mesh.shape)})"
-                    )
+                        f"lacks (its axes: {dict(mesh.shape)})")
         local = {d.id for d in jax.local_devices()}
         if not any(d.id in local for d in mesh.devices.flat):
             raise ShardingError(
                 f"the mesh's devices {[d.id for d in mesh.devices.flat]} are none of this process's "
-                f"{sorted(local)}: build the mesh from jax.devices()"
-            )
+                f"{sorted(local)}: build the mesh from jax.devices()")
         if jax.process_count() > 1 and {d.process_index for d in mesh.devices.flat} != set(
                 range(jax.process_count())):
             raise ShardingError("on several processes the mesh must span every process's devices")
@@ -273,9 +239,7 @@ class Placement:
 
     @functools.cached_property
     def spread(self) -> NamedSharding | None:
-        """An array's first axis split over every device of the mesh: where
-        the step shares out a reduction of a value every device holds whole
-        (None when a mesh axis is not ``AxisType.Auto``: XLA then decides)."""
+        """An array's first axis split over every device (None unless every axis is ``AxisType.Auto``)."""
         if any(kind != AxisType.Auto for kind in self.mesh.axis_types):
             return None
         return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
@@ -291,23 +255,13 @@ class Placement:
 
     def mesh_spec(self, names: Annotation | Sequence[Any] | None, where: str,
                   shape: tuple[int, ...]) -> PartitionSpec:
-        """An annotation as mesh axes, read as Flax and JAX read it, and checked.
+        """An annotation as mesh axes, read as Flax and JAX read it (docs/guides/mesh.md), and checked.
 
-        Logical names (``nn.with_logical_partitioning``; a plain tuple) go
-        through the rules as ``nn.logical_to_mesh_axes`` takes them (in order,
-        a mesh axis at most once per array); one no rule maps is a mesh axis
-        if the mesh has one of that name, else it stays whole. Mesh-axis names
-        (``nn.with_partitioning``, ``nnx.with_partitioning``) are renamed by a
-        rule that maps them, else must be the mesh's. An annotation shorter
-        than the array names its leading dimensions, the rest stay whole (as a
-        shorter ``PartitionSpec`` does in JAX); where that splits a dimension
-        after the first, which one the names meant is ambiguous (see
-        :func:`ambiguous_split`) and it warns once for the leaf.
+        Warns once per leaf whose shorter annotation is ambiguous (:func:`ambiguous_split`).
 
         Raises:
-            ShardingError: more names than dimensions, a name twice, a mesh
-                axis the mesh lacks (or one used twice), or a dimension the
-                mesh axes do not divide.
+            ShardingError: too many names, a name twice, a mesh axis lacking
+                or used twice, or a dimension its mesh axes do not divide.
 
         Examples:
             >>> import jax, numpy as np
@@ -322,8 +276,7 @@ class Placement:
         if len(names) > len(shape):
             raise ShardingError(
                 f"{where} of shape {shape} is annotated with {len(names)} axes {names}, more than its "
-                f"{len(shape)} dimensions"
-            )
+                f"{len(shape)} dimensions")
         twice = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if twice:
             raise ShardingError(f"{where} of shape {shape} names axis {twice[0]!r} more than once: {names}")
@@ -344,8 +297,7 @@ class Placement:
                 raise ShardingError(
                     f"{where} of shape {shape} names axis {name!r}, which is neither a mesh axis "
                     f"({list(self.mesh.shape)}) nor a logical axis of the rules ({known}): pass "
-                    "Trainer(axis_rules=[(name, mesh axis or None), ...])"
-                )
+                    "Trainer(axis_rules=[(name, mesh axis or None), ...])")
         used: list[str] = []
         for dim, (size, name, parts) in enumerate(zip(shape, names, axes, strict=False)):
             assert parts is not None  # the loop above gave every named dimension its mesh axes
@@ -353,8 +305,7 @@ class Placement:
                 if part not in self.mesh.shape:
                     raise ShardingError(
                         f"{where} of shape {shape}: axis {name!r} maps to mesh axis {part!r}, which the mesh "
-                        f"lacks (its axes: {dict(self.mesh.shape)})"
-                    )
+                        f"lacks (its axes: {dict(self.mesh.shape)})")
                 if part in used:
                     raise ShardingError(
                         f"{where} of shape {shape} splits two dimensions over mesh axis {part!r}")
@@ -363,8 +314,7 @@ class Placement:
             if size % ways:
                 raise ShardingError(
                     f"{where} of shape {shape}: dimension {dim} of size {size} ({name!r} -> mesh "
-                    f"{parts if len(parts) != 1 else parts[0]!r}) does not divide over {ways} devices"
-                )
+                    f"{parts if len(parts) != 1 else parts[0]!r}) does not divide over {ways} devices")
         spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in axes),
                              *[None] * (len(shape) - len(names)))
         split = ambiguous_split(spec, len(names), self.mesh)
@@ -376,18 +326,15 @@ class Placement:
                 f"dimensions and the rest stay whole, which splits dimension {split} (size {shape[split]}) "
                 f"as {_spec_text(spec)}. Names written for a flattened kernel (flax's DenseGeneral, "
                 "MultiHeadDotProductAttention) may have meant another dimension: name all "
-                f"{len(shape)} to say which", UserWarning, stacklevel=2,
-            )
+                f"{len(shape)} to say which", UserWarning, stacklevel=2)
         return spec
 
     def state_shardings(self, state: Any, annotated: Mapping[str, Any] | None = None) -> Any:
-        """The sharding of every leaf of the train state ``state`` (abstract).
+        """The sharding of every leaf of the (abstract) train state ``state``.
 
-        A parameter or carried collection leaf follows its annotation when
-        ``annotated`` has one (``{collection: tree of axis names or None}``),
-        else the rule; an optimizer-state leaf follows the parameter it
-        mirrors (same path suffix and shape), else the rule; the step count
-        and the PRNG key are replicated.
+        Variables follow their annotation in ``annotated`` (``{collection: tree
+        of axis names}``), else the rule; optimizer leaves follow the parameter
+        they mirror (path suffix and shape); step and rng are replicated.
         """
         known: dict[tuple[str, tuple[int, ...]], PartitionSpec] = {}
         variables = {"params": state.params, **dict(state.model_state)}
@@ -430,20 +377,17 @@ class Placement:
             step=self.replicated, rng=self.replicated,
             params=jax.tree_util.tree_map_with_path(of_params, state.params),
             model_state={c: of_carried(c) for c in state.model_state},
-            opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state),
-        )
+            opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state))
 
     def replicated_constant(self, make: Any) -> Any:
-        """A compiled function making ``make()``'s values (constants: zeros,
-        empty metrics) whole on every device, each process for its own
-        devices: keep it, and call it for each new copy. ``device_put`` of host
-        values onto devices of several processes would first check, with a
-        blocking collective, that every process gave the same."""
+        """A compiled function making ``make()``'s constants whole on every device.
+
+        Unlike ``device_put`` on several processes, it needs no blocking collective.
+        """
         return jax.jit(make, out_shardings=self.replicated)
 
     def put_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's share of a global batch, as global arrays split over
-        the data axis: one transfer call for every leaf."""
+        """This process's share of a global batch, as global arrays split over the data axis."""
         if jax.process_count() == 1:
             return jax.device_put(dict(arrays), self.batch_sharding)
         sharding = self.batch_sharding
@@ -451,8 +395,7 @@ class Placement:
 
 
 def _names_by_path(names: Any) -> dict[str, Annotation | None]:
-    """``{keystr path: annotation or None}`` of a tree of annotations (a plain
-    tuple of names reads as logical names)."""
+    """``{keystr path: annotation or None}`` of a tree of annotations (tuples read as logical)."""
     flat = jax.tree_util.tree_flatten_with_path(
         names, is_leaf=lambda x: x is None or isinstance(x, tuple | PartitionSpec | Annotation))[0]
     return {jax.tree_util.keystr(path): (leaf if leaf is None or isinstance(leaf, Annotation)

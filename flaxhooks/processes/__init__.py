@@ -1,9 +1,6 @@
-"""Several processes as one run: the peers (JAX's coordination service and
-key-value store), the stop protocol that stops every process at one agreed
-step, signals, and run directories every process agrees on.
+"""Several processes as one run: the peers, the stop protocol, signals, and run directories.
 
-``__all__`` is what users write; the other names here are the layers' own
-interface and may change in any release.
+``__all__`` is what users write; the other names may change in any release.
 """
 
 from flaxhooks.processes._peers import WAIT_NOTE_SECONDS as WAIT_NOTE_SECONDS

@@ -1,15 +1,6 @@
-"""The processes of one run, as peers: JAX's distributed key-value store,
-heartbeats, and the errors that name a process that failed, was lost or
-timed out.
+"""The processes of one run, as peers talking through JAX's key-value store, with heartbeats.
 
-The processes talk through the key-value store (the coordination service
-``jax.distributed.initialize`` starts), never through a collective, so a
-process that waits for another can time out, say whom it waits for, and tell
-a slow peer from a lost one. Each process's watcher thread (see
-:mod:`flaxhooks.processes._stops`) posts a heartbeat every
-:data:`HEARTBEAT_SECONDS`; a peer whose heartbeat has not moved for
-:data:`LOST_AFTER_SECONDS` is lost, and one that gives up on the others says
-so in place of its heartbeat.
+docs/architecture.md ("The stop protocol") says how they are used.
 """
 
 from __future__ import annotations
@@ -35,21 +26,16 @@ _Error = TypeVar("_Error", bound=BaseException)
 
 #: Seconds between a watcher's heartbeats.
 HEARTBEAT_SECONDS = 0.5
-#: A peer whose heartbeat has not moved for this long is taken as lost. The
-#: beat comes from a thread of its own, so a busy main thread (compiling,
-#: loading data) does not delay it; short enough that a killed peer is named
-#: within seconds, as a collective with it never ends.
+#: A peer whose heartbeat (from a thread of its own) has not moved for this long is lost.
 LOST_AFTER_SECONDS = 4.0
 #: How often a process that waits for another says so.
 WAIT_NOTE_SECONDS = 5.0
-#: After a peer is lost (or this process abandoned the others), how long
-#: ``fit`` may take to raise and run its end hooks before the process exits on
-#: its own: its main thread, or an end hook reading a device value, may be
-#: stuck in a collective with a process that will never take part, which
-#: gloo never fails. Detection plus this stays under 10 s.
+#: After a peer is lost or abandoned, how long ``fit`` may take to end before the
+#: process exits (it may be stuck in a collective gloo never fails).
 END_GRACE_SECONDS = 4.0
 
 _fits = itertools.count()
+
 
 def describe(error: BaseException) -> str:
     """``error`` in one line, with its type, as the other processes are told it."""
@@ -57,14 +43,12 @@ def describe(error: BaseException) -> str:
 
 
 def distributed_client() -> Any:
-    """JAX's distributed client: the key-value store the processes agree through
-    (reached as orbax reaches it; JAX has no public accessor)."""
+    """JAX's distributed client, reached as orbax reaches it (JAX has no public accessor)."""
     from orbax.checkpoint import multihost
 
     if not multihost.is_jax_distributed_client_initialized():
         raise RuntimeError(
-            "several JAX processes but no distributed client: call jax.distributed.initialize first"
-        )
+            "several JAX processes but no distributed client: call jax.distributed.initialize first")
     return multihost.get_jax_distributed_client()
 
 
@@ -77,8 +61,7 @@ def posted(client: Any, key: str) -> str | None:
 
 
 def wait_posted(client: Any, key: str, timeout: float) -> str | None:
-    """The value posted under ``key``, waiting up to ``timeout`` seconds for
-    it; None if none came.
+    """The value posted under ``key``, waiting up to ``timeout`` seconds; None if none came.
 
     Raises:
         jax.errors.JaxRuntimeError: the coordination service cannot be reached.
@@ -86,14 +69,12 @@ def wait_posted(client: Any, key: str, timeout: float) -> str | None:
     try:
         return client.blocking_key_value_get(key, max(1, int(1000 * timeout)))
     except jax.errors.JaxRuntimeError:
-        # The deadline passed, or the service is gone: a read that does not
-        # wait tells them apart (it raises only in the second case).
+        # A deadline passed, or the service is gone: a read that does not wait raises only if gone.
         return posted(client, key)
 
 
 def from_process_zero(name: str, choose: Callable[[], str], timeout: float, what: str) -> str:
-    """Process 0's ``choose()`` on every process (posted under ``name``), the
-    others waiting up to ``timeout`` seconds for it.
+    """Process 0's ``choose()`` on every process, the others waiting up to ``timeout`` seconds.
 
     Raises:
         ProcessError: process 0 gave none in time, or cannot be reached.
@@ -116,9 +97,7 @@ def from_process_zero(name: str, choose: Callable[[], str], timeout: float, what
     return chosen
 
 
-#: Set when a process leaves its peers inside a collective they can never
-#: finish (it was lost, or it abandoned them): JAX's shutdown barrier at exit
-#: would then wait for them until its own timeout.
+#: Why this process left its peers, if it did: it then exits without JAX's shutdown barrier.
 abandoned: list[str] = []
 
 
@@ -132,9 +111,7 @@ def exit_without_shutdown_barrier() -> None:
         except Exception:  # noqa: BLE001, S110 - nothing left to report to
             pass
     logging.shutdown()
-    # jax.distributed.shutdown() would wait for every process at a barrier
-    # that a lost or abandoned peer never reaches, then abort this process
-    # (SIGABRT); JAX's public API offers no exit between the two.
+    # jax.distributed.shutdown() would wait at a barrier a lost peer never reaches, then abort.
     os._exit(1)
 
 
@@ -147,10 +124,7 @@ def mark_abandoned(reason: str) -> None:
 
 
 class Peers:
-    """This run's processes, reached through JAX's distributed key-value store.
-
-    Values are JSON, posted under ``<key>/<process index>``; keys are
-    namespaced per ``fit``, which every process calls in the same order.
+    """This run's processes, reached through JAX's key-value store (JSON under ``<key>/<process>``).
 
     Args:
         timeout: the longest a process waits for another, in seconds.
@@ -161,7 +135,7 @@ class Peers:
         self.index = jax.process_index()
         self.count = jax.process_count()
         self.timeout = timeout
-        self.prefix = f"flaxhooks/fit-{next(_fits)}"
+        self.prefix = f"flaxhooks/fit-{next(_fits)}"  # every process calls fit in the same order
         self._seen: dict[int, tuple[str, float]] = {}  # process -> (heartbeat, when it last moved)
         self._lock = threading.Lock()
 
@@ -170,12 +144,10 @@ class Peers:
         return f"{self.prefix}/{name}/{self.index if process is None else process}"
 
     def post(self, name: str, value: Mapping[str, Any]) -> None:
-        """Posts this process's ``value`` under ``name``."""
         self.client.key_value_set(self.key(name), json.dumps(value), allow_overwrite=True)
 
     def gather(self, name: str, what: str) -> list[dict[str, Any]]:
-        """Every process's value under ``name``, in process order; waits for
-        each, up to ``timeout`` in all, saying whom it waits for.
+        """Every process's value under ``name``, in process order, waiting up to ``timeout`` in all.
 
         Raises:
             PeerTimeout: a process did not post in time.
@@ -192,8 +164,7 @@ class Peers:
                     raise PeerTimeout(
                         f"process {self.index} waited {waited:.0f} s for process {process} to reach "
                         f"{what}, and it has not (peer_timeout={self.timeout:g} s: raise it for slower "
-                        "processes)", [process],
-                    )
+                        "processes)", [process])
                 try:
                     raw = wait_posted(self.client, self.key(name, process), min(1.0, self.timeout - waited))
                 except jax.errors.JaxRuntimeError as error:
@@ -210,8 +181,7 @@ class Peers:
                     noted = now
                     _log.warning(
                         "process %d is waiting for process %d to reach %s (%.0f s so far, peer_timeout=%g s)",
-                        self.index, process, what, now - start, self.timeout,
-                    )
+                        self.index, process, what, now - start, self.timeout)
         return values
 
     def check(self, process: int, what: str) -> None:
@@ -222,23 +192,17 @@ class Peers:
             raise error
 
     def ring(self, name: str, value: str = "1") -> None:
-        """Posts ``name`` for every process's watcher to wake on (the first
-        post stands; one the coordination service refuses is dropped)."""
+        """Posts ``name`` for every watcher to wake on (the first post stands; a refused one is dropped)."""
         try:
             self.client.key_value_set(f"{self.prefix}/{name}", value)
         except jax.errors.JaxRuntimeError:
             pass
 
     def rung(self, name: str, timeout: float) -> bool:
-        """Whether ``name`` was rung, waiting up to ``timeout`` seconds for it.
-
-        Raises:
-            jax.errors.JaxRuntimeError: the coordination service cannot be reached.
-        """
+        """Whether ``name`` was rung within ``timeout`` seconds (raises JaxRuntimeError if unreachable)."""
         return wait_posted(self.client, f"{self.prefix}/{name}", timeout) is not None
 
     def beat(self, count: int) -> None:
-        """Posts this process's heartbeat number ``count``."""
         self.client.key_value_set(self.key("alive"), str(count), allow_overwrite=True)
 
     def leave(self, step: int, error: BaseException) -> None:
@@ -255,9 +219,10 @@ class Peers:
         return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
 
     def gone(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
-        """The processes that left the run (with what they said), and those
-        whose heartbeat has not moved for :data:`LOST_AFTER_SECONDS` (as seen
-        over the calls so far; one that never beat yet is slow, not lost)."""
+        """The processes that left the run (with what they said), and the lost ones.
+
+        Lost: a heartbeat that has not moved for :data:`LOST_AFTER_SECONDS` over the calls so far.
+        """
         now = time.monotonic()
         left, lost = {}, []
         with self._lock:
@@ -275,8 +240,7 @@ class Peers:
         return left, lost
 
     def lost_now(self, settle: float = 3 * HEARTBEAT_SECONDS) -> list[int]:
-        """The processes whose heartbeat does not move over ``settle`` seconds:
-        after a collective failed, which peer is gone."""
+        """The processes whose heartbeat does not move over ``settle`` seconds."""
         before = self._heartbeats()
         time.sleep(settle)
         after = self._heartbeats()
@@ -288,15 +252,13 @@ def gone_error(left: Mapping[int, Mapping[str, Any]], lost: Sequence[int], where
     """The error that names the processes that left the run or were lost, or None."""
     if left:
         each = "; ".join(
-            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items()
-        )
+            f"process {p} left the run at step {r['left']} ({r['error']})" for p, r in left.items())
         return ProcessError(f"{each}, {where}", list(left), step)
     if lost:
         return PeerLost(
             f"process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} was lost {where}: no "
             f"heartbeat for {LOST_AFTER_SECONDS:g} s (killed, crashed, or its host went down), so "
-            "training cannot go on", list(lost), step,
-        )
+            "training cannot go on", list(lost), step)
     return None
 
 
@@ -309,26 +271,11 @@ def cause_within(error: BaseException | None, kinds: tuple[type[_Error], ...]) -
     return None
 
 
-def from_the_runtime(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause) is a failure of the JAX runtime, as a
-    collective whose peer is gone fails."""
-    seen = 0
-    cause: BaseException | None = error
-    while cause is not None and seen < 5:
-        if isinstance(cause, jax.errors.JaxRuntimeError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-        seen += 1
-    return False
-
-
-
 _warned_of_pool: list[bool] = []
 
 
 def warn_of_a_small_cpu_pool() -> None:
-    """Once: several CPU devices per process, with collectives across processes,
-    on a pool of XLA:CPU threads too small for them can deadlock a step."""
+    """Warns once if this process's XLA:CPU thread pool is too small for collectives across processes."""
     devices = jax.local_devices()
     if _warned_of_pool or devices[0].platform != "cpu" or len(devices) == 1:
         return

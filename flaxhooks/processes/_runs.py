@@ -1,5 +1,4 @@
-"""A directory of its own for each run, named by the time it started, and
-the latest one found again to resume it."""
+"""A directory of its own for each run, named by the time it started."""
 
 from __future__ import annotations
 
@@ -13,30 +12,19 @@ import jax
 
 from flaxhooks.processes._peers import from_process_zero
 
-#: A run directory's name: the local time it was made, and a count after a
-#: second run made in the same second.
+#: A run directory's name: the local time it was made, and a count after a second run in that second.
 _NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")
 _calls = itertools.count()
 
 
 def run_directory(root: str | os.PathLike[str], *, resume: bool = False, timeout: float = 600.0) -> Path:
-    """The directory of this run under ``root``: a new one named by the time
-    it is made (``root/2026-11-25_18-42-53``), or, with ``resume``, the
-    latest one there (a new one if there is none yet).
+    """The directory of this run under ``root``, made now (``root/2026-11-25_18-42-53``).
 
-    Runs sort by name in the order they started, so the latest is the last
-    in ``ls root``. TensorBoard pointed at ``root`` shows every run side by
-    side. On several processes, process 0 picks the directory and every
-    process gets the same one (``root`` must be a directory they all see).
+    With ``resume``, the latest one there (a new one if there is none). On
+    several processes, process 0 picks it for all (``root`` must be shared).
 
     Args:
-        root: where the runs are kept (made if missing).
-        resume: return the latest run instead of making a new one.
-        timeout: on several processes, the longest (seconds) a process
-            waits for process 0's choice.
-
-    Returns:
-        The run's directory; it exists.
+        timeout: on several processes, the longest (seconds) to wait for process 0's choice.
 
     Raises:
         ProcessError: on several processes, process 0 gave no directory in time.

@@ -15,9 +15,7 @@ _log = logging.getLogger("flaxhooks")
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """``fit`` stopped on SIGINT or SIGTERM, after its end hooks ran.
-
-    A KeyboardInterrupt, so an uncaught one ends a script as Ctrl-C does.
+    """``fit`` stopped on SIGINT or SIGTERM, after its end hooks ran (a KeyboardInterrupt).
 
     Attributes:
         signal: the signal's number.
@@ -31,20 +29,11 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def stop_on_signals(loop: Loop, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-    """``signums`` (SIGINT and SIGTERM) ask the loop to stop at the next step
-    boundary; a second signal raises KeyboardInterrupt at once.
+    """``signums`` ask the loop to stop at the next step boundary; a second one raises KeyboardInterrupt.
 
-    Under ``jax.distributed`` SIGTERM is left to JAX's preemption notifier
-    (``signums`` is SIGINT alone): the stop then comes from JAX's preemption
-    sync point (see :mod:`flaxhooks.processes._stops`).
-
-    On several processes a signal sent to all of them reaches each at its
-    own time, and a late one may come after they agreed to stop for the
-    first (``loop.interrupted`` set by that agreement): it is the same stop,
-    so it is absorbed, also after ``fit`` returns, until the process exits
-    or the next ``fit`` starts. Otherwise its default action would kill this
-    process in the middle of its clean exit, and the others with it (JAX
-    aborts a process whose coordination service goes away).
+    On several processes a signal arriving after they agreed to stop for it
+    is absorbed (also after ``fit`` returns, until the next ``fit``): its
+    default action would kill the process, and the others with it.
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # Python delivers signals to the main thread only
@@ -78,16 +67,13 @@ Handler = Any  # what signal.signal takes and returns
 
 
 def _before_late(signum: int, handler: Handler) -> Handler:
-    """The handler of ``signum`` that a late-signal absorber stands in for
-    (or ``handler`` itself): the next fit puts that one back."""
+    """The handler a late-signal absorber stands in for (or ``handler`` itself)."""
     handler = signal.SIG_DFL if handler is None else handler
     return getattr(handler, "replaces", {signum: handler})[signum]
 
 
 def _absorb_late(agreed: int, previous: dict[int, Handler]) -> Handler:
-    """A handler that absorbs one late SIGINT or SIGTERM after every process
-    agreed to stop for ``agreed`` on another process, then puts ``previous``
-    back (a further signal acts as it would have)."""
+    """Absorbs one late signal after the agreed stop for ``agreed``, then puts ``previous`` back."""
 
     def absorb(signum: int, frame: Any) -> None:
         _log.warning("%s after every process agreed to stop for %s on another process: already stopping",

@@ -1,12 +1,6 @@
 """The stop protocol: every process of a run stops at one agreed step.
 
-A stop or fault on one process stops every process at the same step
-boundary, agreed through :class:`~flaxhooks.processes._peers.Peers` (JAX's
-key-value store) in rounds that cost nothing while nothing happens; SIGTERM
-is left to JAX's preemption sync point. docs/architecture.md ("The stop
-protocol") walks through it: the start records, the rounds, preemption,
-the end, and lost peers. With one process :class:`LocalStops` does the same
-jobs with no peer to ask.
+docs/architecture.md ("The stop protocol") walks through it.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ from flaxhooks.processes._peers import (
     cause_within,
     describe,
     exit_without_shutdown_barrier,
-    from_the_runtime,
     gone_error,
     mark_abandoned,
     warn_of_a_small_cpu_pool,
@@ -41,17 +34,12 @@ from flaxhooks.processes._peers import (
 
 _log = logging.getLogger("flaxhooks")
 
-#: The agreement of the fit under way on several processes, if any: waits
-#: for device values outside the train step watch its peers through it.
+#: The agreement of the fit under way on several processes, if any.
 _watching: list[AgreedStops] = []
 
 
 def wait_ready(tree: Any) -> None:
-    """Waits until every array in ``tree`` is computed.
-
-    During a fit on several processes it polls instead of blocking inside
-    JAX, so a lost peer ends the wait with :class:`PeerLost` (a collective
-    with a killed process never finishes on gloo).
+    """Waits until every array in ``tree`` is computed; on several processes a lost peer ends the wait.
 
     Raises:
         ProcessError: a peer was lost or left the run while this one waited.
@@ -66,13 +54,9 @@ def wait_ready(tree: Any) -> None:
 
 
 def peer_gone(step: int | None = None) -> ProcessError | None:
-    """During a fit on several processes: the error naming a peer that its
-    watcher found lost, or that left the run (at ``step``, default the last
-    step dispatched); None if every peer is there, or outside such a fit.
+    """The error naming a peer found lost or gone at ``step`` (default: the last dispatched), or None.
 
-    For a wait outside the train step that depends on the other processes
-    (a checkpoint's save), which polls and raises this instead of blocking
-    until the process is ended for being stuck.
+    For waits outside the train step that depend on the other processes (a checkpoint's save).
     """
     if not _watching or _watching[-1].gone is None:
         return None
@@ -80,10 +64,9 @@ def peer_gone(step: int | None = None) -> ProcessError | None:
     return stops._gone_error(stops._dispatched if step is None else step)
 
 
-
 @dataclasses.dataclass
 class _Round:
-    """One round of agreement (see the module docstring)."""
+    """One round of agreement."""
 
     number: int
     answered: bool = False  # this process posted where it stands
@@ -93,14 +76,10 @@ class _Round:
 
 
 class LocalStops:
-    """One process: a stop takes effect where it is asked for, errors are raised at once.
-
-    Attributes:
-        signals: the signals flaxhooks handles during the fit (see ``stop_on_signals``).
-    """
+    """One process: a stop takes effect where it is asked for, errors are raised at once."""
 
     several = False
-    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)  # handled during the fit
 
     def start(self, record: Mapping[str, Any], failure: BaseException | None) -> None:
         """Before training: raises ``failure`` (preparing the fit failed), if any."""
@@ -108,11 +87,11 @@ class LocalStops:
             raise failure
 
     def at_boundary(self, loop: Loop, pulled: bool = False) -> bool:
-        """Whether the loop stops at this step boundary: whether a stop was asked for."""
+        """Whether the loop stops at this step boundary."""
         return loop.should_stop
 
     def may_dispatch(self, loop: Loop) -> bool:
-        """Whether the next step may be dispatched: always, with no peer to wait for."""
+        """Whether the next step may be dispatched."""
         return True
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
@@ -120,7 +99,7 @@ class LocalStops:
         value.block_until_ready()
 
     def data_ended(self, loop: Loop) -> bool:
-        """This process's data ran out: the epoch ends here (True)."""
+        """This process's data ran out; True: the epoch ends here."""
         return True
 
     def defer(self, loop: Loop, error: Exception) -> None:
@@ -132,14 +111,14 @@ class LocalStops:
         return batches
 
     def finish(self, loop: Loop) -> None:
-        """The loop ended at its last epoch or step: nothing to agree on."""
+        """The loop ended at its last epoch or step."""
 
     def failed(self, loop: Loop, error: BaseException) -> BaseException:
-        """The error the fit raises for ``error``: ``error`` itself."""
+        """The error the fit raises for ``error``."""
         return error
 
     def close(self, loop: Loop, error: BaseException | None) -> None:
-        """After the end hooks, with the fit's error if any: nothing to tell."""
+        """After the end hooks, with the fit's error if any."""
 
     def interrupted(self, loop: Loop) -> int | None:
         """The signal that stopped training, if one did."""
@@ -147,20 +126,14 @@ class LocalStops:
 
 
 class AgreedStops(LocalStops):
-    """Several processes: stops and faults agreed through :class:`Peers`.
-
-    Attributes:
-        fault: this process's first error, carried to the agreed step and
-            raised there on every process as a :class:`ProcessError`.
-    """
+    """Several processes: stops and faults agreed through :class:`Peers`."""
 
     several = True
 
     def __init__(self, peers: Peers):
         self.peers = peers
-        self.fault: BaseException | None = None
-        # Every process's data has the same known number of batches per
-        # epoch, so epochs end at the same step without a round.
+        self.fault: BaseException | None = None  # raised on every process at the agreed step
+        # Known equal lengths: epochs end at the same step without a round.
         self._known_lengths = True
         self._round = _Round(0)
         self._dispatched = 0  # the last step this process dispatched
@@ -248,15 +221,12 @@ class AgreedStops(LocalStops):
         if error is None and failed:
             raise ProcessError(
                 "fit failed on " + "; ".join(f"process {i}: {e}" for i, e in failed),
-                [i for i, _ in failed], loop.step,
-            )
+                [i for i, _ in failed], loop.step)
 
     # -- the main thread's checks --------------------------------------------
 
     def at_boundary(self, loop: Loop, pulled: bool = False) -> bool:
-        """Whether the loop stops here. Posts this process's new request, and
-        at the agreed step applies the outcome. ``pulled``: the next batch is
-        in hand (so this process's data has not run out).
+        """Whether the loop stops here; ``pulled``: the next batch is in hand.
 
         Raises:
             ProcessError: the agreed outcome is a failure.
@@ -274,8 +244,7 @@ class AgreedStops(LocalStops):
             self._request(self._word(loop))
         if not current.answered:
             return False
-        self._settle(current)
-        if loop.step < current.target:
+        if loop.step < self._settle(current):
             return False
         if current.data_ended and current.requested is None and not pulled:
             return False  # first see whether this process's data ran out too
@@ -291,19 +260,15 @@ class AgreedStops(LocalStops):
                     self._dispatched = step
                     return True
             # The watcher has just answered for this process: settle first.
-            self._settle(current)
-            if step > current.target and self._conclude(loop, current):
+            if step > self._settle(current) and self._conclude(loop, current):
                 return False
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
-        """Waits until ``value`` is computed, without blocking inside JAX: a
-        lost peer ends the wait with :class:`PeerLost`."""
+        """Waits until ``value`` is computed; a lost peer ends the wait."""
         self.wait_until_ready(value, loop.step)
 
     def wait_until_ready(self, value: jax.Array, step: int | None = None) -> None:
-        """Waits until ``value`` is computed, polling: a lost peer (or one that
-        left) ends the wait with its :class:`ProcessError` at ``step``
-        (default: the last step dispatched)."""
+        """Polls until ``value`` is computed; a lost or gone peer raises its error at ``step``."""
         pause = 1e-4
         # jax.Array.is_ready is public (documented, on every jax.Array) but missing from jax's basearray.pyi.
         while not value.is_ready():  # type: ignore[attr-defined]
@@ -319,16 +284,18 @@ class AgreedStops(LocalStops):
         return error
 
     def _peer_error(self, step: int, error: BaseException) -> ProcessError | None:
-        """The error naming a lost peer (or one that left the run) behind
-        ``error``, or None. A collective with a lost process fails, or hangs,
-        for want of it, and XLA's message does not say so: a runtime error
-        while a peer's heartbeat is stale is that peer's loss."""
+        """The error naming a lost or gone peer behind ``error``, or None.
+
+        XLA's message does not name the lost process: a runtime error while a
+        peer's heartbeat is stale is that peer's loss.
+        """
         if self.gone is not None:
             return self._gone_error(step)
         found = cause_within(error, (PeerLost, PeerTimeout))
         if found is not None:  # a copy: raised from ``error``, which holds it
             return found if found is error else type(found)(str(found), found.processes, found.step)
-        if not from_the_runtime(error):
+        runtime = cause_within(error, (jax.errors.JaxRuntimeError,))
+        if runtime is None:
             return None
         lost = self.peers.lost_now()
         if not lost:
@@ -337,8 +304,7 @@ class AgreedStops(LocalStops):
         return PeerLost(
             f"process{'es' if len(lost) > 1 else ''} {which} was lost at step {step} (killed, crashed, or "
             f"its host went down), so training cannot go on. The collective that noticed failed with "
-            f"{describe(cause_within(error, (jax.errors.JaxRuntimeError,)) or error)}", lost, step,
-        )
+            f"{describe(runtime)}", lost, step)
 
     def defer(self, loop: Loop, error: Exception) -> None:
         """An error in the loop: kept, to be raised on every process (as a
@@ -362,9 +328,7 @@ class AgreedStops(LocalStops):
             _log.error("process %d failed again at step %d: %s", self.peers.index, loop.step, error)
 
     def batches(self, loop: Loop, batches: Iterator[Any], zeros: Callable[[], Any]) -> Iterator[Any]:
-        """The epoch's device batches. Data that fails, or runs out before the
-        others', is replaced by ``zeros()`` until the step every process stops
-        at, so no process waits in a collective alone."""
+        """The epoch's device batches; data that fails or runs out early is replaced by ``zeros()``."""
         while True:
             try:
                 batch = next(batches)
@@ -379,24 +343,24 @@ class AgreedStops(LocalStops):
         yield from itertools.repeat(zeros())
 
     def data_ended(self, loop: Loop) -> bool:
-        """This process's data ran out. True: the epoch ended at this step on
-        every process. False: another process went on, so this one goes on
-        (with zeros) to the agreed step, where training fails everywhere."""
+        """This process's data ran out; True: the epoch ended here on every process.
+
+        False: another process went on, so this one goes on (with zeros) to
+        the agreed step, where training fails everywhere.
+        """
         current = self._round
         if self._known_lengths and current.requested is None and not current.answered:
             return True  # the same length everywhere: every process's epoch ends here
         if current.requested is None:
             self._request(self._word(loop, ran_out=True))
-        self._settle(current)
-        if loop.step < current.target:
+        if loop.step < self._settle(current):
             self.fault = self.fault or RuntimeError(
-                f"its data ran out at step {loop.step}, before the other processes'"
-            )
+                f"its data ran out at step {loop.step}, before the other processes'")
             return False
         return not self._conclude(loop, current, ran_out=True)
 
     def finish(self, loop: Loop) -> None:
-        """The loop ended here, at its last epoch or step: agree with the others.
+        """The loop ended at its last epoch or step: agree with the others.
 
         Raises:
             ProcessError: the agreed outcome is a failure.
@@ -412,8 +376,7 @@ class AgreedStops(LocalStops):
         self._conclude(loop, current)
 
     def failed(self, loop: Loop, error: BaseException) -> BaseException:
-        """An error the loop cannot carry to an agreed step: names a lost
-        peer, or tells the others that this process abandons them."""
+        """An error the loop cannot carry to an agreed step: names a lost peer, or leaves the run."""
         if isinstance(error, ProcessError) and not isinstance(error, (PeerLost, PeerTimeout)):
             if self.gone is None:
                 return error  # raised by every process at the agreed step
@@ -422,9 +385,7 @@ class AgreedStops(LocalStops):
         return error
 
     def failed_at(self, step: int, error: BaseException) -> None:
-        """This process leaves the run: tells the others (so they can name
-        it), and at exit skips JAX's shutdown barrier. The watcher stays to
-        end the process if ``fit`` cannot finish."""
+        """This process leaves the run: tells the others, and at exit skips JAX's shutdown barrier."""
         self._leaving = time.monotonic()
         _log.error("process %d leaves the run at step %d: %s", self.peers.index, step, describe(error))
         try:
@@ -439,8 +400,7 @@ class AgreedStops(LocalStops):
         return _ask_preemption_sync_point(_last_sync_point_id[0])
 
     def _preempt(self, loop: Loop) -> None:
-        """Every process reached JAX's preemption sync point at this step: a
-        SIGTERM (a preemption notice) reached some process of the run."""
+        """Every process reached JAX's preemption sync point: a SIGTERM reached some process."""
         _log.warning("a preemption notice (SIGTERM) reached the run: every process stops at step %d, the "
                      "step JAX's preemption sync point agreed on", loop.step)
         record_of(loop).interrupted = signal.SIGTERM
@@ -449,8 +409,7 @@ class AgreedStops(LocalStops):
     # -- rounds --------------------------------------------------------------
 
     def interrupted(self, loop: Loop) -> int | None:
-        """The signal every process agreed stopped training (a signal that
-        reached this process after they agreed is not among them)."""
+        """The signal every process agreed stopped training."""
         return self._signal if self._decided else loop.interrupted
 
     def _word(self, loop: Loop, ran_out: bool = False) -> dict[str, Any]:
@@ -473,30 +432,28 @@ class AgreedStops(LocalStops):
         self.peers.ring(f"round-{current.number}/trigger")  # wakes every watcher
 
     def _post_answer(self, current: _Round, record: Mapping[str, Any]) -> None:
-        """Where this process stands (called holding the lock): the last step
-        it dispatched; it dispatches none beyond until the round settles."""
+        """Posts the last step this process dispatched (called holding the lock)."""
         self.peers.post(f"round-{current.number}/answer", {**record, "step": self._dispatched})
 
-    def _settle(self, current: _Round) -> None:
+    def _settle(self, current: _Round) -> int:
+        """The round's target step, once every process answered."""
         if current.target is None:
             answers = self.peers.gather(f"round-{current.number}/answer", "an agreed stop")
             current.target = max(a["step"] for a in answers)
             current.data_ended = any(a["kind"] == "data_end" for a in answers)
+        return current.target
 
     def _conclude(self, loop: Loop, current: _Round, ran_out: bool = False) -> bool:
-        """At the target: posts this process's final word, reads everyone's,
-        and applies the outcome. Returns whether training stops.
+        """At the target: posts this process's final word, applies everyone's; whether training stops.
 
         Raises:
             ProcessError: the outcome is a failure.
         """
-        # What this process says now: an error or a signal may have come
-        # since it answered.
+        # An error or a signal may have come since it answered.
         word = self._word(loop, ran_out=ran_out)
         self.peers.post(f"round-{current.number}/final", {**word, "step": loop.step})
         finals = self.peers.gather(
-            f"round-{current.number}/final", f"the agreed stop at step {current.target}"
-        )
+            f"round-{current.number}/final", f"the agreed stop at step {current.target}")
         if {f["kind"] for f in finals} == {"data_end"} and len({f["step"] for f in finals}) == 1:
             with self._lock:
                 self._round = _Round(current.number + 1)
@@ -521,8 +478,7 @@ class AgreedStops(LocalStops):
         if self._signal is not None and loop.interrupted is None:
             _log.warning(
                 "%s on another process: every process stops at step %d",
-                signal.Signals(self._signal).name, loop.step,
-            )
+                signal.Signals(self._signal).name, loop.step)
         record = record_of(loop)
         record.interrupted = self._signal
         if reasons:
@@ -533,8 +489,7 @@ class AgreedStops(LocalStops):
     # -- the watcher thread --------------------------------------------------
 
     def _stop_watching(self) -> None:
-        """Ends the watcher before the fit returns: a thread still blocked in
-        the key-value store when the interpreter exits aborts the process."""
+        """Ends the watcher: one blocked in the key-value store at exit aborts the process."""
         self._closed = True
         self._advanced.set()
         if self in _watching:
@@ -577,9 +532,7 @@ class AgreedStops(LocalStops):
                     self._post_answer(current, {"kind": "go_on"})
 
     def _outlive(self) -> None:
-        """A peer is gone (the main thread raises at its next check), or this
-        process left the others. If ``fit`` has not ended soon after, it is
-        stuck in a collective that can never finish: exit."""
+        """A peer is gone or this process left: if ``fit`` has not ended soon after, exit."""
         deadline = (self._leaving or time.monotonic()) + END_GRACE_SECONDS
         while not self._closed and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -617,14 +570,10 @@ _AGREED_AT_START = (
 def _agreed_failure(
     finals: Sequence[Mapping[str, Any]], step: int, data_round: bool
 ) -> ProcessError | None:
-    """The failure every process raises, from every process's final word, or None.
-
-    In a round some process started because its data ran out, every other
-    process tried its next batch before its final word, so a process that
-    goes on had more data than one whose data ran out.
-    """
+    """The failure every process raises, from every process's final word, or None."""
     errors = [(i, f["error"]) for i, f in enumerate(finals) if f["kind"] == "error"]
     ran_out = [i for i, f in enumerate(finals) if f["kind"] == "data_end"]
+    # In a data round the others tried their next batch: one going on had more data.
     if not errors and data_round and ran_out and any(f["kind"] == "go_on" for f in finals):
         errors = [(i, "its data ran out before the other processes'") for i in ran_out]
     if not errors and len({f["step"] for f in finals}) > 1:
@@ -633,9 +582,7 @@ def _agreed_failure(
         return None
     each = "; ".join(f"process {i}: {e}" for i, e in errors)
     return ProcessError(
-        f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step
-    )
-
+        f"training failed on {each} (every process stopped at step {step})", [i for i, _ in errors], step)
 
 
 #: The last id this process asked JAX's preemption sync point about. Every
@@ -644,15 +591,7 @@ _last_sync_point_id = [0]
 
 
 def _ask_preemption_sync_point(step_id: int) -> tuple[bool, bool]:
-    """Whether JAX's preemption service runs, and whether every process
-    reached its sync point at ``step_id`` (ids grow by one per step).
-
-    ``jax.distributed.initialize`` starts the service unless
-    ``jax_enable_preemption_service`` is off. Its notifier holds SIGTERM: a
-    SIGTERM to any process sets a sync point (the step after the furthest
-    any process has reported), which every process reaches at the same
-    step as long as each reports every step, as ``at_boundary`` does.
-    """
+    """Whether JAX's preemption service runs, and whether every process reached its sync point."""
     from jax.experimental import multihost_utils
 
     try:

@@ -1,11 +1,6 @@
-"""Writers, layered as CLU's metric writers: the ``Writer`` protocol, a
-backend (``TensorBoardWriter``: event files, synchronous), ``AsyncWriter``
-(any writer off the training thread), and ``Writers``, the fan-out a fit's
-callbacks write through (``loop.writers``).
+"""Writers, layered as CLU's: ``Writer``, ``TensorBoardWriter``, ``AsyncWriter`` and the fan-out ``Writers``.
 
-``__all__`` is what users write and extend (the writer protocol, its layers,
-the values they take); the other names here are the layers' own interface
-and may change in any release.
+``__all__`` is what users write and extend; the other names may change in any release.
 """
 
 import warnings
@@ -13,30 +8,14 @@ from typing import Any
 
 from flaxhooks.writers._async import AsyncWriter
 from flaxhooks.writers._files import LogdirError, check_writable, read_layout, truncate_events
-from flaxhooks.writers._service import (
-    Histogram,
-    Images,
-    Values,
-    Writer,
-    WriterCallback,
-    Writers,
-)
-from flaxhooks.writers._service import (
-    detached as detached,
-)
+from flaxhooks.writers._service import Histogram, Images, Values, Writer, WriterCallback, Writers
+from flaxhooks.writers._service import detached as detached
 from flaxhooks.writers._tensorboardx import EventFile as EventFile
 from flaxhooks.writers._tensorboardx import TensorBoardWriter
 
 __all__ = [
-    "AsyncWriter",
-    "Histogram",
-    "Images",
-    "LogdirError",
-    "TensorBoardWriter",
-    "Values",
-    "Writer",
-    "WriterCallback",
-    "Writers",
+    "AsyncWriter", "Histogram", "Images", "LogdirError", "TensorBoardWriter", "Values", "Writer",
+    "WriterCallback", "Writers"
 ]
 
 

@@ -1,5 +1,4 @@
-"""Any writer, off the training thread: a queue and one thread that does the
-writes in order, failures raised on the training thread, a sync point."""
+"""Any writer, off the training thread: a queue and one thread that writes in order."""
 
 from __future__ import annotations
 
@@ -36,10 +35,7 @@ def _first_entries(arrays: list[jax.Array]) -> jax.Array:
 def _read_arrays(arrays: Sequence[jax.Array]) -> list[Any]:
     """The first entry of each array, on the host (this process's first copy).
 
-    With one process, the arrays of one sharding are gathered on the devices
-    and read at once: on CPU reading 256 arrays one by one costs ~15 times
-    as much CPU. (Across processes that would be a global computation that
-    only process 0 runs, so each is read from its local copy.)
+    With one process, arrays of one sharding are read in one transfer (one by one costs ~15x the CPU).
     """
     found: list[Any] = [None] * len(arrays)
     if jax.process_count() == 1:
@@ -73,19 +69,15 @@ def _host_rows(entries: Sequence[tuple[int, str, str, Mapping[str, Any]]]) -> li
 
 
 class AsyncWriter(Writer):
-    """Wraps a writer: each call is queued and returns at once; one thread
-    makes the calls in order, device values read there.
+    """Wraps a writer: each call is queued and returns at once; one thread makes the calls in order.
 
-    A failure on the thread is raised (once) by the next call from the
-    training thread, and later writes are dropped until then.
+    A failure on the thread is raised once by the next call, later writes dropped until then.
 
     Args:
-        writer: the writer to wrap (a :class:`TensorBoardWriter`, say).
         flush_secs: the writer is flushed when it has had nothing to do for this long.
     """
 
-    #: Buffered step scalars go to the thread in batches of at most this many
-    #: steps, or once the oldest has waited this many seconds.
+    #: Buffered step scalars go out every this many steps, or once the oldest waited this many seconds.
     BATCH_STEPS = 64
     BATCH_SECONDS = 1.0
 
@@ -146,13 +138,7 @@ class AsyncWriter(Writer):
         self._queue.put(job)
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
-        """Buffers one step's scalars; cheap enough to call every step.
-
-        ``values`` are floats or replicated device arrays that the step
-        returned (never donated, so they are neither copied nor read here):
-        the thread reads this process's first copy of a batch of steps at
-        once. What is buffered goes out before any later call's work.
-        """
+        """Buffers one step's scalars (never donated: not copied); the thread reads batches of steps."""
         if self._error is not None:
             self._raise_failure()
         buffer = self._buffer
@@ -175,14 +161,13 @@ class AsyncWriter(Writer):
         self._queue.put(job)
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
-        """Writes scalars: device arrays are copied on the device first (the
-        next step's donation cannot delete them); a function is called on the thread."""
+        """Writes scalars: device arrays are copied first; a function is called on the thread."""
         if not callable(values):
             values = {name: detached(value) for name, value in values.items()}
         self._submit(lambda: self.writer.scalars(values, step, prefix, run))
 
     def run_scalars(self, values: RunValues, step: int) -> None:
-        """Writes scalars into several runs at once; device arrays are copied as for :meth:`scalars`."""
+        """Writes ``{run: {tag: value}}``; device arrays are copied first."""
         if not callable(values):
             values = {run: {tag: detached(v) for tag, v in tags.items()} for run, tags in values.items()}
         self._submit(lambda: self.writer.run_scalars(values, step))
@@ -202,14 +187,11 @@ class AsyncWriter(Writer):
         self._submit(lambda: self.writer.images(values, step))
 
     def call(self, job: Callable[[Any], object]) -> None:
-        """Runs ``job(writer)`` on the thread, in order with the writes (with a
-        :class:`TensorBoardWriter`: ``writer.summary(...)`` writes any summary)."""
+        """Runs ``job(writer)`` on the thread, in order with the writes."""
         self._submit(lambda: job(self.writer))
 
     def sync_point(self) -> threading.Event:
-        """An event set once everything queued so far is written and flushed;
-        returns at once. A checkpoint waits for it before it commits, so the
-        logs up to its step survive a kill right after it."""
+        """An event set once everything queued so far is written and flushed; returns at once."""
         if self._closed:  # everything it was given is written
             done = threading.Event()
             done.set()
@@ -219,14 +201,7 @@ class AsyncWriter(Writer):
         return marker.done
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until everything queued is written and flushed.
-
-        Args:
-            timeout: the longest to wait, in seconds (None: as long as it takes).
-
-        Returns:
-            Whether everything was written (False only when ``timeout`` ran out).
-        """
+        """Waits up to ``timeout`` seconds until everything queued is written; whether it was."""
         done = self.sync_point().wait(timeout)
         self._raise_failure()
         return done
@@ -238,15 +213,9 @@ class AsyncWriter(Writer):
             _log.error("%s", error)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flushes, stops the thread and closes the writer (idempotent).
+        """Flushes, stops the thread and closes the writer (idempotent); whether everything was written.
 
-        Args:
-            timeout: the longest to wait for what is queued (None: as long as
-                it takes). A failing run passes one: the values a job reads may
-                come from a step that can never finish.
-
-        Returns:
-            Whether everything queued was written.
+        A failing run passes a ``timeout``: a job may read a step that never finishes.
         """
         if self._closed:
             return True

@@ -1,5 +1,4 @@
-"""TensorBoard event files on disk: checking a log directory, dropping the
-events after a step (a resumed run), reading the Custom Scalars layout."""
+"""TensorBoard event files: checking a log directory, truncating, reading the Custom Scalars layout."""
 
 from __future__ import annotations
 
@@ -14,16 +13,9 @@ class LogdirError(OSError):
     """The TensorBoard log directory cannot be written."""
 
 
-def check_writable(
-    directory: str | os.PathLike[str],
-    what: str = "TensorBoard logs",
-    error_type: type[Exception] = LogdirError,
-) -> None:
-    """Creates ``directory`` and writes a probe file in it.
-
-    Raises:
-        error_type: naming what was to be written there, the directory and the reason.
-    """
+def check_writable(directory: str | os.PathLike[str], what: str = "TensorBoard logs",
+                   error_type: type[Exception] = LogdirError) -> None:
+    """Creates ``directory`` and writes a probe file in it; raises ``error_type`` saying why it cannot."""
     try:
         os.makedirs(directory, exist_ok=True)
         probe = os.path.join(directory, f".flaxhooks-probe-{uuid.uuid4().hex}")
@@ -36,8 +28,7 @@ def check_writable(
 
 # Hand-written: tensorboardX reads no records, and tensorboard (which does) is an optional dependency.
 def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """``(end offset, payload)`` of each whole TFRecord in an event file's bytes
-    (length, its CRC, payload, its CRC); a record cut short ends the file."""
+    """``(end offset, payload)`` of each whole TFRecord in an event file's bytes."""
     offset = 0
     while offset + 12 <= len(data):
         (length,) = struct.unpack_from("<Q", data, offset)
@@ -51,24 +42,13 @@ def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
 def truncate_events(
     logdir: str, after_step: int, written_after_saves: Callable[[Any], bool] | None = None,
 ) -> int:
-    """Drops every event logged at a step after ``after_step`` from the event
-    files under ``logdir`` (the main run and every run below it), and any
-    record a killed writer left half-written.
+    """Drops the events after ``after_step`` under ``logdir`` (and half-written records), atomically.
 
-    A run resumed from a checkpoint at ``after_step`` logs those steps again;
-    without this TensorBoard would show each of them twice. Each file is
-    rewritten atomically (a new file renamed over it): a purge record
-    (tensorboardX's ``purge_step``) is not enough, since the Rust loader
-    ``tensorboard --logdir`` uses by default ignores it.
+    A resumed run logs those steps again (TensorBoard's Rust loader ignores purge records).
 
     Args:
-        logdir: the run directory.
-        after_step: the checkpoint's step.
-        written_after_saves: whether a summary value of the main run was
-            written after every checkpoint of its step (a fit's final
-            results): such values go at ``after_step`` itself too, since the
-            checkpoint there did not know of them and the resumed run writes
-            them again.
+        written_after_saves: whether a main-run value was written after every
+            checkpoint of its step (final results): dropped at ``after_step`` too.
 
     Returns:
         How many events were dropped (or cut to the values they keep).
@@ -113,7 +93,7 @@ def truncate_events(
 
 
 def _record(payload: bytes) -> bytes:
-    """One TFRecord of ``payload``: its length, the length's CRC, the payload, its CRC."""
+    """One TFRecord of ``payload``."""
     from tensorboardX.record_writer import masked_crc32c
 
     length = struct.pack("<Q", len(payload))
@@ -126,8 +106,7 @@ LAYOUT_TAG = "custom_scalars__config__"
 
 
 def read_layout(logdir: str) -> dict[str, dict[str, tuple[str, ...]]]:
-    """The latest Custom Scalars layout in ``logdir``'s main run (empty if
-    none): ``{category: {title: (tag regex, ...)}}``, in its order."""
+    """The main run's latest Custom Scalars layout, ``{category: {title: (tag regex, ...)}}``."""
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.proto.layout_pb2 import Layout
 

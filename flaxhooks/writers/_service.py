@@ -1,7 +1,4 @@
-"""The ``Writer`` base class and the fan-out over a fit's writers: whatever a
-callback writes (scalars, text, histograms, images) goes to every writer of
-the fit, and a checkpoint can ask for everything written so far to be on
-disk before it commits."""
+"""The ``Writer`` base class and :class:`Writers`, the fan-out over a fit's writers."""
 
 from __future__ import annotations
 
@@ -13,26 +10,22 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-#: Values to write: a mapping, or a function returning one. A function is
-#: called off the training thread (where device values are read), once.
+#: Values to write: a mapping, or a function returning one (called once, off the training thread).
 Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 #: Values of several runs: ``{run: {tag: value}}``, or a function returning that.
 RunValues = Mapping[str, Mapping[str, Any]] | Callable[[], Mapping[str, Mapping[str, Any]]]
-#: Images to write: ``{tag: PNG bytes or uint8 [H, W], [H, W, 3] or [H, W, 4] pixels}``, or a
-#: function returning that.
+#: Images: ``{tag: PNG bytes or uint8 [H, W], [H, W, 3] or [H, W, 4] pixels}``, or a function returning that.
 Images = Mapping[str, bytes | np.ndarray] | Callable[[], Mapping[str, bytes | np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Histogram:
-    """A histogram already binned: ``counts[i]`` values fell in the bin ending
-    at ``limits[i]``; ``low`` and ``high`` are the extremes, ``total`` and
-    ``squares`` the sum and the sum of squares."""
+    """A histogram already binned: ``counts[i]`` values fell in the bin ending at ``limits[i]``."""
 
     low: float
     high: float
-    total: float
-    squares: float
+    total: float  # the sum
+    squares: float  # the sum of squares
     limits: Sequence[float]
     counts: Sequence[float]
 
@@ -52,32 +45,21 @@ class Writer:
     """Base class of what a fit's callbacks write through (``loop.writers``).
 
     A writer defines :meth:`scalars`, :meth:`text`, :meth:`charts`,
-    :meth:`histograms` and :meth:`sync_point`; the others have defaults:
-    :meth:`step_scalars` and :meth:`run_scalars` write through
-    :meth:`scalars` (runs go into the tag), :meth:`images` are left out,
-    :meth:`flush` has nothing to do and :meth:`close` flushes.
-
-    Attributes:
-        logdir: the directory of a writer of TensorBoard event files, where
-            others may write beside them (``Profile``'s traces); None for
-            other writers.
+    :meth:`histograms` and :meth:`sync_point`; the others have defaults.
     """
 
-    logdir: str | None = None
+    logdir: str | None = None  # a TensorBoard writer's directory, where others may write beside it
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
-        """Writes ``prefix + name`` for each value (floats or device arrays),
-        in the main run or in the sub-run ``run`` (``train``, an evaluation's name)."""
+        """Writes ``prefix + name`` for each value, in the main run or the sub-run ``run``."""
         raise NotImplementedError
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
-        """Writes (or buffers) one step's scalars: floats or device arrays the
-        step returned, never donated, so not copied. Cheap enough for every step."""
+        """Writes (or buffers) one step's scalars, never donated, so not copied."""
         self.scalars(values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
-        """Writes scalars into several runs at once, ``{run: {tag: value}}``
-        (by default as ``run/tag`` in the main run)."""
+        """Writes ``{run: {tag: value}}`` (by default as ``run/tag`` in the main run)."""
         self.scalars(lambda: _flattened(values() if callable(values) else values), step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
@@ -85,8 +67,7 @@ class Writer:
         raise NotImplementedError
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
-        """Sets the charts of ``category``, each drawing several tags together:
-        ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars layout)."""
+        """Sets the charts of ``category``, ``{title: [tag, ...]}`` (TensorBoard's Custom Scalars)."""
         raise NotImplementedError
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
@@ -95,7 +76,7 @@ class Writer:
         raise NotImplementedError
 
     def images(self, values: Images, step: int) -> None:
-        """Writes images: ``{tag: PNG bytes or uint8 pixels}`` (by default: left out)."""
+        """Writes images (by default: left out)."""
 
     def sync_point(self) -> threading.Event:
         """An event set once everything written so far is on disk."""
@@ -110,9 +91,7 @@ class Writer:
 
 
 def as_writer(writer: Any) -> Writer:
-    """``writer`` itself if it is a :class:`Writer`; an object of 0.7's
-    protocol shape that does not subclass it is adapted, with a
-    ``DeprecationWarning``, until 0.9."""
+    """``writer`` as a :class:`Writer`; 0.7's protocol shape is adapted with a DeprecationWarning."""
     if isinstance(writer, Writer):
         return writer
     warnings.warn(f"{type(writer).__name__} is used as a writer without subclassing "
@@ -167,15 +146,13 @@ class _DuckWriter(Writer):
 
 @runtime_checkable
 class WriterCallback(Protocol):
-    """A callback that writes logs for everyone (TensorBoard): the Trainer
-    opens its writer before ``fit_start`` and closes it after ``fit_end``."""
+    """A callback whose writer the Trainer opens before ``fit_start`` and closes after ``fit_end``."""
 
     def open_writer(self, loop: Any) -> Writer:
         """The fit's writer, opened before any handler of ``fit_start`` runs."""
 
     def close_writer(self, loop: Any) -> None:
-        """Closes the fit's writer, after every handler of ``fit_end`` ran
-        (``loop.exception`` says whether the fit failed)."""
+        """Closes the fit's writer after ``fit_end`` (``loop.exception``: whether the fit failed)."""
 
 
 class _Once:
@@ -191,10 +168,11 @@ class _Once:
             return self._value
 
 
-class _AllSet:
+class _AllSet(threading.Event):
     """Set once every event is."""
 
     def __init__(self, events: Sequence[threading.Event]):
+        super().__init__()
         self._events = events
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -205,9 +183,7 @@ class _AllSet:
 
 
 class Writers:
-    """The fan-out over the writers of a fit (``loop.writers``): what a
-    callback writes goes to each of them. With none (no writer callback, or
-    another process than 0) every write is a no-op.
+    """The fan-out over the writers of a fit (``loop.writers``); with none, every write is a no-op.
 
     Examples:
         >>> from flaxhooks.writers import Writers
@@ -235,11 +211,7 @@ class Writers:
 
     @staticmethod
     def close(callbacks: Sequence[WriterCallback], loop: Any) -> list[tuple[WriterCallback, Exception]]:
-        """Closes every writer (after ``fit_end``), each even if another fails.
-
-        Returns:
-            The callbacks whose writer failed to close, with their errors.
-        """
+        """Closes every writer, each even if another fails; returns the failed ones with their errors."""
         failed = []
         for callback in callbacks:
             try:
@@ -249,36 +221,21 @@ class Writers:
         return failed
 
     def scalars(self, values: Values, step: int, prefix: str = "", run: str = "") -> None:
-        """Writes ``prefix + name`` for each value: floats, device arrays
-        (copied on the device first, so a later step's donation cannot delete
-        them), or a function returning them, called off the training thread.
+        """Writes ``prefix + name`` for each value, in the sub-run ``run`` ("": the main run).
 
-        ``run`` names a sub-run: ``train`` for training scalars, an
-        evaluation's name for its results; "" is the main run. Runs that
-        log the same tag are drawn on one chart.
+        Device arrays are copied first (a later step's donation cannot delete
+        them); a function is called off the training thread.
         """
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.scalars(values, step, prefix, run)
+        self._to_each("scalars", values, step, prefix, run)
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
-        """Writes one step's scalars: floats or device arrays the step
-        returned (never donated: neither copied nor read on the training
-        thread). An async writer buffers them, so it is cheap every step; a
-        writer without ``step_scalars`` gets them through ``scalars``."""
+        """Writes one step's scalars (never donated: neither copied nor read here); cheap every step."""
         for writer in self.writers:
             writer.step_scalars(values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
-        """Writes scalars into several runs at once, ``{run: {tag: value}}``
-        (or a function returning them, called off the training thread): a
-        chart of a tag then draws one line per run, each of its own colour
-        and named in the legend."""
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.run_scalars(values, step)
+        """Writes ``{run: {tag: value}}`` (or a function returning it): one line per run on a tag's chart."""
+        self._to_each("run_scalars", values, step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
@@ -286,30 +243,25 @@ class Writers:
             writer.text(tag, text, step)
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
-        """Sets the charts of ``category``, each drawing several tags together:
-        ``{title: [tag, ...]}``, in the order to show them (one chart per
-        statistic with a line per layer, say). They replace what the category
-        held; declaring the same charts again costs nothing."""
+        """Sets the charts of ``category``, ``{title: [tag, ...]}``, replacing what it held."""
         for writer in self.writers:
             writer.charts(category, charts, step)
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
         """Writes histograms already binned (or a function returning them)."""
-        if self.writers:
-            values = _Once(values) if callable(values) else values
-            for writer in self.writers:
-                writer.histograms(values, step)
+        self._to_each("histograms", values, step)
 
     def images(self, values: Images, step: int) -> None:
-        """Writes images, ``{tag: PNG bytes or uint8 [H, W, 3] pixels}`` (or a
-        function returning them, called off the training thread): TensorBoard
-        shows them in its Images tab, a slider through the steps of each tag.
-        A writer without ``images`` is left out."""
+        """Writes images (or a function returning them, called off the training thread)."""
+        self._to_each("images", values, step)
+
+    def _to_each(self, method: str, values: Any, *args: Any) -> None:
+        """Calls ``method`` of every writer; a function of values is called once."""
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
-                writer.images(values, step)
+                getattr(writer, method)(values, *args)
 
     def histogram(self, tag: str, values: Any, step: int, bins: int = 30) -> None:
         """Writes the histogram of ``values``' finite entries (read off the training thread)."""
@@ -318,8 +270,7 @@ class Writers:
             self.histograms(lambda: {tag: h} if (h := Histogram.of(values, bins)) else {}, step)
 
     def sync_point(self) -> _AllSet:
-        """Set once everything written so far is on disk: a checkpoint waits
-        for it before it commits, so the logs up to its step survive a kill."""
+        """Set once everything written so far is on disk (a checkpoint waits for it to commit)."""
         return _AllSet([writer.sync_point() for writer in self.writers])
 
     def flush(self) -> None:
@@ -334,9 +285,7 @@ def _flattened(values: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def detached(value: Any) -> Any:
-    """A device copy of a device array (an async op, no transfer), so a
-    writer can read it off the training thread after the next step donates
-    the original; anything else as it is."""
+    """A device copy of a device array, readable after the next step donates the original."""
     import jax
     import jax.numpy as jnp
 

@@ -1,6 +1,4 @@
-"""The TensorBoard backend: event files written with tensorboardX's public
-classes, on the calling thread (wrap it in an :class:`AsyncWriter` to write
-off the training thread)."""
+"""The TensorBoard backend: event files written with tensorboardX, on the calling thread."""
 
 from __future__ import annotations
 
@@ -22,23 +20,13 @@ from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Wri
 
 
 class EventFile(FileWriter):
-    """A tensorboardX ``FileWriter`` that writes each event to its file at
-    once, on the calling thread, with no queue or thread of its own.
-
-    tensorboardX's own ``FileWriter`` hands every event to a thread through a
-    ``multiprocessing.Queue``, which pickles it: about 0.2 ms an event, a
-    cost that shows when every step is logged.
-
-    Args:
-        logdir: the directory of the file (created if missing).
-    """
+    """A tensorboardX ``FileWriter`` writing on the calling thread (its own pickles ~0.2 ms an event)."""
 
     def __init__(self, logdir: str):
         # FileWriter.__init__ is not called: it starts the queue and its thread.
         os.makedirs(logdir, exist_ok=True)
         self.logdir = logdir
-        # Named by the second (tensorboardX's "wb" would reopen a file of the
-        # same second): a nanosecond suffix keeps both, in the order written.
+        # A nanosecond suffix: tensorboardX names files by the second, and "wb" would reopen one.
         self.event_writer = EventsWriter(os.path.join(logdir, "events"), f".{time.time_ns()}")
 
     def get_logdir(self) -> str:
@@ -58,17 +46,14 @@ class EventFile(FileWriter):
 
 
 def scalars_summary(values: Mapping[str, Any]) -> Any:
-    """Many scalars as one summary (one event instead of one per tag: it
-    matters at hundreds of tags a step). NaN and inf are kept: TensorBoard
-    shows a diverging run."""
+    """Many scalars as one summary (one event, not one per tag); NaN and inf are kept."""
     from tensorboardX.proto.summary_pb2 import Summary
 
     return Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
 
 
 def first_value(value: Any) -> Any:
-    """The first entry of a value: a float as it is, an array's first entry
-    (a device array's first copy in this process, read here)."""
+    """A float as it is, an array's first entry (a device array's first local copy)."""
     if isinstance(value, float):
         return value
     if isinstance(value, jax.Array):
@@ -82,18 +67,11 @@ def _exactly(tag: str) -> str:
 
 
 class TensorBoardWriter(Writer):
-    """TensorBoard event files, one run per directory: ``""`` is ``logdir``,
-    others are sub-runs (``logdir/train``), each file opened on first use.
-
-    Synchronous: each write reads its values (device arrays included) and
-    writes them before it returns.
+    """TensorBoard event files, one run per directory (``""`` is ``logdir``); synchronous.
 
     Args:
-        logdir: the run directory.
         flush_secs: the longest a written event waits in the file's buffer.
-        layout: the Custom Scalars layout the files already hold, as
-            :func:`read_layout` reads it (a resumed run's): a category given
-            again unchanged is not written again.
+        layout: the Custom Scalars layout the files already hold (:func:`read_layout`).
     """
 
     def __init__(self, logdir: str, flush_secs: float = 30.0,
@@ -141,9 +119,7 @@ class TensorBoardWriter(Writer):
         self.summary(text_summary(tag, text), step)
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
-        """Sets the charts of ``category`` (Custom Scalars), replacing what it
-        held; the whole custom-scalars layout is written again at ``step`` when it changes
-        (TensorBoard reads the latest). Categories keep their first order."""
+        """Sets the charts of ``category``; the whole Custom Scalars layout is written again on a change."""
         from tensorboardX.summary import custom_scalars
 
         wanted = {title: tuple(_exactly(tag) for tag in tags) for title, tags in charts.items()}
@@ -202,9 +178,7 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def png_header(png: bytes) -> tuple[int, int, int]:
-    """``(height, width, channels)`` of a PNG file, read from its header: a
-    summary of PNG bytes needs them, and neither tensorboardX nor the
-    standard library reads them without Pillow."""
+    """``(height, width, channels)`` of a PNG file, read from its header (no Pillow needed)."""
     if png[:8] != _PNG_SIGNATURE or png[12:16] != b"IHDR":
         raise ValueError("not a PNG file")
     width, height = struct.unpack(">II", png[16:24])
@@ -213,8 +187,7 @@ def png_header(png: bytes) -> tuple[int, int, int]:
 
 
 def pixels_image(pixels: np.ndarray) -> Any:
-    """The image summary of uint8 pixels ``[H, W]`` (grey), ``[H, W, 3]`` (RGB)
-    or ``[H, W, 4]`` (RGBA): a PNG file encoded by tensorboardX (with Pillow)."""
+    """The image summary of uint8 pixels ``[H, W]``, ``[H, W, 3]`` or ``[H, W, 4]`` (encoded with Pillow)."""
     pixels = np.asarray(pixels)
     shaped = pixels.ndim == 2 or (pixels.ndim == 3 and pixels.shape[2] in (3, 4))
     if pixels.dtype != np.uint8 or not shaped:

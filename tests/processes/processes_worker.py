@@ -1,6 +1,6 @@
 """One JAX process of a multi-process test (gloo on 127.0.0.1, 2 CPU devices each).
 
-Usage: ``python -m tests.core.processes_worker SCENARIO INDEX COUNT PORT OUTDIR [ARGS...]``.
+Usage: ``python -m tests.processes.processes_worker SCENARIO INDEX COUNT PORT OUTDIR [ARGS...]``.
 Each scenario writes ``OUTDIR/p<INDEX>.json`` and prints progress lines
 (flushed) that ``tests/test_multiprocess.py`` reads.
 """

@@ -47,8 +47,8 @@ class Workers:
         port = str(_free_port())
         self.procs = [
             subprocess.Popen(
-                ["timeout", "-s", "KILL", str(limit), sys.executable, "-m", "tests.core.processes_worker",
-                 scenario, str(i), str(count), port, str(out), *args],
+                ["timeout", "-s", "KILL", str(limit), sys.executable, "-m",
+                 "tests.processes.processes_worker", scenario, str(i), str(count), port, str(out), *args],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             for i in range(count)
