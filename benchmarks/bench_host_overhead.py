@@ -385,7 +385,8 @@ def instrument_callbacks(callbacks: Sequence[Any], sites: Sites) -> None:
 @contextlib.contextmanager
 def instrumented_fit(trainer: Any, sites: Sites) -> Iterator[None]:
     """Wraps the per-step sites of ``trainer``'s next fits."""
-    import flaxhooks.core
+    import flaxhooks.contract
+    import flaxhooks.loop
 
     runner, pipeline = trainer.runner, trainer.pipeline
     run, variant, carries = runner.run, runner.variant, runner._carries

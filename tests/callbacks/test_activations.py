@@ -434,7 +434,7 @@ def test_a_scan_that_drops_the_collection_warns_how_to_fix_it():
     assert stats.names == ()
 
 
-# -- non-finite values (the guard every Trainer has: tests/core/test_guard.py) --
+# -- non-finite values (the guard every Trainer has: tests/loop/test_guard.py) --
 
 
 @pytest.mark.parametrize("count_nonfinite", [False, True])

@@ -299,7 +299,7 @@ def test_no_host_read_of_metrics_on_the_training_thread(tmp_path, monkeypatch):
 
     tensorboard = TensorBoard(tmp_path, every=Every(steps=1))
     sgd_trainer(callbacks=[CountReads(), tensorboard], if_nonfinite="off").fit(make_batches(4), epochs=2)
-    assert training_thread_reads == []  # the guard's reads: tests/core/test_guard.py
+    assert training_thread_reads == []  # the guard's reads: tests/loop/test_guard.py
     assert len(scalars(tmp_path, "loss", "train")) == 8
 
 

@@ -223,7 +223,7 @@ def test_callbacks_that_are_not_due_cause_no_host_sync(monkeypatch):
         make_batches(4), epochs=1)
     assert reads.count >= 2
     reads.count = 0
-    # The guard off: its own reads, two settled scalars a step, are counted in tests/core/test_guard.py.
+    # The guard off: its own reads, two settled scalars a step, are counted in tests/loop/test_guard.py.
     state = sgd_trainer(callbacks=[reads, log], if_nonfinite="off").fit(make_batches(4), epochs=3)
     assert int(state.step) == 12
     # Only the epoch-end summary lines read metrics: three epochs, three reads
