@@ -175,7 +175,7 @@ OLD_PATHS = {
                       "handlers_of latest_run run_directory",
     "flaxhooks.data": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError cpu_pool_size "
                       "cpu_threads_needed default_mesh device0_copy first_replica host_scalars spec_text "
-                      "unreplicate use_cpu_devices",
+                      "use_cpu_devices",
 }
 
 

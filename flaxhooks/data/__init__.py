@@ -24,5 +24,5 @@ __all__ = [
 __getattr__ = moved_names(__name__, {
     "flaxhooks.placement": "DATA_AXIS FSDP AxisRules Placement Replicated ShardRule ShardingError "
                            "cpu_pool_size cpu_threads_needed default_mesh device0_copy first_replica "
-                           "host_scalars spec_text unreplicate use_cpu_devices",
+                           "host_scalars spec_text use_cpu_devices",
 }, renamed={"check_layout": "flaxhooks.data.check_batch"})

@@ -10,7 +10,6 @@ from flaxhooks.placement._devices import (
     device0_copy,
     first_replica,
     host_scalars,
-    unreplicate,
     use_cpu_devices,
 )
 from flaxhooks.placement._mesh import (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -108,15 +107,6 @@ def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
         if host.size == 1:
             values[name] = float(host.reshape(-1)[0])
     return values
-
-
-def unreplicate(tree: Any) -> Any:
-    """Deprecated (global arrays since 0.7): a replicated tree's local copy, as :func:`device0_copy`."""
-    warnings.warn(
-        "flaxhooks.placement.unreplicate is deprecated: Trainer.state and Loop.state hold global arrays "
-        "(no device axis) since 0.7; use them as they are, or flaxhooks.placement.device0_copy for a "
-        "replicated value's local copy", DeprecationWarning, stacklevel=2)
-    return device0_copy(tree)
 
 
 class InFlight(Generic[_T]):
