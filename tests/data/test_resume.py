@@ -58,6 +58,8 @@ def _check_kill_and_resume(tmp_path: Path, kind: str, count: int) -> None:
         for proc in _run(kind, mode, out, count):
             expected = (-9, 128 + 9) if killed else (0,)
             assert proc.returncode in expected, f"{mode}: exit {proc.returncode}\n{proc.stdout[-4000:]}"
+            if count > 1:  # each process its own share: no note that they took the same batches
+                assert "every process took" not in proc.stdout, proc.stdout[-4000:]
     for index in range(count):
         uninterrupted, resumed = _taken(whole, "whole", index), _taken(broken, "resumed", index)
         # Killed at step 8 with the checkpoint of step 6 (mid-epoch) the latest: steps 7 and 8 run again.
@@ -103,8 +105,8 @@ def test_processes_that_all_take_the_same_batches_are_told_to_shard_by_process(t
     assert first.returncode == second.returncode == 0, first.stdout[-4000:]
     assert "every process took the same first batch" in first.stdout
     assert "ShardByJaxProcess" in first.stdout and "every process took" not in second.stdout
-    sharded = _run("grain_map", "whole", tmp_path / "sharded", 2)[0]
-    assert "every process took" not in sharded.stdout
+    # Data sharded by process gets no such note: checked on every run of
+    # test_a_killed_run_on_two_processes_resumes_exactly_mid_epoch.
 
 
 # -- in this process ----------------------------------------------------------
