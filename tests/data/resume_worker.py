@@ -70,7 +70,11 @@ def make_data(kind: str, arrays: dict[str, np.ndarray], index: int, count: int):
         sampler = grain.samplers.IndexSampler(
             len(records), shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
             shuffle=True, seed=3, num_epochs=1)
-        return grain.DataLoader(data_source=records, sampler=sampler, worker_count=2,
+        # Workers are checked on one process; on two, what is checked is each
+        # process's own sampler share and state, the same with or without them
+        # (and each epoch's start spawns them anew: most of a two-process run).
+        workers = 2 if count == 1 else 0
+        return grain.DataLoader(data_source=records, sampler=sampler, worker_count=workers,
                                 operations=[grain.transforms.Batch(batch, drop_remainder=True)])
     if kind == "grain_unsharded":  # every process the same batches: a mistake flaxhooks points out
         return grain.MapDataset.source(records).seed(3).shuffle().batch(batch, drop_remainder=True)

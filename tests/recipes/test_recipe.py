@@ -47,11 +47,19 @@ def _one_line_refusal(result: subprocess.CompletedProcess) -> str:
     return lines[0].removeprefix(ERROR)
 
 
+@pytest.fixture(scope="module")
+def two_quick_runs(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """Two short runs started one after the other in one directory, read by
+    the tests below (launched once: each launch is most of a test's time).
+    Only a resume into the latest run changes what they wrote."""
+    cwd = tmp_path_factory.mktemp("quick")
+    return cwd, [_run_recipe(*QUICK, cwd=cwd) for _ in range(2)]
+
+
 @pytest.mark.slow
-def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest(tmp_path):
-    first = _run_recipe(*QUICK, cwd=tmp_path)
+def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest(two_quick_runs):
+    tmp_path, (first, second) = two_quick_runs
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _run_recipe(*QUICK, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     runs = sorted((tmp_path / "runs" / "mnist").iterdir())
     assert len(runs) == 2
@@ -73,9 +81,11 @@ def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest
 
 
 @pytest.mark.slow
-def test_a_run_into_another_runs_workdir_is_refused_in_one_line_and_writes_nothing(tmp_path):
-    workdir = tmp_path / "mine"
-    assert _run_recipe(*QUICK, "--workdir", str(workdir), cwd=tmp_path).returncode == 0
+def test_a_run_into_another_runs_workdir_is_refused_in_one_line_and_writes_nothing(two_quick_runs):
+    tmp_path, (first, _) = two_quick_runs
+    assert first.returncode == 0, first.stderr[-3000:]
+    runs = sorted((tmp_path / "runs" / "mnist").iterdir())
+    workdir = runs[0]  # the earlier run: the test above resumes the latest
     before = _files(workdir)
     assert any("tfevents" in name for name in before) and "checkpoints/7/meta/metadata" in before
     for args in ((), ("--api", "nnx", "--epochs", "2")):
@@ -89,7 +99,7 @@ def test_a_run_into_another_runs_workdir_is_refused_in_one_line_and_writes_nothi
     assert line == (f"the run in {workdir} was started with --api linen: leave --api out to go on with it, "
                     "or leave --resume out to start a new run"), line
     assert _files(workdir) == before
-    assert not (tmp_path / "runs").exists()  # no directory made for a refused run
+    assert sorted((tmp_path / "runs" / "mnist").iterdir()) == runs  # no directory made for a refused run
 
 
 def test_the_closing_command_installs_tensorboard_when_it_is_missing(monkeypatch):
