@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -153,8 +154,6 @@ class FitClock:
         self.device_kind = device_kind
         self._steps = steps
         self._flops = flops
-        self._flops_per_step: float | None = None
-        self._flops_known = False
         self._clock = clock
         self._data_wait = self._device_wait = self._evaluating = 0.0
         self._evaluation: float | None = None  # when the evaluation under way started
@@ -175,18 +174,15 @@ class FitClock:
         evaluating = self._evaluating + (0.0 if self._evaluation is None else now - self._evaluation)
         return Reading(now, self._steps(), self._data_wait, self._device_wait, evaluating)
 
-    @property
+    @functools.cached_property
     def flops_per_step(self) -> float | None:
         """The FLOPs of one lean step over the whole mesh (XLA's count), or None where not counted."""
-        if not self._flops_known:
-            self._flops_known = True
-            try:
-                per_device = self._flops()
-            except Exception as error:  # a figure is not worth failing a fit for
-                _log.debug("the step's FLOPs are not known: %s", error)
-                per_device = None
-            self._flops_per_step = None if per_device is None else per_device * self.devices
-        return self._flops_per_step
+        try:
+            per_device = self._flops()
+        except Exception as error:  # a figure is not worth failing a fit for
+            _log.debug("the step's FLOPs are not known: %s", error)
+            return None
+        return None if per_device is None else per_device * self.devices
 
     @property
     def peak_flops(self) -> float | None:

@@ -235,11 +235,8 @@ class Loop:
 
     def emit(self, event: Event | str, payload: Any = None) -> None:
         """Emits ``loss_read``, ``eval_start``, ``eval_end`` or ``finding`` with its payload."""
-        try:
-            emitted: Event | None = Event(event)
-        except ValueError:
-            emitted = None
-        if emitted is None or emitted not in EMITTABLE:
+        emitted = next((e for e in EMITTABLE if event in (e, e.value)), None)
+        if emitted is None:
             allowed = ", ".join(repr(e.value) for e in EMITTABLE)
             raise ValueError(f"a callback may emit only {allowed}; the loop emits the others")
         if not isinstance(payload, EMITTABLE[emitted]):

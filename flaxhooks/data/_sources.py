@@ -180,14 +180,13 @@ class DataSource:
         if mine.state is not None and mine.before is not None and (here or self.one_shot):
             # The batch made again from the loader's state before it, then on from there.
             iterator = self.data if self.one_shot else self._iterator(mine.epoch)
-            self._set(iterator, mine.before, mine)
-            self._check(self._take(iterator, mine), mine)  # type: ignore[arg-type]
+            self._remake(iterator, mine)
             return self._positioned(iterator, epoch, skip, True)  # type: ignore[arg-type]
         if self.one_shot:
             return self.epoch(epoch, skip)  # nothing to check: it goes on from where it is
         if not self._by_index and here and skip:
             iterator, stateful = self._open(epoch, 0)
-            self._check(self._read_past(iterator, epoch, skip), mine)  # type: ignore[arg-type]
+            self._check(self._read_past(iterator, epoch, skip), mine)
             return self._positioned(iterator, epoch, skip, stateful)
         self._verify(mine)
         return self.epoch(epoch, skip)
@@ -249,26 +248,24 @@ class DataSource:
 
     # -- checking a resume ---------------------------------------------------
 
-    def _set(self, iterator: Any, state: Any, saved: DataPosition) -> None:
+    def _remake(self, iterator: Any, saved: DataPosition) -> None:
+        """Puts the loader back to its state before ``saved``'s batch and checks the batch it makes."""
         try:
-            iterator.set_state(state)
+            iterator.set_state(saved.before)
         except Exception as error:
             raise DataResumeError(
                 f"the loader cannot take the state saved at epoch {saved.epoch + 1}, batch {saved.index} "
                 f"({type(error).__name__}: {error}): the checkpoint was saved with other data"
             ) from error
+        self._check(next(iterator, None), saved)
 
     @staticmethod
-    def _take(iterator: Iterator[HostBatch], saved: DataPosition) -> HostBatch:
-        batch = next(iterator, None)
+    def _check(batch: HostBatch | None, saved: DataPosition) -> None:
+        """Raises unless ``batch`` (None: the data ran out) is the one ``saved`` stands after."""
         if batch is None:
             raise DataResumeError(
                 f"the data ran out before batch {saved.index} of epoch {saved.epoch + 1}, where the "
                 f"checkpoint stood: resume with the run's data")
-        return batch
-
-    @staticmethod
-    def _check(batch: HostBatch, saved: DataPosition) -> None:
         found = fingerprint(batch)
         if found != saved.fingerprint:
             raise DataResumeError(
@@ -281,9 +278,8 @@ class DataSource:
         if saved.index < 1:
             return
         if self._by_index:
-            self._check(self._take(self._iterator(saved.epoch, saved.index - 1), saved), saved)
+            self._check(next(self._iterator(saved.epoch, saved.index - 1), None), saved)
         elif saved.before is not None:  # a loader with a state: from the state before the batch
             iterator = self._iterator(saved.epoch)
             if _stateful(iterator):
-                self._set(iterator, saved.before, saved)
-                self._check(self._take(iterator, saved), saved)
+                self._remake(iterator, saved)

@@ -42,12 +42,9 @@ class _Probe(StepContributor):
         paths = jax.tree_util.tree_flatten_with_path(tapped.params)[0]
         layout = (tuple(_Call.of(t) for t in acts), tuple(_Call.of(t) for t in grads),
                   tuple("/".join(_key(k) for k in path) for path, _ in paths))
-
-        def bad(values: list[jax.Array]) -> jax.Array:
-            return jnp.stack([~jnp.all(jnp.isfinite(v)) for v in values]) if values else jnp.zeros(0, bool)
-
-        flags = {"activations": bad([t.value for t in acts]), "gradients": bad([t.value for t in grads]),
-                 "param_grads": bad(jax.tree.leaves(tapped.grads)), "loss": ~jnp.isfinite(tapped.loss)}
+        flags = {"activations": _nonfinite_leaves([t.value for t in acts]),
+                 "gradients": _nonfinite_leaves([t.value for t in grads]),
+                 "param_grads": _nonfinite_leaves(tapped.grads), "loss": ~jnp.isfinite(tapped.loss)}
         return WithLayout(flags, layout)
 
     def take(self, loop: Any, result: Any) -> None:  # replays hand results back directly
@@ -126,8 +123,7 @@ class NonFiniteGuard(Callback):
     @classmethod
     def added_to(cls, callbacks: Sequence[Callback], mode: str = "stop") -> list[Callback]:
         """``callbacks`` with a guard of ``mode`` first, unless they hold one."""
-        given = any(isinstance(cb, cls) for cb in callbacks)
-        if given:
+        if any(isinstance(cb, cls) for cb in callbacks):
             return list(callbacks)
         guard = cls(mode)
         guard.follow_deprecated_modes(callbacks)
@@ -319,15 +315,10 @@ def _unseen(param_names: Sequence[str], calls: Sequence[_Call]) -> list[str]:
         ['layers']
     """
     tapped = {call.module for call in calls}
-    found: list[str] = []
-    for name in param_names:
-        module = tuple(name.split("/")[:-1])
-        if not module or module in tapped:
-            continue
-        outer = next(module[:i] for i in range(1, len(module) + 1) if module[:i] not in tapped)
-        if "/".join(outer) not in found:
-            found.append("/".join(outer))
-    return found
+    modules = [module for name in param_names if (module := tuple(name.split("/")[:-1])) not in tapped]
+    # Each untapped module's outermost untapped ancestor, once each, in order.
+    outers = (next(m[:i] for i in range(1, len(m) + 1) if m[:i] not in tapped) for m in modules if m)
+    return list(dict.fromkeys("/".join(outer) for outer in outers))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,18 +69,11 @@ class FSDP:
     min_size: int = 1024
 
     def spec(self, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-        ways = mesh.shape[self.axis]
-        if ways == 1 or math.prod(shape) < self.min_size:
-            return PartitionSpec()
-        dividing = [d for d in range(len(shape)) if shape[d] % ways == 0]
-        if not dividing:
-            return PartitionSpec()
-        largest = max(dividing, key=lambda d: (shape[d], -d))
-        return PartitionSpec(*(self.axis if d == largest else None for d in range(len(shape))))
+        return self.extend(PartitionSpec(), shape, mesh)
 
     def extend(self, spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
         """An annotated leaf's ``spec``, also split over ``axis`` along its largest whole dimension."""
-        named = [p for part in spec for p in ((part,) if isinstance(part, str) else (part or ()))]
+        named = [p for part in spec for p in _axes_of(part)]
         ways = mesh.shape[self.axis]
         if self.axis in named or ways == 1 or math.prod(shape) < self.min_size:
             return spec
@@ -103,6 +96,11 @@ def default_mesh(devices: Sequence[jax.Device] | None = None, axis: str = DATA_A
     if devices is None:
         return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Auto,))
     return Mesh(np.asarray(list(devices)), (axis,), axis_types=(AxisType.Auto,))
+
+
+def _axes_of(part: Any) -> tuple[str, ...]:
+    """A spec entry's (or a rule's target's) mesh axes: one name, several, or none."""
+    return (part,) if isinstance(part, str) else tuple(part or ())
 
 
 def _spec_text(spec: PartitionSpec) -> str:
@@ -137,7 +135,7 @@ def _assign(names: Sequence[Any], rules: AxisRules) -> list[tuple[str, ...] | No
         if logical not in names:
             continue
         dim = list(names).index(logical)
-        parts = (target,) if isinstance(target, str) else tuple(target or ())
+        parts = _axes_of(target)
         taken = {p for assigned in axes if assigned for p in assigned}
         if axes[dim] is None and not taken & set(parts):
             axes[dim] = parts
@@ -158,12 +156,8 @@ def ambiguous_split(spec: PartitionSpec, named: int, mesh: Mesh) -> int | None:
     """
     if named >= len(spec):
         return None
-    for dim in range(1, named):
-        part = spec[dim]
-        parts = (part,) if isinstance(part, str) else tuple(part or ())
-        if math.prod(mesh.shape[p] for p in parts) > 1:
-            return dim
-    return None
+    split = (dim for dim in range(1, named) if math.prod(mesh.shape[p] for p in _axes_of(spec[dim])) > 1)
+    return next(split, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +195,7 @@ class Placement:
         rule.check(mesh)
         rules = tuple((str(name), target) for name, target in (axis_rules or ()))
         for name, target in rules:
-            for axis in (target,) if isinstance(target, str) else (target or ()):
+            for axis in _axes_of(target):
                 if axis not in mesh.shape:
                     raise ShardingError(
                         f"axis_rules maps logical axis {name!r} to mesh axis {axis!r}, which the mesh "
@@ -352,11 +346,12 @@ class Placement:
                     spec = extend(spec, shape, self.mesh) if extend else spec
                 else:
                     spec = self.rule.spec(shape, self.mesh)
-                known[(f"{collection}{key}" if collection != "params" else key, shape)] = spec
+                known[(where if collection != "params" else key, shape)] = spec
 
-        def of_params(path: Any, leaf: Any) -> NamedSharding:
-            key, shape = jax.tree_util.keystr(path), tuple(leaf.shape)
-            return NamedSharding(self.mesh, known[(key, shape)])
+        def of_variables(collection: str, tree: Any) -> Any:
+            prefix = collection if collection != "params" else ""
+            return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(
+                self.mesh, known[(f"{prefix}{jax.tree_util.keystr(path)}", tuple(leaf.shape))]), tree)
 
         def of_opt(path: Any, leaf: Any) -> NamedSharding:
             key, shape = jax.tree_util.keystr(path), tuple(leaf.shape)
@@ -367,16 +362,10 @@ class Placement:
                     else self.rule.spec(shape, self.mesh))
             return NamedSharding(self.mesh, spec)
 
-        def of_carried(collection: str) -> Any:
-            return jax.tree_util.tree_map_with_path(
-                lambda path, leaf: NamedSharding(
-                    self.mesh, known[(f"{collection}{jax.tree_util.keystr(path)}", tuple(leaf.shape))]),
-                state.model_state[collection])
-
         return state.replace(
             step=self.replicated, rng=self.replicated,
-            params=jax.tree_util.tree_map_with_path(of_params, state.params),
-            model_state={c: of_carried(c) for c in state.model_state},
+            params=of_variables("params", state.params),
+            model_state={c: of_variables(c, state.model_state[c]) for c in state.model_state},
             opt_state=jax.tree_util.tree_map_with_path(of_opt, state.opt_state))
 
     def replicated_constant(self, make: Any) -> Any:

@@ -6,6 +6,7 @@ docs/architecture.md ("The stop protocol") says how they are used.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -54,10 +55,8 @@ def distributed_client() -> Any:
 
 def posted(client: Any, key: str) -> str | None:
     """The value posted under ``key``, or None if there is none yet (never waits)."""
-    for found, value in client.key_value_dir_get(key.rsplit("/", 1)[0] + "/"):
-        if found == key:
-            return value
-    return None
+    return next((value for found, value in client.key_value_dir_get(key.rsplit("/", 1)[0] + "/")
+                 if found == key), None)
 
 
 def wait_posted(client: Any, key: str, timeout: float) -> str | None:
@@ -106,10 +105,8 @@ def exit_without_shutdown_barrier() -> None:
     if not abandoned:
         return
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # nothing left to report to
             stream.flush()
-        except Exception:  # noqa: BLE001, S110 - nothing left to report to
-            pass
     logging.shutdown()
     # jax.distributed.shutdown() would wait at a barrier a lost peer never reaches, then abort.
     os._exit(1)
@@ -193,10 +190,8 @@ class Peers:
 
     def ring(self, name: str, value: str = "1") -> None:
         """Posts ``name`` for every watcher to wake on (the first post stands; a refused one is dropped)."""
-        try:
+        with contextlib.suppress(jax.errors.JaxRuntimeError):
             self.client.key_value_set(f"{self.prefix}/{name}", value)
-        except jax.errors.JaxRuntimeError:
-            pass
 
     def rung(self, name: str, timeout: float) -> bool:
         """Whether ``name`` was rung within ``timeout`` seconds (raises JaxRuntimeError if unreachable)."""

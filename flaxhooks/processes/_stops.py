@@ -60,8 +60,7 @@ def peer_gone(step: int | None = None) -> ProcessError | None:
     """
     if not _watching or _watching[-1].gone is None:
         return None
-    stops = _watching[-1]
-    return stops._gone_error(stops._dispatched if step is None else step)
+    return _watching[-1]._gone_error(step)
 
 
 @dataclasses.dataclass
@@ -273,12 +272,14 @@ class AgreedStops(LocalStops):
         # jax.Array.is_ready is public (documented, on every jax.Array) but missing from jax's basearray.pyi.
         while not value.is_ready():  # type: ignore[attr-defined]
             if self.gone is not None:
-                raise self._gone_error(self._dispatched if step is None else step)
+                raise self._gone_error(step)
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
-    def _gone_error(self, step: int) -> ProcessError:
+    def _gone_error(self, step: int | None = None) -> ProcessError:
+        """The error naming the peers found gone, at ``step`` (default: the last dispatched)."""
         assert self.gone is not None
+        step = self._dispatched if step is None else step
         error = gone_error(*self.gone, f"at step {step}", step)
         assert error is not None
         return error
@@ -368,18 +369,15 @@ class AgreedStops(LocalStops):
         if self.at_boundary(loop):  # a request of this process's, or one under way
             return
         current = self._round
-        with self._lock:
-            if not current.answered:
-                current.answered = True
-                self._post_answer(current, {"kind": "end"})
+        self._answer(current, {"kind": "end"})
         self._settle(current)
         self._conclude(loop, current)
 
     def failed(self, loop: Loop, error: BaseException) -> BaseException:
         """An error the loop cannot carry to an agreed step: names a lost peer, or leaves the run."""
-        if isinstance(error, ProcessError) and not isinstance(error, (PeerLost, PeerTimeout)):
-            if self.gone is None:
-                return error  # raised by every process at the agreed step
+        agreed = isinstance(error, ProcessError) and not isinstance(error, (PeerLost, PeerTimeout))
+        if agreed and self.gone is None:
+            return error  # raised by every process at the agreed step
         error = self._peer_error(loop.step, error) or error
         self.failed_at(loop.step, error)
         return error
@@ -425,15 +423,15 @@ class AgreedStops(LocalStops):
     def _request(self, request: dict[str, Any]) -> None:
         current = self._round
         current.requested = request
-        with self._lock:
-            if not current.answered:
-                current.answered = True
-                self._post_answer(current, request)
+        self._answer(current, request)
         self.peers.ring(f"round-{current.number}/trigger")  # wakes every watcher
 
-    def _post_answer(self, current: _Round, record: Mapping[str, Any]) -> None:
-        """Posts the last step this process dispatched (called holding the lock)."""
-        self.peers.post(f"round-{current.number}/answer", {**record, "step": self._dispatched})
+    def _answer(self, current: _Round, record: Mapping[str, Any]) -> None:
+        """Posts the last step this process dispatched, unless it answered ``current`` (or it ended)."""
+        with self._lock:  # the main thread's answer and the watcher's: only one is posted
+            if self._round is current and not current.answered:
+                current.answered = True
+                self.peers.post(f"round-{current.number}/answer", {**record, "step": self._dispatched})
 
     def _settle(self, current: _Round) -> int:
         """The round's target step, once every process answered."""
@@ -526,10 +524,7 @@ class AgreedStops(LocalStops):
                 return
             if self._closed:
                 return
-            with self._lock:
-                if self._round is current and not current.answered:
-                    current.answered = True
-                    self._post_answer(current, {"kind": "go_on"})
+            self._answer(current, {"kind": "go_on"})
 
     def _outlive(self) -> None:
         """A peer is gone or this process left: if ``fit`` has not ended soon after, exit."""
@@ -538,9 +533,8 @@ class AgreedStops(LocalStops):
             time.sleep(0.05)
         if self._closed:
             return
-        step = self._dispatched
         if self.gone is not None:  # what the main thread would have raised
-            error = self._gone_error(step)
+            error = self._gone_error()
             why = f"{type(error).__name__}: {error}"
         else:
             why = "it left the other processes"

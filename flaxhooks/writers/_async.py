@@ -192,12 +192,11 @@ class AsyncWriter(Writer):
 
     def sync_point(self) -> threading.Event:
         """An event set once everything queued so far is written and flushed; returns at once."""
-        if self._closed:  # everything it was given is written
-            done = threading.Event()
-            done.set()
-            return done
         marker = _Synced()
-        self._submit(marker)
+        if self._closed:  # everything it was given is written
+            marker.done.set()
+        else:
+            self._submit(marker)
         return marker.done
 
     def flush(self, timeout: float | None = None) -> bool:

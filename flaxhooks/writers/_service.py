@@ -230,8 +230,7 @@ class Writers:
 
     def step_scalars(self, values: Mapping[str, Any], step: int, prefix: str = "", run: str = "") -> None:
         """Writes one step's scalars (never donated: neither copied nor read here); cheap every step."""
-        for writer in self.writers:
-            writer.step_scalars(values, step, prefix, run)
+        self._to_each("step_scalars", values, step, prefix, run)
 
     def run_scalars(self, values: RunValues, step: int) -> None:
         """Writes ``{run: {tag: value}}`` (or a function returning it): one line per run on a tag's chart."""
@@ -239,13 +238,11 @@ class Writers:
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes text (markdown)."""
-        for writer in self.writers:
-            writer.text(tag, text, step)
+        self._to_each("text", tag, text, step)
 
     def charts(self, category: str, charts: Mapping[str, Sequence[str]], step: int) -> None:
         """Sets the charts of ``category``, ``{title: [tag, ...]}``, replacing what it held."""
-        for writer in self.writers:
-            writer.charts(category, charts, step)
+        self._to_each("charts", category, charts, step)
 
     def histograms(self, values: Mapping[str, Histogram] | Callable[[], Mapping[str, Histogram]],
                    step: int) -> None:
@@ -257,7 +254,7 @@ class Writers:
         self._to_each("images", values, step)
 
     def _to_each(self, method: str, values: Any, *args: Any) -> None:
-        """Calls ``method`` of every writer; a function of values is called once."""
+        """Calls ``method`` of every writer; a function as first argument is called once."""
         if self.writers:
             values = _Once(values) if callable(values) else values
             for writer in self.writers:
