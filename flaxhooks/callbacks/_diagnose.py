@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -362,7 +362,7 @@ class Diagnose(InstrumentedCallback):
         if loop.step % self.window == 0:
             self._close(loop.step)
         if self._held and loop.step >= self._hold_end and not self._pending:
-            self._release_held(loop)  # no step sampled so far: no judgment to wait for
+            self._with_held(loop, [])  # no step sampled so far: no judgment to wait for
         settled = loop.settled_step
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())
@@ -456,7 +456,7 @@ class Diagnose(InstrumentedCallback):
         pngs = {name: draw() for name, draw in self._drawings().items()} if report else None
         if self._undrawn is not None:  # the windows since the last write, whatever ended the fit
             self._write_heatmaps(loop, self._undrawn, pngs)
-        self._release_held(loop)
+        self._with_held(loop, [])
         if jax.process_index() == 0:
             if self.table and self.findings:
                 _print_table(self.findings, self.console)
@@ -567,15 +567,15 @@ class Diagnose(InstrumentedCallback):
             drawings = self._drawings()
             loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
-    def _drawings(self) -> dict[str, Callable[[], bytes]]:
-        """Each heatmap's PNG file, drawn when called."""
-        return {name: maps.drawing(title=_TITLES[name], **_RANGE.get(name, {}))
+    def _drawings(self, figures: bool = False) -> dict[str, Any]:
+        """Each heatmap's PNG file, drawn when called (``figures``: its matplotlib figure, drawn now)."""
+        return {name: (maps.figure if figures else maps.drawing)(title=name.replace("_", " "),
+                                                                 **_RANGE.get(name, {}))
                 for name, maps in self._maps.items() if len(maps)}
 
     def figures(self) -> dict[str, Figure]:
         """The heatmaps so far, as matplotlib figures by statistic: layers over windows."""
-        return {name: maps.figure(title=_TITLES[name], **_RANGE.get(name, {}))
-                for name, maps in self._maps.items() if len(maps)}
+        return self._drawings(figures=True)
 
     def pictures(self) -> dict[str, np.ndarray]:
         """:meth:`figures` drawn as uint8 RGB pixels ``[H, W, 3]``."""
@@ -609,9 +609,6 @@ class Diagnose(InstrumentedCallback):
         for finding in held:
             self._say(loop, finding)
         return found
-
-    def _release_held(self, loop: Loop) -> None:
-        self._with_held(loop, [])
 
     def update(self, loop: Loop, found: Sequence[Finding], step: int, clear: bool = True) -> None:
         """Says the new findings; with ``clear``, forgets those absent twice in a row."""
@@ -746,7 +743,6 @@ def _conclusive(finding: Finding) -> bool:
 
 #: The heatmaps, and whether each is coloured on a log scale.
 _MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
-_TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
 
 
