@@ -389,7 +389,7 @@ class Diagnose(InstrumentedCallback):
                     else:
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, self._located(self._sourced(loop, finding)))
+                self._say(loop, self._sourced(loop, finding))
         self._losses_seen = new[-1][0]
 
     def _read_grad_norms(self, loop: Loop) -> None:
@@ -400,7 +400,7 @@ class Diagnose(InstrumentedCallback):
         self._checked.grad_norms += len(new)
         for step, value in new:
             for finding in self._norm_watch.add(step, value):
-                self._say(loop, self._located(self._sourced(loop, finding)))
+                self._say(loop, self._sourced(loop, finding))
         self._norms_seen = new[-1][0]
 
     def _forget_batches(self) -> None:
@@ -411,24 +411,23 @@ class Diagnose(InstrumentedCallback):
             self._batches.popleft()
 
     def _sourced(self, loop: Loop, finding: Finding) -> Finding:
-        """A spike with the first layer whose gradient spiked at it (two replays)."""
-        if not _is_spike(finding) or finding.since is None:
+        """A spike with the first layer whose gradient spiked at it (two replays), and its batch."""
+        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
             return finding
         step = finding.since
         try:
             if step not in self._sources:
                 self._sources[step] = spike_source(loop, step, dict(self._batches), self.taps,
                                                    self.spike_thresholds.layer_factor)
-            return self._sources[step].added_to(finding)
+            sourced = self._sources[step].added_to(finding)
         except Exception as error:  # a replay that fails (memory) must not lose the spike
             _log.debug("replaying the spike of step %s failed", finding.since, exc_info=True)
-            return dataclasses.replace(finding, evidence=f"{finding.evidence}; the replay that names the "
-                                       f"layer failed ({type(error).__name__}: {error})")
+            sourced = dataclasses.replace(finding, evidence=f"{finding.evidence}; the replay that names the "
+                                          f"layer failed ({type(error).__name__}: {error})")
+        return self._located(sourced)
 
     def _located(self, finding: Finding) -> Finding:
-        """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
-        if not _is_spike(finding) or finding.since is None:
-            return finding
+        """A spike with the batch it began at (epoch and index in it, from 0), to replay it."""
         place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
                       if step == finding.since), None)
         if place is None or place[1] < 0:
@@ -726,10 +725,6 @@ class _Checked:
         ] if shown]
         checked = "; ".join(looked) or "nothing (no window of layer statistics complete, no loss read)"
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
-
-
-def _is_spike(finding: Finding) -> bool:
-    return finding.kind in ("loss_spike", "grad_norm_spike")
 
 
 def _conclusive(finding: Finding) -> bool:
