@@ -431,7 +431,6 @@ class ParamStats(InstrumentedCallback):
         self.names: tuple[str, ...] = ()
         #: The latest figures (a :class:`TapStats`).
         self.latest: TapStats | None = None
-        self._charts: tuple[tuple[str, ...], dict[str, list[str]]] = ((), {})
 
     def inside_step(self, tapped: Tapped) -> WithLayout:
         if tapped.updates is None:
@@ -444,10 +443,7 @@ class ParamStats(InstrumentedCallback):
 
     def charts(self) -> dict[str, list[str]]:
         """A chart of each figure, its tag in every module's run: ``{title: [tag]}``."""
-        if self._charts[0] != self.names:
-            charts = {chart_title(stat): [stat_tag(self.prefix, stat)] for stat in PARAM_STATS}
-            self._charts = (self.names, charts)
-        return self._charts[1]
+        return {chart_title(stat): [stat_tag(self.prefix, stat)] for stat in PARAM_STATS}
 
     def take(self, loop: Loop, result: WithLayout) -> None:
         step = loop.step

@@ -353,9 +353,9 @@ def read_checkpoint(path: str, step: int) -> Restored:
     recorded = ocp.StandardCheckpointHandler(multiprocessing_options=_this_process_only()).metadata(
         epath.Path(path) / "state").tree if any(math.prod(s.shape) for s in leaves.values()) else {}
     indices = {info["path"]: i for i, info in enumerate(meta["leaves"])}
-    for info in meta["leaves"]:
-        if math.prod(info["shape"]) and (str(indices[info["path"]]) not in recorded or tuple(
-                recorded[str(indices[info["path"]])].shape) != tuple(info["shape"])):
+    for i, info in enumerate(meta["leaves"]):
+        if math.prod(info["shape"]) and (str(i) not in recorded or tuple(recorded[str(i)].shape) != tuple(
+                info["shape"])):
             raise CheckpointError(f"{info['path']} is missing from the saved arrays or has another shape "
                                   "there")
     return Restored(**common, data=read_positions(os.path.join(path, DATA_ITEM)),
@@ -630,11 +630,9 @@ class Checkpoint(Callback):
         view now, which a save in flight may make differ between processes)."""
         if self.best is None or self._metric is None or self._metric[0] != step:
             return False
-        mode = self.best[1]
-        kept = sorted(self._scores, reverse=mode == "max")
-        value = self._metric[1]
-        return len(kept) < self.keep_best or (value > kept[self.keep_best - 1] if mode == "max" else
-                                              value < kept[self.keep_best - 1])
+        sign = 1 if self.best[1] == "max" else -1  # the better, the larger
+        kept = sorted((sign * score for score in self._scores), reverse=True)
+        return len(kept) < self.keep_best or sign * self._metric[1] > kept[self.keep_best - 1]
 
     #: Seconds to wait for a save in progress at the end of a failed fit.
     FAILING_WAIT_SECONDS = 30.0

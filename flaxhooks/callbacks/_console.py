@@ -83,8 +83,7 @@ class TerminalRedirect:
     def __init__(self, console: Console):
         self.console = console
         self._swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
-        self._last_resort: tuple[logging.Handler, logging.Handler] | None = None  # (original, ours)
-        self._showwarning: tuple[Callable[..., None], Callable[..., None]] | None = None
+        self._replaced: list[tuple[Any, str, Any, Any]] = []  # (module, attribute, original, ours)
 
     def start(self) -> None:
         """Reroutes handlers, ``logging.lastResort`` and ``warnings.showwarning`` bound for the terminal."""
@@ -99,13 +98,14 @@ class TerminalRedirect:
                 self._swapped.append((logger, handler, ours))
         original = logging.lastResort
         if original is not None and _writes_to_terminal(original):
-            logging.lastResort = _ConsoleHandler(self.console, original)
-            self._last_resort = (original, logging.lastResort)
+            self._replaced.append((logging, "lastResort", original, _ConsoleHandler(self.console, original)))
         showwarning = warnings.showwarning
         # Warnings that logging captures already go through the swapped handlers.
         if is_terminal(sys.stderr) and getattr(showwarning, "__module__", None) != "logging":
-            warnings.showwarning = _WarningPrinter(self.console, showwarning)
-            self._showwarning = (showwarning, warnings.showwarning)
+            printer = _WarningPrinter(self.console, showwarning)
+            self._replaced.append((warnings, "showwarning", showwarning, printer))
+        for module, name, _, ours in self._replaced:
+            setattr(module, name, ours)
 
     def stop(self) -> None:
         """Puts back every handler and function swapped, where it is still ours."""
@@ -114,12 +114,10 @@ class TerminalRedirect:
             handlers = logger.handlers
             if ours in handlers:
                 handlers[handlers.index(ours)] = original
-        last_resort, self._last_resort = self._last_resort, None
-        if last_resort is not None and logging.lastResort is last_resort[1]:
-            logging.lastResort = last_resort[0]
-        showwarning, self._showwarning = self._showwarning, None
-        if showwarning is not None and warnings.showwarning is showwarning[1]:
-            warnings.showwarning = showwarning[0]
+        replaced, self._replaced = self._replaced, []
+        for module, name, original, ours in replaced:
+            if getattr(module, name) is ours:
+                setattr(module, name, original)
 
 
 def _loggers() -> list[logging.Logger]:

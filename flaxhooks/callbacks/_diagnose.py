@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -362,7 +362,7 @@ class Diagnose(InstrumentedCallback):
         if loop.step % self.window == 0:
             self._close(loop.step)
         if self._held and loop.step >= self._hold_end and not self._pending:
-            self._release_held(loop)  # no step sampled so far: no judgment to wait for
+            self._with_held(loop, [])  # no step sampled so far: no judgment to wait for
         settled = loop.settled_step
         while self._pending and settled is not None and self._pending[0].end <= settled:
             self._judge(loop, self._pending.popleft())
@@ -389,7 +389,7 @@ class Diagnose(InstrumentedCallback):
                     else:
                         self._say(loop, finding)
             for finding in self._watch.add(step, value):
-                self._say(loop, self._located(self._sourced(loop, finding)))
+                self._say(loop, self._sourced(loop, finding))
         self._losses_seen = new[-1][0]
 
     def _read_grad_norms(self, loop: Loop) -> None:
@@ -400,7 +400,7 @@ class Diagnose(InstrumentedCallback):
         self._checked.grad_norms += len(new)
         for step, value in new:
             for finding in self._norm_watch.add(step, value):
-                self._say(loop, self._located(self._sourced(loop, finding)))
+                self._say(loop, self._sourced(loop, finding))
         self._norms_seen = new[-1][0]
 
     def _forget_batches(self) -> None:
@@ -411,24 +411,23 @@ class Diagnose(InstrumentedCallback):
             self._batches.popleft()
 
     def _sourced(self, loop: Loop, finding: Finding) -> Finding:
-        """A spike with the first layer whose gradient spiked at it (two replays)."""
-        if not _is_spike(finding) or finding.since is None:
+        """A spike with the first layer whose gradient spiked at it (two replays), and its batch."""
+        if finding.kind not in ("loss_spike", "grad_norm_spike") or finding.since is None:
             return finding
         step = finding.since
         try:
             if step not in self._sources:
                 self._sources[step] = spike_source(loop, step, dict(self._batches), self.taps,
                                                    self.spike_thresholds.layer_factor)
-            return self._sources[step].added_to(finding)
+            sourced = self._sources[step].added_to(finding)
         except Exception as error:  # a replay that fails (memory) must not lose the spike
             _log.debug("replaying the spike of step %s failed", finding.since, exc_info=True)
-            return dataclasses.replace(finding, evidence=f"{finding.evidence}; the replay that names the "
-                                       f"layer failed ({type(error).__name__}: {error})")
+            sourced = dataclasses.replace(finding, evidence=f"{finding.evidence}; the replay that names the "
+                                          f"layer failed ({type(error).__name__}: {error})")
+        return self._located(sourced)
 
     def _located(self, finding: Finding) -> Finding:
-        """A loss spike with the batch it began at (epoch and index in it, from 0), to replay it."""
-        if not _is_spike(finding) or finding.since is None:
-            return finding
+        """A spike with the batch it began at (epoch and index in it, from 0), to replay it."""
         place = next(((epoch, index) for step, epoch, index in reversed(self._positions)
                       if step == finding.since), None)
         if place is None or place[1] < 0:
@@ -456,7 +455,7 @@ class Diagnose(InstrumentedCallback):
         pngs = {name: draw() for name, draw in self._drawings().items()} if report else None
         if self._undrawn is not None:  # the windows since the last write, whatever ended the fit
             self._write_heatmaps(loop, self._undrawn, pngs)
-        self._release_held(loop)
+        self._with_held(loop, [])
         if jax.process_index() == 0:
             if self.table and self.findings:
                 _print_table(self.findings, self.console)
@@ -567,15 +566,15 @@ class Diagnose(InstrumentedCallback):
             drawings = self._drawings()
             loop.writers.images(lambda: {heatmap_tag(name): draw() for name, draw in drawings.items()}, step)
 
-    def _drawings(self) -> dict[str, Callable[[], bytes]]:
-        """Each heatmap's PNG file, drawn when called."""
-        return {name: maps.drawing(title=_TITLES[name], **_RANGE.get(name, {}))
+    def _drawings(self, figures: bool = False) -> dict[str, Any]:
+        """Each heatmap's PNG file, drawn when called (``figures``: its matplotlib figure, drawn now)."""
+        return {name: (maps.figure if figures else maps.drawing)(title=name.replace("_", " "),
+                                                                 **_RANGE.get(name, {}))
                 for name, maps in self._maps.items() if len(maps)}
 
     def figures(self) -> dict[str, Figure]:
         """The heatmaps so far, as matplotlib figures by statistic: layers over windows."""
-        return {name: maps.figure(title=_TITLES[name], **_RANGE.get(name, {}))
-                for name, maps in self._maps.items() if len(maps)}
+        return self._drawings(figures=True)
 
     def pictures(self) -> dict[str, np.ndarray]:
         """:meth:`figures` drawn as uint8 RGB pixels ``[H, W, 3]``."""
@@ -609,9 +608,6 @@ class Diagnose(InstrumentedCallback):
         for finding in held:
             self._say(loop, finding)
         return found
-
-    def _release_held(self, loop: Loop) -> None:
-        self._with_held(loop, [])
 
     def update(self, loop: Loop, found: Sequence[Finding], step: int, clear: bool = True) -> None:
         """Says the new findings; with ``clear``, forgets those absent twice in a row."""
@@ -731,10 +727,6 @@ class _Checked:
         return f"**No finding** over steps {first}\u2013{last}. Checked: {checked}."
 
 
-def _is_spike(finding: Finding) -> bool:
-    return finding.kind in ("loss_spike", "grad_norm_spike")
-
-
 def _conclusive(finding: Finding) -> bool:
     """Whether a finding of a fit's first steps stands already."""
     if finding.kind == "dead_units":
@@ -746,7 +738,6 @@ def _conclusive(finding: Finding) -> bool:
 
 #: The heatmaps, and whether each is coloured on a log scale.
 _MAPS = {"gradient_rms": True, "dead_units": False, "update_ratio": True}
-_TITLES = {"gradient_rms": "gradient rms", "dead_units": "dead units", "update_ratio": "update ratio"}
 _RANGE = {"dead_units": {"vmin": 0.0, "vmax": 1.0}}
 
 

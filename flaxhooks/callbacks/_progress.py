@@ -118,16 +118,15 @@ class Progress(Callback):
             self._first_step_done(loop)
         if self.quiet:
             return
-        if self._bar is not None:
-            if self.every(loop.step):
-                self._close_interval(loop)
-            now = self._clock()
-            if now >= self._next_refresh:
-                self._next_refresh = now + 1 / self.refresh_per_second
-                self._refresh_bar(loop)
-        elif self.every(loop.step):
+        due = self.every(loop.step)
+        if due:
             self._close_interval(loop)
-            self._print(self._plain_line(loop))
+        if self._bar is None:
+            if due:
+                self._print(self._plain_line(loop))
+        elif (now := self._clock()) >= self._next_refresh:
+            self._next_refresh = now + 1 / self.refresh_per_second
+            self._refresh_bar(loop)
 
     def on_epoch_end(self, loop: Loop) -> None:
         if self._bar is not None and self._clock() >= self._next_refresh:

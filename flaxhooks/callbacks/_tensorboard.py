@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -201,15 +202,10 @@ class TensorBoard(Callback):
             return
         start, end, carried = self._window_start, loop.totals, self._carried
         self._window_start, self._carried = end, None
-        extra: dict[str, Any] = {}
         # The rate of steps finished on the devices, not dispatched.
         rate = self._rate(loop.settled_step if loop.settled_step is not None else loop.step)
-        if rate is not None:
-            extra["throughput/steps_per_s"] = rate
-        learning_rate = self._learning_rate(loop)
-        if learning_rate is not None:
-            extra["optimizer/learning_rate"] = learning_rate
-        extra.update(self._time_tags(loop))
+        extra = _known({"throughput/steps_per_s": rate, "optimizer/learning_rate": self._learning_rate(loop),
+                        **self._time_tags(loop)})
         # No totals (a hand-made loop), or a window of one step: this step's own metrics, buffered.
         if end is None or (carried is None and self.every.steps == 1):
             loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
@@ -225,7 +221,7 @@ class TensorBoard(Callback):
             self._carried = self._pending_window()
         self._window_start, self._latest_totals = None, None
 
-    def _time_tags(self, loop: Loop) -> dict[str, float]:
+    def _time_tags(self, loop: Loop) -> dict[str, float | None]:
         """Where the time of the steps since the last log went (host clock reads only)."""
         if loop.clock is None or self._timed is None:
             return {}
@@ -233,13 +229,9 @@ class TensorBoard(Callback):
         interval, self._timed = loop.clock.interval(self._timed, now), now
         if interval is None:
             return {}
-        tags = {"train/data_wait": interval.data_wait, "train/device_wait": interval.device_wait,
-                "train/examples_per_sec": interval.examples_per_sec}
-        if interval.flops_per_sec is not None:
-            tags["train/flops_per_sec"] = interval.flops_per_sec
-        if interval.mfu is not None:
-            tags["train/mfu"] = interval.mfu
-        return tags
+        return _known({"train/data_wait": interval.data_wait, "train/device_wait": interval.device_wait,
+                       "train/examples_per_sec": interval.examples_per_sec,
+                       "train/flops_per_sec": interval.flops_per_sec, "train/mfu": interval.mfu})
 
     def _learning_rate(self, loop: Loop) -> Any | None:
         if self.learning_rate is not None:
@@ -264,11 +256,8 @@ class TensorBoard(Callback):
             loop.writers.scalars(result.metrics, result.step, run=result.name)
             return
         # An evaluation outside fit (Trainer.evaluate): files just for it, written at once.
-        files = TensorBoardWriter(self.logdir)
-        try:
+        with contextlib.closing(TensorBoardWriter(self.logdir)) as files:
             files.scalars(result.metrics, result.step, run=result.name)
-        finally:
-            files.close()
 
 
 def _holds_events(logdir: str) -> bool:
@@ -280,6 +269,11 @@ def _window(carried: Mapping[str, Any] | None, start: Totals | None, end: Totals
     """The steps between two replicated totals (``start`` None: the fit's start), after ``carried``."""
     first, last = jax.device_get((device0_copy(start), device0_copy(end)))
     return combine_windows(carried, window_sums(first, last))
+
+
+def _known(tags: Mapping[str, Any]) -> dict[str, Any]:
+    """``tags`` but those whose value is None (not known)."""
+    return {tag: value for tag, value in tags.items() if value is not None}
 
 
 def _tags(metrics: Mapping[str, Any]) -> dict[str, Any]:
