@@ -43,6 +43,7 @@ from flaxhooks.contract import (
     Finding,
     Loop,
     LossRead,
+    MidDispatchError,
     PeerLost,
     PeerTimeout,
     ProcessError,
@@ -85,6 +86,7 @@ __all__ = [
     "LossError",
     "Loop",
     "LossRead",
+    "MidDispatchError",
     "NonFiniteError",
     "NonFiniteGuard",
     "ParamStats",
@@ -103,8 +105,7 @@ __all__ = [
     "TrainingInterrupted",
     "as_model",
     "run_directory",
-    "use_cpu_devices",
-]
+    "use_cpu_devices",]
 
 __version__ = "0.8.0.dev0"
 

@@ -608,10 +608,14 @@ class Checkpoint(Callback):
         due = self.every is not None and self.every(loop.step)
         loop.after(self, lambda loop: self._step_done(loop, due))
 
+    def dispatch_ends_at(self, step: int) -> bool:
+        """A save by steps is due after ``step``: the state of it is kept."""
+        return self.every is not None and self.every.steps is not None and step % self.every.steps == 0
+
     def _step_done(self, loop: Loop, due: bool) -> None:
         self._due = self._due or due or self._among_best(loop.step)
-        if loop.epoch_step == loop.steps_per_epoch:
-            return  # an epoch's last step is done once its epoch_end is
+        if loop.epoch_step == loop.steps_per_epoch or loop.step < loop.dispatch_end:
+            return  # an epoch's last step is done once its epoch_end is; a save by time waits for the state
         self._boundary = loop.step
         if self._due:
             self._save(loop)
@@ -741,6 +745,10 @@ class Checkpoint(Callback):
             return
         if loop.exception is not None and (jax.process_count() > 1 or not self._at_boundary(loop)):
             return  # several processes save only where they agreed to stop
+        if loop.exception is None and (kept := int(jax.device_get(device0_copy(loop.state.step)))) != step:
+            # The guard reads losses a few steps late; the step had kept the state from before the NaN.
+            _log.info("not saving step %d: a non-finite step kept the state of step %d", step, kept)
+            return
         paths, leaves = zip(*state_leaves(loop.state), strict=True)
         if any(leaf.is_deleted() for leaf in leaves if isinstance(leaf, jax.Array)):
             _log.warning("step %d's state was consumed by an interrupted step: not saved", step)

@@ -37,6 +37,7 @@ class Evaluate(Callback):
         #: The latest result.
         self.result: EvalResult | None = None
         self._evaluated_step: int | None = None
+        self._pending = False  # due by time inside a dispatch of several steps
 
     def __repr__(self) -> str:
         return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
@@ -48,9 +49,17 @@ class Evaluate(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._evaluated_step = None  # a new fit: evaluate even at a step seen before
+        self._pending = False
+
+    def dispatch_ends_at(self, step: int) -> bool:
+        """An evaluation by steps is due after ``step``."""
+        return self.every is not None and self.every.steps is not None and step % self.every.steps == 0
 
     def on_step_end(self, loop: Loop) -> None:
-        if self.every is not None and self.every(loop.step):
+        # One due by time inside a dispatch of several steps waits for the dispatch's end, the state's.
+        self._pending = self._pending or (self.every is not None and self.every(loop.step))
+        if self._pending and loop.step == loop.dispatch_end:
+            self._pending = False
             self._evaluate(loop)
 
     def state_dict(self) -> dict[str, Any]:

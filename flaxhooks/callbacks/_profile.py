@@ -97,6 +97,10 @@ class Profile(Callback):
                              "resumed run?): nothing is traced. Choose later steps, or a number of steps "
                              "(Profile(steps=3)) to trace after each fit's warm-up", start, stop, loop.step)
 
+    def dispatch_ends_at(self, step: int) -> bool:
+        """The trace starts after ``step`` or ends with it: a dispatch of several steps ends there."""
+        return self._span is not None and step in (self._span[0] - 1, self._span[1])
+
     def on_step_start(self, loop: Loop) -> None:
         step = loop.step + 1
         if self._span is None or step < self._span[0]:

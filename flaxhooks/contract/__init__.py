@@ -6,7 +6,7 @@
 from flaxhooks.contract._bus import HookBus
 from flaxhooks.contract._callback import Callback, CallbackError, NonFiniteError, StopTraining, handlers_of
 from flaxhooks.contract._clock import PEAK_FLOPS, FitClock, Interval, Reading
-from flaxhooks.contract._errors import PeerLost, PeerTimeout, ProcessError
+from flaxhooks.contract._errors import MidDispatchError, PeerLost, PeerTimeout, ProcessError
 from flaxhooks.contract._events import ALWAYS_RUN, EVENTS, Event, LossRead, Phase
 from flaxhooks.contract._findings import KINDS, Finding
 from flaxhooks.contract._loop import Loop, Request
@@ -21,6 +21,6 @@ from flaxhooks.contract._schedule import refuse_time_on_several_processes as ref
 
 __all__ = [
     "Callback", "CallbackError", "EVENTS", "Event", "Every", "Finding", "FitClock", "FitPlan", "Interval",
-    "KINDS", "Loop", "LossRead", "NonFiniteError", "PEAK_FLOPS", "PeerLost", "PeerTimeout", "ProcessError",
-    "Reading", "Request", "Restorer", "SavedRun", "StopTraining"
+    "KINDS", "Loop", "LossRead", "MidDispatchError", "NonFiniteError", "PEAK_FLOPS", "PeerLost",
+    "PeerTimeout", "ProcessError", "Reading", "Request", "Restorer", "SavedRun", "StopTraining"
 ]

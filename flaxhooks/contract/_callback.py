@@ -71,6 +71,11 @@ class Callback:
     def check_fit(self, plan: FitPlan) -> None:
         """Refuses the fit ``plan`` describes by raising (naming cause and fix) before anything is written."""
 
+    def dispatch_ends_at(self, step: int) -> bool:
+        """Whether a dispatch of several steps (``Trainer(steps_per_dispatch=)``) must end after
+        ``step``: True where this callback reads or replaces ``loop.state``, evaluates or replays there."""
+        return False
+
     def state_dict(self) -> dict[str, Any] | None:
         """What a resumed run must get back, as JSON-serializable values (None: nothing)."""
         return None

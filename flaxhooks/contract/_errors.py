@@ -25,3 +25,8 @@ class PeerLost(ProcessError):
 
 class PeerTimeout(ProcessError, TimeoutError):
     """A process waited longer than ``peer_timeout`` for another one."""
+
+
+class MidDispatchError(RuntimeError):
+    """The state was asked for at a step inside a dispatch of several steps, where it is not kept
+    (``Trainer(steps_per_dispatch=)``; ``Callback.dispatch_ends_at`` ends a dispatch where it is needed)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, overload
 import jax
 
 from flaxhooks.contract._clock import FitClock
+from flaxhooks.contract._errors import MidDispatchError
 from flaxhooks.contract._events import Event, LossRead
 from flaxhooks.contract._findings import Finding
 from flaxhooks.data import BatchSpec, DataPosition
@@ -37,6 +38,7 @@ class LoopRecord:
     epoch: int = 0
     epoch_step: int = 0
     epoch_done: bool = False
+    dispatch_end: int = 0
     data_position: DataPosition | None = None
     max_steps: int | None = None
     max_epochs: int | None = None
@@ -107,10 +109,10 @@ class Loop:
         'enough'
     """
 
-    state = _Fact[TrainState]("state", "The train state after the latest step (its buffers are donated to "
-                              "the next step: copy what you keep; ask for another with "
-                              ":meth:`replace_state`).")
     step = _Fact[int]("step", "Optimizer steps completed, counting a resumed state's.")
+    dispatch_end = _Fact[int]("dispatch_end", "The last step of the dispatch that holds the latest step "
+                              "(``Trainer(steps_per_dispatch=)``): :attr:`state` is kept where ``loop.step`` "
+                              "is ``loop.dispatch_end``.")
     epoch = _Fact[int]("epoch", "The current epoch, from 0 (people read ``loop.epoch + 1``).")
     epoch_step = _Fact[int]("epoch_step", "Batches taken so far in the current epoch.")
     epoch_done = _Fact[bool](
@@ -184,6 +186,30 @@ class Loop:
     def __repr__(self) -> str:
         return f"Loop(step={self.step}, epoch={self.epoch}, event={self.event!r})"
 
+    @property
+    def state(self) -> TrainState:
+        """The train state after the latest step (its buffers are donated to the next step: copy what
+        you keep; ask for another with :meth:`replace_state`).
+
+        Raises:
+            MidDispatchError: the latest step is inside a dispatch of several steps, whose state only its
+                last step has.
+        """
+        self._kept("loop.state")
+        return self._record.state  # type: ignore[return-value]
+
+    def _kept(self, what: str) -> None:
+        """Raises :class:`MidDispatchError` for ``what`` at a step inside a dispatch of several steps."""
+        record = self._record
+        if record.step >= record.dispatch_end:
+            return
+        by = f"{type(record.handling).__name__}: " if record.handling is not None else ""
+        raise MidDispatchError(
+            f"{by}{what} at step {record.step}, inside a dispatch of several steps (Trainer("
+            f"steps_per_dispatch=...)) that keeps only the state after its last step, {record.dispatch_end}: "
+            f"define dispatch_ends_at(step) on the callback, True for step {record.step}, so a dispatch ends "
+            "there")
+
     # Facts derived from the others.
 
     @property
@@ -230,6 +256,7 @@ class Loop:
         """Evaluates the current state on ``data``, taking and returning what ``Trainer.evaluate`` does."""
         if self._evaluate is None:
             raise RuntimeError("loop.evaluate works during fit, where the loop has a state to evaluate")
+        self._kept("loop.evaluate")
         self._note("evaluate", str(options.get("name", "eval")))
         return self._evaluate(data, **options)
 
@@ -278,6 +305,7 @@ class Loop:
     def replace_state(self, state: TrainState) -> None:
         """Hands the next step ``state``, which must match the current one leaf for leaf (and sharding)."""
         record = self._record
+        self._kept("loop.replace_state")
         if record.state is not None:
             _check_like(state, record.state)
         self._note("replace_state")
@@ -287,6 +315,7 @@ class Loop:
         """Runs the step from ``loop.state`` on ``batch`` with ``contributors`` due; returns their results."""
         if self._replay is None:
             raise RuntimeError("loop.replay works during fit")
+        self._kept("loop.replay")
         return self._replay(batch, contributors)
 
     def _note(self, kind: str, detail: str = "") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -19,9 +20,10 @@ from flaxhooks.contract import (
     StopTraining,
 )
 from flaxhooks.data import DataPosition, DataSource, DevicePrefetch, EmptyDataError, HostBatch
+from flaxhooks.loop._dispatches import Dispatches
 from flaxhooks.placement import Placement
 from flaxhooks.processes import LocalStops
-from flaxhooks.step import StepRunner, TrainState
+from flaxhooks.step import StepRows, StepRunner, TrainState
 from flaxhooks.writers import WriterCallback, Writers
 
 _log = logging.getLogger("flaxhooks")
@@ -38,6 +40,7 @@ class Fit:
     pipeline: DevicePrefetch
     placement: Placement
     stops: LocalStops
+    dispatches: Dispatches
 
     @classmethod
     def open(cls, trainer: Any, start: Start, source: DataSource, stops: LocalStops, state: TrainState,
@@ -45,15 +48,17 @@ class Fit:
         """The loop of one ``trainer.fit``, built whole before anything runs."""
         runner, placement = trainer.runner, trainer.placement
         record = LoopRecord(
-            state=state, step=start.step, epoch=start.epoch, epoch_step=start.skip, max_steps=steps,
-            max_epochs=epochs, steps_per_epoch=source.length, resumed_from=start.record["resumed"],
+            state=state, step=start.step, dispatch_end=start.step, epoch=start.epoch, epoch_step=start.skip,
+            max_steps=steps, max_epochs=epochs, steps_per_epoch=source.length,
+            resumed_from=start.record["resumed"],
             callbacks=trainer.callbacks, model=trainer.model, spec=trainer.batch_spec,
             totals=runner.zero_totals())
         record.clock = clock = FitClock.of(record, runner.step_flops, placement.mesh)
         bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
         loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
                     replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
-        return cls(loop, record, bus, runner, trainer.pipeline, placement, stops)
+        dispatches = Dispatches(trainer.steps_per_dispatch, runner, trainer.callbacks)
+        return cls(loop, record, bus, runner, trainer.pipeline, placement, stops, dispatches)
 
     def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:
         """Trains until the loop's limits or a stop; every end hook runs."""
@@ -105,23 +110,67 @@ class Fit:
                 loop.stop("the data iterator is exhausted")
 
     def _steps(self, batches: Iterator[tuple[Any, DataPosition | None]], zeros: Any, wait: Any) -> bool:
-        """The epoch's steps; whether its data ran out (rather than training stopping)."""
-        loop, record, bus, stops = self.loop, self.record, self.bus, self.stops
-        for batch, position in stops.batches(loop, batches, zeros) if not stops.at_boundary(loop) else ():
-            record.batch = batch
+        """The epoch's steps, a dispatch at a time; whether its data ran out (not a stop)."""
+        loop, record, bus, stops, runner = self.loop, self.record, self.bus, self.stops, self.runner
+        if stops.at_boundary(loop):
+            return False
+        source = stops.batches(loop, batches, zeros)
+        pending: collections.deque[tuple[Any, DataPosition | None]] = collections.deque()
+        while True:
+            count, due = self.dispatches.plan(loop, several=stops.several)
+            while len(pending) < count and (item := next(source, None)) is not None:
+                pending.append(item)
+            if not pending:
+                return True
+            count = self.dispatches.fitting(min(count, len(pending)))
+            record.batch = pending[0][0]
             if stops.at_boundary(loop, pulled=True):
                 return False
             bus.emit(Event.STEP_START, loop)
-            if stops.at_boundary(loop) or not stops.may_dispatch(loop):
+            if stops.at_boundary(loop):
                 return False
-            for contributor, result in self.runner.run(record, batch, wait):
-                contributor.take(loop, result)
-            if position is not None:  # zeros standing in for failed data have none
-                record.data_position = position
-            bus.emit(Event.STEP_END, loop)
+            through = stops.dispatch_through(loop, loop.step + count)
+            if through <= loop.step:
+                return False
+            count = self.dispatches.fitting(min(count, through - loop.step))
+            taken = [pending.popleft() for _ in range(count)]
+            if count == 1:
+                for contributor, result in runner.run(record, taken[0][0], wait, due):
+                    contributor.take(loop, result)
+                self._step_end(taken[0][1])
+            else:
+                self._each_step(runner.run_steps(record, [batch for batch, _ in taken], wait), taken)
             if stops.at_boundary(loop) or (record.max_steps is not None and record.step >= record.max_steps):
                 return False
-        return True
+
+    def _step_end(self, position: DataPosition | None) -> None:
+        if position is not None:  # zeros standing in for failed data have none
+            self.record.data_position = position
+        self.bus.emit(Event.STEP_END, self.loop)
+
+    def _each_step(self, rows: StepRows, taken: list[tuple[Any, DataPosition | None]]) -> None:
+        """Each step of one dispatch of several, bracketed by its events with its own facts; a stop
+        asked for on the way takes effect at the dispatch's end, the state's."""
+        loop, record, bus, stops = self.loop, self.record, self.bus, self.stops
+        done = 0
+        try:
+            for done, (batch, position) in enumerate(taken):
+                if done:
+                    record.batch = batch
+                    bus.emit(Event.STEP_START, loop)
+                record.metrics, record.totals = rows.at(record.step + 1)
+                record.step, record.epoch_step = record.step + 1, record.epoch_step + 1
+                self._step_end(position)
+                if record.step < record.dispatch_end:
+                    stops.at_boundary(loop)  # asks the others to stop, if it should; never stops here
+        except BaseException:
+            # Failing inside the dispatch: the loop's facts are those of the state, its last step's.
+            left = record.dispatch_end - record.step
+            record.metrics, record.totals = rows.at(record.dispatch_end)
+            record.step, record.epoch_step = record.dispatch_end, record.epoch_step + left
+            positions = [p for _, p in taken if p is not None]
+            record.data_position = positions[-1] if positions else record.data_position
+            raise
 
 
 @dataclasses.dataclass(frozen=True)

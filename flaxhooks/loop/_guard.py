@@ -7,7 +7,7 @@ import collections.abc
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from flaxhooks.contract import Callback, Event, Finding, FitPlan, Loop, LossRead, handlers_of
-from flaxhooks.placement import first_replica
+from flaxhooks.placement import first_replica, host_scalars
 from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 _log = logging.getLogger("flaxhooks")
@@ -113,7 +113,7 @@ class NonFiniteGuard(Callback):
         if mode not in MODES:
             raise ValueError(f"if_nonfinite must be one of {list(MODES)}, got {mode!r}")
         self.mode, self.replay = mode, replay
-        self._unchecked: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
+        self._unchecked: collections.deque[tuple[int, Any, Any]] = collections.deque()
         self._warned = False
         # ``(step, loss, gradient norm or None)`` of the latest finite steps: growth before a NaN.
         self._history: collections.deque[tuple[int, float, float | None]] = collections.deque(maxlen=HISTORY)
@@ -157,7 +157,9 @@ class NonFiniteGuard(Callback):
         if self.mode == "off" or loop.metrics is None:
             return
         # The batch is kept (a reference) until its loss is read: a replay needs it.
-        self._unchecked.append((loop.step, loop.metrics["loss"], loop.metrics.get("grad_norm"), loop.batch))
+        self._unchecked.append((loop.step, loop.metrics, loop.batch))
+        if loop.step < loop.dispatch_end:
+            return  # read at the dispatch's end, where the state a replay starts from is kept
         last = loop.epoch_step == loop.steps_per_epoch or loop.step == loop.max_steps
         self._check_settled(loop, loop.step if last else loop.settled_step)
 
@@ -169,11 +171,10 @@ class NonFiniteGuard(Callback):
 
     def _check_settled(self, loop: Loop, settled: int | None) -> None:
         while self._unchecked and settled is not None and self._unchecked[0][0] <= settled:
-            step, loss, grad_norm, batch = self._unchecked.popleft()
+            step, metrics, batch = self._unchecked.popleft()
             if self.finding is not None:
                 continue  # stopping already: the first cause only
-            value = _host_float(loss)
-            norm = _host_float(grad_norm) if grad_norm is not None else None
+            value, norm = _watched(metrics)
             if np.isfinite(value) and (norm is None or np.isfinite(norm)):
                 self._history.append((step, value, norm))
                 loop.emit(Event.LOSS_READ, LossRead(step, value, norm))
@@ -405,7 +406,9 @@ def _nonfinite_leaves(params: Any) -> jax.Array:
     return jnp.stack([~jnp.all(jnp.isfinite(x)) for x in leaves]) if leaves else jnp.zeros(0, bool)
 
 
-def _host_float(value: Any) -> float:
-    """A replicated scalar's value (on several processes, this process's copy)."""
-    return float(first_replica(value).reshape(-1)[0])
+def _watched(metrics: Mapping[str, Any]) -> tuple[float, float | None]:
+    """A step's loss and gradient norm (None where not computed), read in one transfer (one for
+    every step of a dispatch of several: they are read together)."""
+    read = host_scalars({name: metrics[name] for name in ("loss", "grad_norm") if name in metrics})
+    return read["loss"], read.get("grad_norm")
 

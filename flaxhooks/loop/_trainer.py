@@ -60,6 +60,8 @@ class Trainer:
         pipeline: the input pipeline (default: ``DevicePrefetch()``).
         optimizer_metrics: the steps computing the gradient norm and update ratio: all, every n-th, none.
         if_nonfinite: the non-finite guard's mode: ``"stop"``, ``"warn"`` or ``"off"``.
+        steps_per_dispatch: the most training steps compiled into one call (a ``lax.scan``), every
+            callback still seeing every step (docs/guides/performance.md).
         **model_options: deprecated (goes in 0.9): :func:`flaxhooks.as_model`'s options.
 
     Examples:
@@ -85,10 +87,15 @@ class Trainer:
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
         mesh: Mesh | None = None, shard: ShardRule | None = None,
         axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
-        if_nonfinite: str = "stop", **model_options: Any,
+        if_nonfinite: str = "stop", steps_per_dispatch: int = 1, **model_options: Any,
     ):
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
+        if isinstance(steps_per_dispatch, bool) or not isinstance(steps_per_dispatch, int) \
+                or steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch must be a whole number of steps of at least 1, got "
+                             f"{steps_per_dispatch!r}")
+        self.steps_per_dispatch = steps_per_dispatch
         model = _model_of(model, model_options)
         self.model, self.optimizer, self.loss_fn, self.seed, self.peer_timeout = (
             model, optimizer, loss_fn, seed, peer_timeout)
@@ -282,11 +289,13 @@ class Trainer:
             raise
         finally:
             # After a divergence the guard may have kept the state from before it: the state says.
-            step = loop.step if loop.diverged is None else int(first_replica(loop.state.step))
-            self._fit, self._state = None, loop.state
+            record = fit.record  # its state is that of its last step, every dispatch having ended
+            assert record.state is not None
+            step = loop.step if loop.diverged is None else int(first_replica(record.state.step))
+            self._fit, self._state = None, record.state
             self._last = (step, (loop.epoch, loop.epoch_step - loop.step + step))
             # A copy: the next fit donates the loop's state (a step interrupted mid-way consumed it).
-            final = self._final = jax.tree.map(lambda x: x if x.is_deleted() else x.copy(), loop.state)
+            final = self._final = jax.tree.map(lambda x: x if x.is_deleted() else x.copy(), record.state)
             self.model.update(final.params, final.model_state)
             stops.close(loop, error)
         if (signum := stops.interrupted(loop)) is not None:

@@ -4,7 +4,9 @@
 """
 
 from flaxhooks.placement._devices import InFlight as InFlight  # for step and eval, not in __all__
+from flaxhooks.placement._devices import Stacked as Stacked  # for step and the loop, not in __all__
 from flaxhooks.placement._devices import (
+    StepValue,
     cpu_pool_size,
     cpu_threads_needed,
     device0_copy,
@@ -26,5 +28,6 @@ from flaxhooks.placement._mesh import (
 )
 
 __all__ = [
-    "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "device0_copy", "use_cpu_devices"
+    "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "StepValue", "device0_copy",
+    "use_cpu_devices"
 ]

@@ -99,6 +99,78 @@ def first_replica(tree: Any) -> Any:
     return jax.device_get(device0_copy(tree))
 
 
+class Stacked:
+    """One dispatch's per-step values, stacked on the devices (a leading axis of steps): read on the
+    host once, when the first :class:`StepValue` of it is used."""
+
+    def __init__(self, arrays: Mapping[Any, jax.Array]):
+        self.arrays = dict(arrays)  # keys: of one type, sortable (a pytree's)
+        self._host: dict[Any, np.ndarray] | None = None
+
+    def host(self) -> dict[Any, np.ndarray]:
+        """Every array on the host, read in one transfer (waits for the dispatch)."""
+        if self._host is None:
+            self._host = first_replica(self.arrays)
+        return self._host
+
+    def is_ready(self) -> bool:
+        """Whether the dispatch's values are computed."""
+        return self._host is not None or all(x.is_ready() for x in self.arrays.values())
+
+    def block_until_ready(self) -> Stacked:
+        jax.block_until_ready(self.arrays)
+        return self
+
+
+class StepValue:
+    """One step's value among a dispatch's :class:`Stacked` values: a number on the host when used
+    (``float``, ``np.asarray``, ``jnp.asarray``), read with the dispatch's other values in one transfer.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> stacked = Stacked({"loss": jnp.array([2.0, 1.5])})
+        >>> float(StepValue(stacked, "loss", 1)), np.asarray(StepValue(stacked, "loss", 0)).tolist()
+        (1.5, 2.0)
+    """
+
+    __slots__ = ("stacked", "name", "row")
+
+    def __init__(self, stacked: Stacked, name: Any, row: int):
+        self.stacked, self.name, self.row = stacked, name, row
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stacked.arrays[self.name].shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.stacked.arrays[self.name].dtype)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        value = np.asarray(self.stacked.host()[self.name][self.row])
+        return value if dtype is None else value.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self.stacked.host()[self.name][self.row])
+
+    def __int__(self) -> int:
+        return int(self.stacked.host()[self.name][self.row])
+
+    def item(self) -> Any:
+        return self.stacked.host()[self.name][self.row].item()
+
+    def is_ready(self) -> bool:
+        return self.stacked.is_ready()
+
+    def block_until_ready(self) -> StepValue:
+        self.stacked.block_until_ready()
+        return self
+
+    def __repr__(self) -> str:
+        value = self.stacked.host()[self.name][self.row] if self.stacked._host is not None else "not read"
+        return f"StepValue({self.name!r}, row {self.row}: {value})"
+
+
 def host_scalars(tree: Mapping[str, Any] | None) -> dict[str, float]:
     """Each scalar of a replicated mapping (metrics), as floats, others left out; waits for them."""
     values = {}

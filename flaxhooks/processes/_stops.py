@@ -91,7 +91,12 @@ class LocalStops:
 
     def may_dispatch(self, loop: Loop) -> bool:
         """Whether the next step may be dispatched."""
-        return True
+        return self.dispatch_through(loop, loop.step + 1) > loop.step
+
+    def dispatch_through(self, loop: Loop, last: int) -> int:
+        """The last of the steps after ``loop.step`` up to ``last`` that may be dispatched now
+        (``loop.step``: none, stop instead)."""
+        return last
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
         """Waits until ``value`` is computed."""
@@ -249,18 +254,19 @@ class AgreedStops(LocalStops):
             return False  # first see whether this process's data ran out too
         return self._conclude(loop, current)
 
-    def may_dispatch(self, loop: Loop) -> bool:
-        """Called right before each step is dispatched; False: stop instead."""
+    def dispatch_through(self, loop: Loop, last: int) -> int:
+        """Called right before steps are dispatched: no further than an agreed stop's step."""
         step = loop.step + 1
         while True:
             with self._lock:
                 current = self._round
                 if not current.answered or (current.target is not None and step <= current.target):
-                    self._dispatched = step
-                    return True
+                    # Answers post the last step dispatched: no process dispatches past the agreed one.
+                    self._dispatched = last if current.target is None else min(last, current.target)
+                    return self._dispatched
             # The watcher has just answered for this process: settle first.
             if step > self._settle(current) and self._conclude(loop, current):
-                return False
+                return loop.step
 
     def wait_ready(self, loop: Loop, value: jax.Array) -> None:
         """Waits until ``value`` is computed; a lost peer ends the wait."""
@@ -399,8 +405,11 @@ class AgreedStops(LocalStops):
 
     def _preempt(self, loop: Loop) -> None:
         """Every process reached JAX's preemption sync point: a SIGTERM reached some process."""
-        _log.warning("a preemption notice (SIGTERM) reached the run: every process stops at step %d, the "
-                     "step JAX's preemption sync point agreed on", loop.step)
+        agreed = "the step JAX's preemption sync point agreed on"
+        if loop.dispatch_end > loop.step:  # several steps a dispatch: at its end
+            agreed = f"the end of the dispatch holding step {loop.step}, {agreed}"
+        _log.warning("a preemption notice (SIGTERM) reached the run: every process stops at step %d, %s",
+                     loop.dispatch_end if loop.dispatch_end > loop.step else loop.step, agreed)
         record_of(loop).interrupted = signal.SIGTERM
         loop.stop("interrupted by SIGTERM (JAX's preemption sync point)")
 

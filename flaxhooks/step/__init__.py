@@ -21,7 +21,7 @@ from flaxhooks.step._linen import LinenModel
 from flaxhooks.step._model import AXIS, Batch, Model, RecordedCall, axis_name
 from flaxhooks.step._nnx import NNXModel
 from flaxhooks.step._recording import RepeatedTap
-from flaxhooks.step._runner import StepRunner
+from flaxhooks.step._runner import StepRows, StepRunner
 from flaxhooks.step._runner import in_global_view as in_global_view
 from flaxhooks.step._state import LossError, StatePlan, TrainState
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxhooks.data import BatchSpec
-from flaxhooks.placement import InFlight, Placement
+from flaxhooks.placement import InFlight, Placement, Stacked, StepValue
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor, WithLayout, contributors_among
 from flaxhooks.step._model import Model, axis_name
@@ -43,20 +46,24 @@ class StepRunner:
         self.axis = axis_name(model)
         self.max_steps_in_flight = max_steps_in_flight
         self.contributors: tuple[StepContributor, ...] = ()
-        #: Traces (each compiles) by name: ``train_step`` (lean), ``instrumented_step`` (every variant).
+        #: Traces (each compiles) by name: ``train_step`` (lean), ``instrumented_step`` (every variant),
+        #: ``train_steps`` (several lean steps per dispatch, one per count of steps).
         self.traces: collections.Counter[str] = collections.Counter()
         self._variants: dict[tuple[tuple[StepContributor, ...], bool, bool], Any] = {}
+        self._multi: dict[tuple[int, bool, bool], Any] = {}  # several steps per dispatch, by count
         self._shardings: Any = None
         self._norm_split: list[Any] | None = None
         self._zero_totals: dict[tuple[str, ...], Any] = {}
         self._checked: set[Any] = set()
         #: The step's metric names, known once :meth:`check` traced the step.
         self.metric_names: tuple[str, ...] = ()
-        self._in_flight: InFlight[tuple[int, Any]] = InFlight(max_steps_in_flight)
+        # (last step, its metrics, a value to wait on) of each dispatch not yet waited for.
+        self._in_flight: InFlight[tuple[int, Any, Any]] = InFlight(max_steps_in_flight)
         self._freezes: Callable[[], bool] = lambda: False
         self._results: dict[Any, Any] = {}  # each contributor's result, abstract (from check)
         self._empty: dict[Any, Any] = {}  # each combining contributor's zeros, made on the devices
-        self._lean: tuple[Any, Any] | None = None  # this fit's lean step, and its arguments' types
+        # This fit's first lean dispatch, its arguments' types, and its count of steps.
+        self._lean: tuple[Any, Any, int] | None = None
         self._replays: dict[tuple[StepContributor, ...], Any] = {}  # the latest replay's compiled step
 
     def use(self, callbacks: Sequence[Any], freezes: Callable[[], bool] = lambda: False) -> None:
@@ -96,6 +103,7 @@ class StepRunner:
             params = jax.tree.leaves(getattr(shardings, "params", None))
             self._norm_split = [self.placement.spread if s.is_fully_replicated else None for s in params]
             self._variants.clear()
+            self._multi.clear()
             self._replays = {}
 
     def variant(self, due: tuple[StepContributor, ...], norms: bool | None = None) -> Any:
@@ -113,9 +121,41 @@ class StepRunner:
             self._variants[(due, norms, freeze)] = step
         return step
 
-    def _traced(self, step: Any) -> Any:
-        """``step`` seen whole, traced under the mesh and the logical axis rules."""
-        whole = in_global_view(step, self.axis)
+    def steps_variant(self, count: int, norms: bool) -> Any:
+        """The compiled dispatch of ``count`` lean steps (a ``lax.scan``): ``(state, batches, totals)
+        -> (state, stacked metrics, stacked totals, totals)``, all but the state replicated; built once."""
+        freeze = self.freeze
+        key = (count, norms, freeze)
+        steps = self._multi.get(key)
+        if steps is None:
+            one = in_global_view(_with_totals(self._step((), norms), freeze), self.axis)
+            placement = self.placement
+            # XLA:CPU runs a loop's body several times slower than the same ops alone: unrolled there.
+            unroll = count if placement.mesh.devices.flat[0].platform == "cpu" else 1
+            stacked_place = NamedSharding(placement.mesh, PartitionSpec(None, placement.data_axis))
+
+            def train_steps(state: Any, batches: tuple[Any, ...], totals: Totals) -> tuple[Any, ...]:
+                stacked = jax.tree.map(
+                    lambda *xs: lax.with_sharding_constraint(jnp.stack(xs), stacked_place), *batches)
+
+                def body(carry: tuple[Any, Totals], batch: Any) -> tuple[tuple[Any, Totals], Any]:
+                    state, totals = carry
+                    state, metrics, totals, _ = one(state, batch, totals)
+                    return (state, totals), (metrics, totals.sums, totals.counts)
+
+                carry, (metrics, sums, counts) = lax.scan(body, (state, totals), stacked, unroll=unroll)
+                return carry[0], metrics, (sums, counts), carry[1]
+
+            replicated = self.placement.replicated
+            steps = jax.jit(self._traced(self._counted(train_steps), seen_whole=True), donate_argnums=(0,),
+                            out_shardings=(self._state_shardings, replicated, replicated, replicated))
+            self._multi[key] = steps
+        return steps
+
+    def _traced(self, step: Any, seen_whole: bool = False) -> Any:
+        """``step`` seen whole (unless ``seen_whole``: it is already), traced under the mesh and
+        the logical axis rules."""
+        whole = step if seen_whole else in_global_view(step, self.axis)
 
         @functools.wraps(step)
         def traced(*args: Any) -> Any:
@@ -133,7 +173,7 @@ class StepRunner:
                 functools.partial(zero_totals, self.metric_names))
         return make()
 
-    def _counted(self, step: Step) -> Step:
+    def _counted(self, step: Callable[..., Any]) -> Callable[..., Any]:
         name = step.__name__
 
         @functools.wraps(step)
@@ -209,36 +249,83 @@ class StepRunner:
         JAX's caches), or None before a lean step ran or where not counted."""
         if self._lean is None:
             return None
-        step_fn, types = self._lean
+        step_fn, types, count = self._lean
         cost = step_fn.lower(*types).compile().cost_analysis()
         if isinstance(cost, (list, tuple)):  # one per program on older backends
             cost = cost[0] if cost else None
         flops = cost.get("flops") if isinstance(cost, dict) else None
-        return float(flops) if flops is not None and flops > 0 else None
+        return float(flops) / count if flops is not None and flops > 0 else None
 
-    def run(self, record: Any, batch: Any, wait: Callable[[Any, jax.Array], None]) -> list[tuple[Any, Any]]:
-        """Dispatches the step after ``record.step``, updates ``record`` (the loop's
-        facts) and returns each due contributor with its result; then waits for
-        the oldest step beyond ``max_steps_in_flight`` (``record.settled_step``)."""
+    def run(self, record: Any, batch: Any, wait: Callable[[Any, jax.Array], None],
+            due: tuple[StepContributor, ...] | None = None) -> list[tuple[Any, Any]]:
+        """Dispatches the step after ``record.step`` with the contributors ``due`` there (default: those
+        whose ``due`` says so), updates ``record`` (the loop's facts) and returns each due contributor
+        with its result; then waits for the oldest dispatch beyond ``max_steps_in_flight``."""
         step = record.step + 1
         # Decided on the host, per step: the lean step unless a contributor is due.
-        due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
+        if due is None:
+            due = tuple(c for c in self.contributors if c.due(step)) if self.contributors else ()
         step_fn = self.variant(due, self.norms_due(step))
         carries = self._carries(due)
         if not due and self._lean is None:  # once per fit, before the state is donated
-            self._lean = (step_fn, _types((record.state, batch, record.totals, carries)))
+            self._lean = (step_fn, _types((record.state, batch, record.totals, carries)), 1)
         outputs = step_fn(record.state, batch, record.totals, carries)
         record.state, record.metrics, record.totals, results = outputs
         # One statement: a KeyboardInterrupt cannot land between the two.
-        record.step, record.epoch_step = step, record.epoch_step + 1
-        self._in_flight.push((step, record.metrics), functools.partial(_settle, record, wait))
+        record.step, record.epoch_step, record.dispatch_end = step, record.epoch_step + 1, step
+        self._in_flight.push((step, record.metrics, record.metrics["loss"]),
+                             functools.partial(_settle, record, wait))
         return list(zip(due, results, strict=True)) if due else []
 
+    def run_steps(self, record: Any, batches: Sequence[Any], wait: Callable[[Any, Any], None]) -> StepRows:
+        """Dispatches the ``len(batches)`` lean steps after ``record.step`` as one call and returns
+        each step's metrics and totals; ``record`` gets the state after the last of them and
+        ``dispatch_end``, the steps' other facts being the caller's to set, step by step."""
+        count, first = len(batches), record.step + 1
+        steps_fn = self.steps_variant(count, self.norms_due(first))
+        if self._lean is None:  # once per fit, before the state is donated
+            self._lean = (steps_fn, _types((record.state, tuple(batches), record.totals)), count)
+        names = record.totals.names
+        record.state, metrics, (sums, counts), totals = steps_fn(record.state, tuple(batches), record.totals)
+        stacked = Stacked({**{("metrics", name): value for name, value in metrics.items()},
+                           _SUMS: sums, _COUNTS: counts})
+        rows = StepRows(stacked, tuple(metrics), names, totals, first)
+        record.dispatch_end = first + count - 1
+        last = rows.at(record.dispatch_end)
+        self._in_flight.push((record.dispatch_end, last[0], metrics["loss"]),
+                             functools.partial(_settle, record, wait))
+        return rows
 
-def _settle(record: Any, wait: Callable[[Any, jax.Array], None], entry: tuple[int, Any]) -> None:
+
+#: Where a dispatch of several steps keeps its stacked totals among its :class:`Stacked` values.
+_SUMS, _COUNTS = ("totals", "sums"), ("totals", "counts")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """The metrics and totals of each step of one dispatch of several steps, read when used."""
+
+    stacked: Stacked
+    names: tuple[str, ...]  # the metrics
+    total_names: tuple[str, ...]
+    totals: Totals  # after the last step, on the devices (the next dispatch's)
+    first: int  # the first step
+
+    def at(self, step: int) -> tuple[dict[str, StepValue], Totals]:
+        """``step``'s metrics and the totals after it."""
+        row = step - self.first
+        if row == self.stacked.arrays[_SUMS].shape[0] - 1:
+            totals = self.totals
+        else:
+            totals = Totals(self.total_names, StepValue(self.stacked, _SUMS, row),
+                            StepValue(self.stacked, _COUNTS, row))
+        return {name: StepValue(self.stacked, ("metrics", name), row) for name in self.names}, totals
+
+
+def _settle(record: Any, wait: Callable[[Any, jax.Array], None], entry: tuple[int, Any, Any]) -> None:
     """Makes ``entry``'s step the loop's settled step, then waits for it (reading nothing)."""
-    record.settled_step, record.settled_metrics = entry
-    wait(record, entry[1]["loss"])
+    record.settled_step, record.settled_metrics, ready = entry
+    wait(record, ready)
 
 
 def _types(args: Any) -> Any:

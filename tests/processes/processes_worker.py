@@ -79,6 +79,9 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     without = lean.fit(loader(), epochs=2)
     # FSDP over the 4 devices of the 2 processes: each holds a share of a kernel.
     fsdp = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16)).fit(loader(), epochs=2)
+    # Three steps per dispatch (3 + 1 an epoch), statistics at every third step alone: the same training.
+    dispatched = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16), steps_per_dispatch=3,
+                             callbacks=[flaxhooks.ActivationStats(every=3)]).fit(loader(), epochs=2)
     kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.
@@ -98,7 +101,7 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     say(f"{len(jax.local_devices())} local of {len(jax.devices())} devices, step {int(with_stats.step)}")
     return {
         "with_stats": leaves(with_stats.params), "without": leaves(without.params),
-        "fsdp": leaves(fsdp.params),
+        "fsdp": leaves(fsdp.params), "dispatched": leaves(dispatched.params),
         "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],
@@ -306,7 +309,8 @@ def agreement(index: int, count: int, out: str) -> dict[str, Any]:
 
 
 @scenario
-def interrupted(index: int, count: int, out: str, workdir: str) -> dict[str, Any]:
+def interrupted(index: int, count: int, out: str, workdir: str,
+                steps_per_dispatch: str = "1") -> dict[str, Any]:
     """Slow steps, printed; the test signals one process; a checkpoint at the end."""
     import flaxhooks
     from tests.helpers import make_arrays, sgd_trainer
@@ -317,7 +321,7 @@ def interrupted(index: int, count: int, out: str, workdir: str) -> dict[str, Any
             time.sleep(0.2)
 
     checkpoint = flaxhooks.Checkpoint(os.path.join(workdir, "checkpoints"), every=1000, at_epoch_end=False)
-    trainer = sgd_trainer(callbacks=[Slow(), checkpoint])
+    trainer = sgd_trainer(callbacks=[Slow(), checkpoint], steps_per_dispatch=int(steps_per_dispatch))
     loader = flaxhooks.ArrayLoader(make_arrays(4096), batch_size=16 // count, seed=1)
     try:
         trainer.fit(loader, epochs=1)

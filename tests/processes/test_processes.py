@@ -119,6 +119,8 @@ def test_every_compiled_step_spans_every_process(tmp_path):
             np.testing.assert_allclose(with_stats, without, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(fsdp, without, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(with_stats, ref, rtol=1e-4, atol=1e-5)
+        for dispatched, fsdp in zip(got["dispatched"], got["fsdp"], strict=True):
+            np.testing.assert_allclose(dispatched, fsdp, rtol=1e-6, atol=1e-7)
         stats = {int(step): tables for step, tables in got["stats"].items()}
         assert sorted(history) == list(range(1, 9))
         assert_tables_close(stats, history, rel=1e-3, abs=1e-5)
@@ -303,16 +305,19 @@ def test_an_error_on_one_process_at_a_checkpoint_step_stops_every_process_within
     assert workers.result(0)["saved"][:2] == [2, 4], workers.result(0)
 
 @pytest.mark.parametrize(
-    "signum, target, preemption_service",
-    [(signal.SIGTERM, 1, True), (signal.SIGTERM, 1, False), (signal.SIGINT, 0, True)],
-    ids=["SIGTERM-to-1", "SIGTERM-to-1-without-JAX's-preemption-service", "SIGINT-to-0"])
+    "signum, target, preemption_service, steps_per_dispatch",
+    [(signal.SIGTERM, 1, True, 1), (signal.SIGTERM, 1, False, 1), (signal.SIGINT, 0, True, 1),
+     (signal.SIGTERM, 1, True, 4)],
+    ids=["SIGTERM-to-1", "SIGTERM-to-1-without-JAX's-preemption-service", "SIGINT-to-0",
+         "SIGTERM-to-1-inside-a-dispatch-of-4-steps"])
 def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path, signum, target,
-                                                                      preemption_service):
+                                                                      preemption_service, steps_per_dispatch):
     """SIGTERM goes to JAX's preemption notifier, and every process stops at
     the step its sync point agrees on; with the service off (and for Ctrl-C)
-    flaxhooks catches the signal and the processes agree the stop themselves."""
+    flaxhooks catches the signal and the processes agree the stop themselves.
+    With several steps per dispatch, at the end of a dispatch."""
     env = {} if preemption_service else {"JAX_ENABLE_PREEMPTION_SERVICE": "false"}
-    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"), env=env)
+    workers = Workers("interrupted", tmp_path, str(tmp_path / "run"), str(steps_per_dispatch), env=env)
     workers.wait_for(target, "step 3")
     sent = time.monotonic()
     # Not through `timeout`, which would pass the signal on to every child.
@@ -328,10 +333,12 @@ def test_a_signal_to_one_process_stops_every_process_with_a_checkpoint(tmp_path,
     (step,) = steps
     assert f"INTERRUPTED {step} {signal.Signals(signum).name}" in workers.output(1 - target)
     assert workers.result(0)["saved"] == [step]  # the one final checkpoint
-    by_sync_point = f"every process stops at step {step}, the step JAX's preemption sync point agreed on"
+    assert step % steps_per_dispatch == 0  # dispatches of 4 steps: 1-4, 5-8, ...
+    by_sync_point = re.compile(rf"every process stops at step {step}, (the end of the dispatch holding step "
+                               r"\d+, )?the step JAX's preemption sync point agreed on")
     for i in range(2):
-        assert (by_sync_point in workers.output(i)) == (signum == signal.SIGTERM and preemption_service), \
-            workers.output(i)
+        expected = signum == signal.SIGTERM and preemption_service
+        assert bool(by_sync_point.search(workers.output(i))) == expected, workers.output(i)
 
 
 def test_a_preemption_notice_before_a_resumed_fits_first_step_stops_it_at_its_start(tmp_path):

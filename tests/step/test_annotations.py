@@ -173,6 +173,10 @@ def linen_runs():
         runs["default mesh"] = default.fit(batches, epochs=1, state=initial)
         tensor = flaxhooks.Trainer(model, _optimizer(), loss_fn, mesh=_mesh((4, 2)), axis_rules=LM1B_RULES)
         runs["data=4,model=2"] = tensor.fit(batches, epochs=1, state=initial)
+        # The three steps in one dispatch (a lax.scan over the mesh).
+        dispatched = flaxhooks.Trainer(model, _optimizer(), loss_fn, mesh=_mesh((4, 2)),
+                                       axis_rules=LM1B_RULES, steps_per_dispatch=3)
+        runs["data=4,model=2, 3 steps a dispatch"] = dispatched.fit(batches, epochs=1, state=initial)
     return runs, expected, [w for w in caught if issubclass(w.category, UserWarning)]
 
 
