@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
-from flaxhooks.contract import Callback, Loop
+import jax
+import numpy as np
+
+from flaxhooks.contract import Callback, Loop, Reading
 from flaxhooks.step import StepContributor, StepRunner
+
+_log = logging.getLogger("flaxhooks")
 
 
 class Dispatches:
@@ -17,8 +23,11 @@ class Dispatches:
     of two below it, so at most ``log2(most) + 2`` lean variants compile, the last short ones included.
     """
 
-    def __init__(self, most: int, runner: StepRunner, callbacks: Sequence[Callback]):
-        self.most = most
+    def __init__(self, most: int | AutoSteps, runner: StepRunner, callbacks: Sequence[Callback]):
+        self.auto = most if isinstance(most, AutoSteps) else None
+        self.most = 1 if isinstance(most, AutoSteps) else most
+        if self.auto is not None:
+            self.auto.new_fit()
         self.runner = runner
         # Only callbacks that say where a dispatch must end are asked.
         self.enders = tuple(cb for cb in callbacks
@@ -37,6 +46,8 @@ class Dispatches:
     def plan(self, loop: Loop, several: bool = False) -> tuple[int, tuple[StepContributor, ...]]:
         """The next dispatch's count of steps, and the contributors due at its one step if any."""
         first = loop.step + 1
+        if self.auto is not None:
+            self.most = self.auto.most(loop)
         for step in [s for s in self._due if s < first]:
             del self._due[step]
         due = self.due(first)
@@ -64,3 +75,60 @@ class Dispatches:
         """The longest dispatch of at most ``count`` steps that compiles once for all: ``most`` steps or a
         power of two."""
         return count if count >= self.most else 1 << (max(count, 1).bit_length() - 1)
+
+
+class AutoSteps:
+    """``steps_per_dispatch="auto"``: doubles the steps a dispatch holds while the steps per second,
+    timed over :attr:`WINDOW` steps at each count, grow by :attr:`GAIN` or more; then keeps the best.
+
+    On several processes process 0's timings decide, so every process runs the same programs.
+    """
+
+    #: Steps timed at each count, after its first :attr:`SKIP` dispatches (they compile).
+    WINDOW = 32
+    SKIP = 2
+    GAIN = 1.05
+    #: The largest count tried: on CPU the steps are unrolled into one program, which grows with it.
+    LIMITS = {"cpu": 8}
+    LIMIT = 64
+
+    def __init__(self, platform: str):
+        self.limit = self.LIMITS.get(platform, self.LIMIT)
+        self.count = 1
+        self.done = False
+        self._rate: float | None = None  # steps per second at the count before this one
+        self._dispatches = 0  # at this count, in this fit
+        self._start: Reading | None = None
+
+    def new_fit(self) -> None:
+        """A fit starts: the timing of the count being tried starts afresh (a choice made is kept)."""
+        self._dispatches, self._start = 0, None
+
+    def most(self, loop: Loop) -> int:
+        """The count for the next dispatch (asked before each)."""
+        if self.done or loop.clock is None:
+            return self.count
+        self._dispatches += 1
+        now = loop.clock.read()
+        if self._dispatches <= self.SKIP or self._start is None:
+            self._start = None if self._dispatches <= self.SKIP else now
+            return self.count
+        steps = now.step - self._start.step
+        if steps < self.WINDOW:
+            return self.count
+        seconds = (now.time - self._start.time) - (now.evaluating - self._start.evaluating)
+        rate = steps / seconds if seconds > 0 else 0.0
+        faster = self._rate is None or rate >= self._rate * self.GAIN
+        if jax.process_count() > 1:  # every process makes process 0's choice at this same step
+            from jax.experimental import multihost_utils
+
+            faster = bool(multihost_utils.broadcast_one_to_all(np.bool_(faster)))
+        if faster:
+            self._rate = rate
+            if self.count * 2 <= self.limit:
+                self.count, self._dispatches, self._start = self.count * 2, 0, None
+                return self.count
+        self.count, self.done = self.count if faster else self.count // 2, True
+        _log.info("steps_per_dispatch='auto': %d step(s) a dispatch from step %d (%.1f steps/s measured "
+                  "there)", self.count, loop.step + 1, self._rate)
+        return self.count

@@ -57,7 +57,7 @@ class Fit:
         bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
         loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
                     replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
-        dispatches = Dispatches(trainer.steps_per_dispatch, runner, trainer.callbacks)
+        dispatches = Dispatches(trainer._dispatching, runner, trainer.callbacks)
         return cls(loop, record, bus, runner, trainer.pipeline, placement, stops, dispatches)
 
     def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:

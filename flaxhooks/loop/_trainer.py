@@ -26,6 +26,7 @@ from flaxhooks.contract import (
 )
 from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, fingerprint
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
+from flaxhooks.loop._dispatches import AutoSteps
 from flaxhooks.loop._fit import Fit, Start
 from flaxhooks.loop._guard import NonFiniteGuard
 from flaxhooks.placement import DATA_AXIS, AxisRules, Placement, Replicated, ShardRule, first_replica
@@ -61,7 +62,8 @@ class Trainer:
         optimizer_metrics: the steps computing the gradient norm and update ratio: all, every n-th, none.
         if_nonfinite: the non-finite guard's mode: ``"stop"``, ``"warn"`` or ``"off"``.
         steps_per_dispatch: the most training steps compiled into one call (a ``lax.scan``), every
-            callback still seeing every step (docs/guides/performance.md).
+            callback still seeing every step; ``"auto"``: doubled from 1 while it measures faster
+            (docs/guides/performance.md).
         **model_options: deprecated (goes in 0.9): :func:`flaxhooks.as_model`'s options.
 
     Examples:
@@ -87,19 +89,22 @@ class Trainer:
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
         mesh: Mesh | None = None, shard: ShardRule | None = None,
         axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
-        if_nonfinite: str = "stop", steps_per_dispatch: int = 1, **model_options: Any,
+        if_nonfinite: str = "stop", steps_per_dispatch: int | str = 1, **model_options: Any,
     ):
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
-        if isinstance(steps_per_dispatch, bool) or not isinstance(steps_per_dispatch, int) \
-                or steps_per_dispatch < 1:
-            raise ValueError(f"steps_per_dispatch must be a whole number of steps of at least 1, got "
-                             f"{steps_per_dispatch!r}")
+        if steps_per_dispatch != "auto" and (isinstance(steps_per_dispatch, bool) or not isinstance(
+                steps_per_dispatch, int) or steps_per_dispatch < 1):
+            raise ValueError(f"steps_per_dispatch must be a whole number of steps of at least 1, or 'auto', "
+                             f"got {steps_per_dispatch!r}")
         self.steps_per_dispatch = steps_per_dispatch
         model = _model_of(model, model_options)
         self.model, self.optimizer, self.loss_fn, self.seed, self.peer_timeout = (
             model, optimizer, loss_fn, seed, peer_timeout)
         self.placement = Placement.of(mesh, devices, data_axis, shard or Replicated(), axis_rules)
+        # "auto": the count it chooses is kept for the Trainer's later fits.
+        self._dispatching = AutoSteps(self.placement.mesh.devices.flat[0].platform) \
+            if steps_per_dispatch == "auto" else cast(int, steps_per_dispatch)
         self.devices: list[jax.Device] = self.placement.local_devices  # this process's, of the mesh
         self.pipeline = pipeline or DevicePrefetch()
         self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight, optimizer_metrics)

@@ -82,6 +82,13 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     # Three steps per dispatch (3 + 1 an epoch), statistics at every third step alone: the same training.
     dispatched = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16), steps_per_dispatch=3,
                              callbacks=[flaxhooks.ActivationStats(every=3)]).fit(loader(), epochs=2)
+    # "auto", its windows shortened: process 0's timings choose for both (the same programs on each).
+    from flaxhooks.loop._dispatches import AutoSteps
+
+    AutoSteps.WINDOW, AutoSteps.SKIP = 2, 1
+    auto = sgd_trainer(BatchNormNet(), steps_per_dispatch="auto")
+    auto_state = auto.fit(loader(), epochs=4)
+    four_epochs = sgd_trainer(BatchNormNet()).fit(loader(), epochs=4)
     kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.
@@ -102,6 +109,8 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     return {
         "with_stats": leaves(with_stats.params), "without": leaves(without.params),
         "fsdp": leaves(fsdp.params), "dispatched": leaves(dispatched.params),
+        "auto": leaves(auto_state.params), "four_epochs": leaves(four_epochs.params),
+        "auto_count": [auto._dispatching.count, auto._dispatching.done],
         "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],
