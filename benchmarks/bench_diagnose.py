@@ -13,6 +13,11 @@ What is compared
     (b) ``every_16``: ``Diagnose(every=16)`` (its default window of 200 steps;
         heatmaps on, the table off).
     (c) ``every_step``: ``Diagnose(every=1)``.
+    (d) ``every_16_stats_10``: (b) and ``ActivationStats(every=10)``.
+
+    With ``--steps-per-dispatch k`` every Trainer runs ``k`` steps a dispatch;
+    with ``auto``, (d) chooses its count during the warm-up and every other
+    Trainer then runs at that count (the lean one at the same ``k``).
 
     With ``--model transformer`` the model is the addition recipe's
     Transformer at its default size (``recipes.transformer.Transformer``:
@@ -34,7 +39,7 @@ What is compared
 
 How to run
     python -m benchmarks.bench_diagnose [--model cnn|transformer] [--steps 200] [--rounds 9]
-        [--batch-size 128] [--cpu-devices N]
+        [--batch-size 128] [--steps-per-dispatch 1|K|auto] [--cpu-devices N]
 
     The last line of output is one JSON object with the results.
 """
@@ -57,9 +62,11 @@ import flaxhooks
 from benchmarks.bench_trainer import make_batches, run_trainer, start_devices
 from recipes.models import CNN, cross_entropy_loss
 
-TARGETS = {"every_16": 0.98, "every_step": 0.91}
+TARGETS = {"every_16": 0.98, "every_step": 0.91, "every_16_stats_10": 0.98}
 #: The targets with the Transformer (its attention and log Z sums on top).
-TRANSFORMER_TARGETS = {"every_16": 0.98, "every_step": 0.90}
+TRANSFORMER_TARGETS = {"every_16": 0.98, "every_step": 0.90, "every_16_stats_10": 0.98}
+CONFIGS = (("lean", None, False), ("every_16", 16, False), ("every_step", 1, False),
+           ("every_16_stats_10", 16, True))
 TENSORBOARD_EVERY = 50
 
 
@@ -70,20 +77,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per round (default 200)")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size (default 128)")
+    parser.add_argument("--steps-per-dispatch", default="1",
+                        help="Trainer(steps_per_dispatch=): a number, or auto (default 1)")
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="XLA CPU devices (default: one per core, unless XLA_FLAGS sets it)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.batch_size < 1:
         parser.error("--steps, --rounds and --batch-size must be positive")
+    if args.steps_per_dispatch != "auto":
+        args.steps_per_dispatch = int(args.steps_per_dispatch)
     return args
 
 
-def make_trainer(every: int | None, model: str = "cnn") -> flaxhooks.Trainer:
+def make_trainer(every: int | None, model: str = "cnn", stats: bool = False,
+                 steps_per_dispatch: int | str = 1) -> flaxhooks.Trainer:
     callbacks: list[flaxhooks.Callback] = [
         flaxhooks.TensorBoard(tempfile.mkdtemp(prefix="bench-diagnose-"), every=TENSORBOARD_EVERY)
     ]
     if every is not None:
         callbacks.append(flaxhooks.Diagnose(every=every, table=False))
+    if stats:
+        callbacks.append(flaxhooks.ActivationStats(every=10))
+    options: dict[str, Any] = {"callbacks": callbacks, "steps_per_dispatch": steps_per_dispatch}
     if model == "transformer":
         from recipes import addition_data
         from recipes.transformer import AXIS_RULES, Transformer, batch_loss
@@ -93,9 +108,8 @@ def make_trainer(every: int | None, model: str = "cnn") -> flaxhooks.Trainer:
         # Data-parallel: the batch over the devices, every parameter and other activation axis whole.
         rules = [(name, "data" if name == "batch" else None) for name, _ in AXIS_RULES]
         model = flaxhooks.as_model(transformer, input_keys=("tokens",))
-        return flaxhooks.Trainer(model, optax.adamw(2e-3), loss, label_key=None, callbacks=callbacks,
-                                 axis_rules=rules)
-    return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, callbacks=callbacks)
+        return flaxhooks.Trainer(model, optax.adamw(2e-3), loss, label_key=None, axis_rules=rules, **options)
+    return flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss, **options)
 
 
 def make_sum_batches(count: int, batch_size: int) -> list[dict[str, Any]]:
@@ -112,20 +126,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     devices = start_devices(args.cpu_devices, args.batch_size)
     targets = TRANSFORMER_TARGETS if args.model == "transformer" else TARGETS
     batches = (make_sum_batches if args.model == "transformer" else make_batches)(args.steps, args.batch_size)
-    trainers = {name: make_trainer(every, args.model)
-                for name, every in (("lean", None), ("every_16", 16), ("every_step", 1))}
-    init = trainers["lean"].init(batches[0])
+    k = args.steps_per_dispatch
+    init = make_trainer(None, args.model).init(batches[0])
+    if k == "auto":  # (d) chooses; the others run at its count
+        chooser = make_trainer(16, args.model, True, "auto")
+        run_trainer(chooser, init, batches * (400 // len(batches) + 1), 400)
+        k = chooser.chosen_steps_per_dispatch or 1
+    trainers = {name: make_trainer(every, args.model, stats, k) for name, every, stats in CONFIGS}
     for trainer in trainers.values():  # compiles every step and the windows' sum
         run_trainer(trainer, init, batches * (40 // len(batches) + 1), 40)
 
     print(f"diagnose ({args.model}): {devices} device(s) ({jax.devices()[0].platform}), {args.steps} steps x "
-          f"{args.rounds} rounds, batch {args.batch_size}; jax {jax.__version__}")
+          f"{args.rounds} rounds, batch {args.batch_size}, {k} step(s) a dispatch "
+          f"({args.steps_per_dispatch!r} asked); jax {jax.__version__}")
     names = list(trainers)
     rates: dict[str, list[float]] = {name: [] for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in targets}
     cpu_ratios: dict[str, list[float]] = {name: [] for name in targets}
     for round_index in range(args.rounds):
-        order = names[round_index % 3:] + names[:round_index % 3]
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
         round_rates, round_cpu = {}, {}
         for name in order:
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -153,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "rounds": args.rounds,
         "batch_size": args.batch_size,
+        "steps_per_dispatch": k,
+        "steps_per_dispatch_asked": args.steps_per_dispatch,
         **{f"steps_per_s_{name}": statistics.median(rates[name]) for name in names},
         **{f"ratio_{name}": statistics.median(ratios[name]) for name in targets},
         **{f"ratios_{name}": ratios[name] for name in targets},

@@ -44,7 +44,7 @@ class Fit:
 
     @classmethod
     def open(cls, trainer: Any, start: Start, source: DataSource, stops: LocalStops, state: TrainState,
-             steps: int | None, epochs: int | None) -> Fit:
+             steps: int | None, epochs: int | None, dispatches: Dispatches) -> Fit:
         """The loop of one ``trainer.fit``, built whole before anything runs."""
         runner, placement = trainer.runner, trainer.placement
         record = LoopRecord(
@@ -57,7 +57,6 @@ class Fit:
         bus = trainer.bus.with_policy(defer=stops.defer if stops.several else None, failure=stops.failed)
         loop = Loop(record=record, bus=bus, evaluate=clock.evaluations(trainer.evaluate),
                     replay=lambda batch, contributors: runner.replay(record.state, batch, contributors))
-        dispatches = Dispatches(trainer._dispatching, runner, trainer.callbacks)
         return cls(loop, record, bus, runner, trainer.pipeline, placement, stops, dispatches)
 
     def run(self, source: DataSource, first_epoch: Iterator[tuple[HostBatch, DataPosition]] | None) -> None:

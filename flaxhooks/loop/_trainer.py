@@ -26,7 +26,7 @@ from flaxhooks.contract import (
 )
 from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, fingerprint
 from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Metrics, per_example
-from flaxhooks.loop._dispatches import AutoSteps
+from flaxhooks.loop._dispatches import AutoSteps, Dispatches
 from flaxhooks.loop._fit import Fit, Start
 from flaxhooks.loop._guard import NonFiniteGuard
 from flaxhooks.placement import DATA_AXIS, AxisRules, Placement, Replicated, ShardRule, first_replica
@@ -129,6 +129,13 @@ class Trainer:
         for guard in self.bus.of(NonFiniteGuard):
             guard.follow_deprecated_modes(callbacks)
         return self
+
+    @property
+    def chosen_steps_per_dispatch(self) -> int | None:
+        """The most steps a dispatch holds: ``steps_per_dispatch``, or the count ``"auto"`` chose (None
+        until it has)."""
+        auto = self._dispatching
+        return auto if isinstance(auto, int) else auto.count if auto.done else None
 
     @property
     def state(self) -> TrainState | None:
@@ -281,7 +288,8 @@ class Trainer:
             self._state = jax.tree.unflatten(
                 treedef, [x.copy() if was_array else x for x, was_array in zip(leaves, given, strict=True)])
         assert self._state is not None  # fresh, given, restored or the last fit's
-        fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs)
+        dispatches = Dispatches(self._dispatching, self.runner, self.callbacks)
+        fit = self._fit = Fit.open(self, start, source, stops, self._state, steps, epochs, dispatches)
         loop = fit.loop
         if start.restored is not None and start.restored.stop_reason:
             loop.stop(f"the checkpointed run had stopped: {start.restored.stop_reason}")

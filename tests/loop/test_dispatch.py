@@ -222,7 +222,7 @@ def test_diagnose_finds_the_same_spike_at_the_same_step_and_layer_with_several_s
 @pytest.mark.parametrize(("overhead", "chosen"), [(4.0, 8), (0.15, 2), (0.0, 1)])
 def test_auto_doubles_the_steps_a_dispatch_holds_while_each_step_takes_5_percent_less_time(overhead, chosen):
     from flaxhooks.contract import Reading
-    from flaxhooks.loop._dispatches import AutoSteps
+    from flaxhooks.loop import AutoSteps
 
     class Timed:  # each dispatch of k steps takes ``overhead + k`` seconds
         step, now = 0, 0.0
@@ -243,15 +243,13 @@ def test_auto_doubles_the_steps_a_dispatch_holds_while_each_step_takes_5_percent
 
 
 def test_auto_chooses_once_tells_which_and_trains_as_one_step_per_dispatch(caplog):
-    from flaxhooks.loop._dispatches import AutoSteps
-
     batches = make_batches(16, batch_size=8)
     trainer = sgd_trainer(steps_per_dispatch="auto")
     with caplog.at_level("INFO", logger="flaxhooks"):
         state = trainer.fit(batches, epochs=12)
-    auto = trainer._dispatching
-    assert isinstance(auto, AutoSteps) and auto.done and auto.count in (1, 2, 4, 8)
+    chosen = trainer.chosen_steps_per_dispatch
+    assert chosen in (1, 2, 4, 8)
     assert [r.getMessage() for r in caplog.records if "auto" in r.getMessage()][0].startswith(
-        f"steps_per_dispatch='auto': {auto.count} step(s) a dispatch from step ")
+        f"steps_per_dispatch='auto': {chosen} step(s) a dispatch from step ")
     one = sgd_trainer().fit(batches, epochs=12)
     assert tree_allclose(state.params, one.params, rtol=1e-5, atol=1e-6)

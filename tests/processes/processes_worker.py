@@ -83,7 +83,7 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     dispatched = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16), steps_per_dispatch=3,
                              callbacks=[flaxhooks.ActivationStats(every=3)]).fit(loader(), epochs=2)
     # "auto", its windows shortened: process 0's timings choose for both (the same programs on each).
-    from flaxhooks.loop._dispatches import AutoSteps
+    from flaxhooks.loop import AutoSteps
 
     AutoSteps.WINDOW, AutoSteps.SKIP = 2, 1
     auto = sgd_trainer(BatchNormNet(), steps_per_dispatch="auto")
@@ -110,7 +110,7 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         "with_stats": leaves(with_stats.params), "without": leaves(without.params),
         "fsdp": leaves(fsdp.params), "dispatched": leaves(dispatched.params),
         "auto": leaves(auto_state.params), "four_epochs": leaves(four_epochs.params),
-        "auto_count": [auto._dispatching.count, auto._dispatching.done],
+        "auto_count": auto.chosen_steps_per_dispatch,
         "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],

@@ -123,8 +123,7 @@ def test_every_compiled_step_spans_every_process(tmp_path):
             np.testing.assert_allclose(dispatched, fsdp, rtol=1e-6, atol=1e-7)
         for auto, lean in zip(got["auto"], got["four_epochs"], strict=True):
             np.testing.assert_allclose(auto, lean, rtol=1e-6, atol=1e-7)
-    assert workers.result(0)["auto_count"] == workers.result(1)["auto_count"]
-    assert workers.result(0)["auto_count"][1]  # chosen
+    assert workers.result(0)["auto_count"] == workers.result(1)["auto_count"] is not None
     for i in range(2):
         got = workers.result(i)
         stats = {int(step): tables for step, tables in got["stats"].items()}
