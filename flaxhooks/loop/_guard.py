@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from flaxhooks.contract import Callback, Event, Finding, FitPlan, Loop, LossRead, handlers_of
-from flaxhooks.placement import first_replica, host_scalars
+from flaxhooks.placement import StepValue, first_replica, host_scalars
 from flaxhooks.step import RepeatedTap, StepContributor, Tapped, Taps, WithLayout
 
 _log = logging.getLogger("flaxhooks")
@@ -409,6 +409,9 @@ def _nonfinite_leaves(params: Any) -> jax.Array:
 def _watched(metrics: Mapping[str, Any]) -> tuple[float, float | None]:
     """A step's loss and gradient norm (None where not computed), read in one transfer (one for
     every step of a dispatch of several: they are read together)."""
-    read = host_scalars({name: metrics[name] for name in ("loss", "grad_norm") if name in metrics})
+    loss, norm = metrics["loss"], metrics.get("grad_norm")
+    if isinstance(loss, StepValue):  # the dispatch's values, read once for all its steps
+        return float(loss), None if norm is None else float(norm)
+    read = host_scalars({"loss": loss} if norm is None else {"loss": loss, "grad_norm": norm})
     return read["loss"], read.get("grad_norm")
 
