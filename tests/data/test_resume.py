@@ -129,10 +129,11 @@ def _records(n: int = 40, seed: int = 5) -> list[dict[str, np.ndarray]]:
     return [{key: value[i] for key, value in arrays.items()} for i in range(n)]
 
 
-def _trainer(directory: Path, every: int = 3, callbacks=()) -> flaxhooks.Trainer:
+def _trainer(directory: Path, every: int = 3, callbacks=(), **options) -> flaxhooks.Trainer:
     model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
     checkpoint = flaxhooks.Checkpoint(directory, every=every, at_epoch_end=False)
-    return flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, callbacks=[checkpoint, *callbacks])
+    return flaxhooks.Trainer(model, optax.sgd(0.1), cross_entropy, callbacks=[checkpoint, *callbacks],
+                             **options)
 
 
 def _grain_iter(seed: int = 3, records=None):
@@ -245,3 +246,38 @@ def test_a_batch_of_another_structure_mid_epoch_fails_at_that_batch(tmp_path):
     with pytest.raises(flaxhooks.BatchError, match=r"batch keys changed: missing \['label'\]"):
         trainer.fit(batches, epochs=1)
     assert steps == [1, 2, 3]  # the input thread read ahead; the error came at its batch
+
+
+def test_grain_data_resumes_exactly_across_dispatches_of_several_steps(tmp_path):
+    """Written with 4 steps a dispatch, resumed with 1 (and a one-shot iterator put back after the
+    batches read ahead): each step takes the batch an uninterrupted run takes."""
+    seen: dict[int, str] = {}
+
+    class Seen(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            seen[loop.step] = fingerprint({k: np.asarray(v) for k, v in loop.batch.items()})
+
+    class Crash(flaxhooks.Callback):
+        def on_step_end(self, loop):
+            if loop.step == 6:  # inside the dispatch of steps 5-8
+                raise RuntimeError("crash")
+
+    whole = _trainer(tmp_path / "whole", every=4, callbacks=[Seen()]).fit(_grain_iter(), steps=10)
+    expected = dict(seen)
+    seen.clear()
+    crashing = _trainer(tmp_path / "run", every=4, callbacks=[Seen(), Crash()], steps_per_dispatch=4)
+    with pytest.raises(flaxhooks.CallbackError, match="crash"):
+        crashing.fit(_grain_iter(), steps=10)
+    assert seen == {s: expected[s] for s in range(1, 7)}
+    seen.clear()
+    state = _trainer(tmp_path / "run", every=4, callbacks=[Seen()]).fit(_grain_iter(), steps=10, resume=True)
+    assert seen == {s: expected[s] for s in range(5, 11)}  # from the checkpoint of step 4
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    iterator = iter(_grain_iter())
+    seen.clear()
+    one_shot = flaxhooks.Trainer(nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)]), optax.sgd(0.1),
+                                 cross_entropy, callbacks=[Seen()], steps_per_dispatch=4)
+    one_shot.fit(iterator, steps=2)
+    one_shot.fit(iterator, steps=10)  # its 5 batches run out at step 5
+    assert seen == {s: expected[s] for s in range(1, 6)}
