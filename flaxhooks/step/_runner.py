@@ -33,6 +33,12 @@ class StepRunner:
             every one (True), every n-th (an int n; a variant of its own), or none.
     """
 
+    #: The platforms whose devices share out the norms of replicated parameters. Not
+    #: CPU: its devices share the host's cores, so a split saves no work, and its
+    #: all-reduce splits the gradients' one all-reduce into three rendezvous a step
+    #: (``python -m benchmarks.bench_mesh --compiled``).
+    SHARE_NORMS_ON: frozenset[str] = frozenset({"gpu", "tpu"})
+
     def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int,
                  optimizer_metrics: bool | int = True):
         if max_steps_in_flight < 1:
@@ -101,7 +107,9 @@ class StepRunner:
             self._shardings, self._state_shardings = leaves, shardings
             # The norms of a parameter every device holds whole are shared out between the devices.
             params = jax.tree.leaves(getattr(shardings, "params", None))
-            self._norm_split = [self.placement.spread if s.is_fully_replicated else None for s in params]
+            share = self.placement.mesh.devices.flat[0].platform in self.SHARE_NORMS_ON
+            self._norm_split = [self.placement.spread if share and s.is_fully_replicated else None
+                                for s in params]
             self._variants.clear()
             self._multi.clear()
             self._replays = {}

@@ -308,16 +308,17 @@ def _two_processes(tmp_path, args, process):
 
 @pytest.mark.slow
 def test_a_preempted_srun_job_saves_where_every_process_agrees_and_its_restart_resumes(tmp_path):
-    """SIGTERM to one process of a 2-process job launched as srun launches it,
-    with --resume from the first start, as a job a cluster may restart: JAX's
-    preemption sync point stops both at one step, the checkpoint is saved
-    there, both exit with 128 + SIGTERM, and the same command started again
-    goes on from that step to the end."""
+    """A 2-process FSDP job launched as srun launches it (only the variables
+    srun sets: JAX's cluster detection joins the processes), with --resume from
+    the first start, as a job a cluster may restart. SIGTERM to one process:
+    JAX's preemption sync point stops both at one step, each saves its part of
+    the checkpoint there, both exit with 128 + SIGTERM, and the same command
+    started again goes on from that step to the end."""
     import signal
 
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "recipes.mnist", "--no-download", "--epochs", "1", "--batch-size", "64",
-               "--stats-every", "0", "--log-every", "5", "--workdir", str(workdir), "--resume"]
+               "--stats-every", "0", "--log-every", "5", "--workdir", str(workdir), "--resume", "--fsdp"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
 
@@ -351,6 +352,8 @@ def test_a_preempted_srun_job_saves_where_every_process_agrees_and_its_restart_r
     (step,) = stopped
     assert f"every process stops at step {step}, the step JAX's preemption sync point agreed on" in outputs[0]
     assert os.listdir(workdir / "checkpoints") == [str(step)]
+    assert "P('data', None)" in outputs[0]  # Dense_0's kernel split over both processes' devices
+    _each_process_wrote_its_part(workdir, step)
 
     processes, logs = launch(1)
     codes = [p.wait(timeout=240) for p in processes]
@@ -359,16 +362,16 @@ def test_a_preempted_srun_job_saves_where_every_process_agrees_and_its_restart_r
     assert f"resuming from step {step}" in outputs[0] and "held-out accuracy" in outputs[0], outputs[0]
 
 
-def _each_process_wrote_its_part(workdir):
+def _each_process_wrote_its_part(workdir, step=7):
     import flaxhooks
 
-    state = workdir / "checkpoints" / "7" / "state"
+    state = workdir / "checkpoints" / str(step) / "state"
     assert all(any((state / f"ocdbt.process_{i}" / "d").iterdir()) for i in range(2))
     restored = flaxhooks.Checkpoint(workdir / "checkpoints").restore_latest()
-    assert restored is not None and restored.step == 7
-    assert json.loads((workdir / "checkpoints" / "7" / "meta" / "metadata").read_text())["format"] == 3
+    assert restored is not None and restored.step == step
+    assert json.loads((workdir / "checkpoints" / str(step) / "meta" / "metadata").read_text())["format"] == 3
     positions = {"position_0-of-2.json", "position_1-of-2.json"}  # each process wrote its own
-    assert positions <= set(os.listdir(workdir / "checkpoints" / "7" / "data"))
+    assert positions <= set(os.listdir(workdir / "checkpoints" / str(step) / "data"))
 
 
 def _free_port(low=0, high=0):
@@ -393,21 +396,4 @@ def test_fsdp_on_two_processes_saves_each_process_part(tmp_path):
             "--workdir", str(workdir)]
     outputs = _two_processes(tmp_path, args, lambda i: (["--process-id", str(i)], {}))
     assert "P('data', None)" in outputs[0]  # Dense_0's kernel split over both processes' devices
-    _each_process_wrote_its_part(workdir)
-
-
-@pytest.mark.slow
-def test_two_processes_launched_as_srun_launches_them_train_together(tmp_path):
-    """Only the variables srun sets, no --coordinator, --num-processes or
-    --process-id: JAX's cluster detection joins the two processes."""
-    # JAX's SLURM coordinator port: 61440 + the job's id modulo 4096.
-    job = _free_port(61440, 65535) - 61440
-    workdir = tmp_path / "run"
-
-    def srun(i):
-        return [], {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
-                    "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
-
-    outputs = _two_processes(tmp_path, ["--fsdp", "--workdir", str(workdir)], srun)
-    assert "P('data', None)" in outputs[0]
     _each_process_wrote_its_part(workdir)

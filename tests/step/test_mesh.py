@@ -374,17 +374,38 @@ def test_the_norms_of_replicated_parameters_are_shared_out_between_the_devices_a
     assert "f32[1,1024]" not in whole
 
 
+class Big(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(CLASSES)(nn.relu(nn.Dense(256)(x)))  # a 16 x 256 kernel: 4096 values
+
+
+def _collectives(trainer: flaxhooks.Trainer, norms: bool) -> list[str]:
+    batch = _batches(count=1)[0]
+    state = trainer.init(batch)
+    step = trainer.runner.variant((), norms)
+    lowered = step.lower(state, trainer.placement.put_batch(batch), trainer.runner.zero_totals())
+    return re.findall(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", lowered.compile().as_text())
+
+
+def test_on_cpu_devices_the_norms_add_no_collective_to_the_step():
+    """CPU devices share the host's cores: the norms are computed whole, and the
+    step keeps the lean step's one all-reduce (shared-out norms add their own)."""
+    devices = _needs(2)
+    assert _collectives(_trainer(Big(), devices=devices), norms=True) == ["all-reduce"]
+    assert _collectives(_trainer(Big(), devices=devices), norms=False) == ["all-reduce"]
+    shared = _trainer(Big(), devices=devices)
+    shared.runner.SHARE_NORMS_ON = frozenset({"cpu"})  # as on GPU and TPU
+    assert _collectives(shared, norms=True) == ["all-reduce"] * 2  # the norms' parts, summed apart
+
+
 def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_device():
-    """XLA would carry the norms' split back into the update (computed in
-    halves, then gathered every step), and would copy every parameter for
-    their norm: the compiled step gathers and copies none."""
-
-    class Big(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(CLASSES)(nn.relu(nn.Dense(256)(x)))  # a 16 x 256 kernel: 4096 values
-
+    """Where the norms are shared out (GPU, TPU), XLA would carry their split
+    back into the update (computed in halves, then gathered every step), and
+    would copy every parameter for their norm: the compiled step gathers and
+    copies none."""
     trainer = _trainer(Big(), devices=_needs(2))
+    trainer.runner.SHARE_NORMS_ON = frozenset({"cpu"})  # as on GPU and TPU
     batch = _batches(count=1)[0]
     state = trainer.init(batch)
     step = trainer.runner.variant((), True)
