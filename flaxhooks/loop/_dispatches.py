@@ -78,13 +78,17 @@ class Dispatches:
 
 
 class AutoSteps:
-    """``steps_per_dispatch="auto"``: doubles the steps a dispatch holds while the steps per second,
-    timed over :attr:`WINDOW` steps at each count, grow by :attr:`GAIN` or more; then keeps the best.
+    """``steps_per_dispatch="auto"``: doubles the steps a dispatch holds while they run :attr:`GAIN`
+    times as many steps per second or more; then keeps the best.
 
-    On several processes process 0's timings decide, so every process runs the same programs.
+    Each count is compared with the one before side by side, in alternating windows of
+    :attr:`WINDOW` steps (``k, 2k, k, 2k``; the next doubling reuses the last ``2k`` window:
+    ``4k, 2k, 4k``), and is kept only where both of its windows beat the windows beside them: one
+    lucky window on a busy host does not choose a slower count. On several processes process 0's
+    timings decide, so every process runs the same programs.
     """
 
-    #: Steps timed at each count, after its first :attr:`SKIP` dispatches (they compile).
+    #: Steps timed in each window, after its first :attr:`SKIP` dispatches (they may compile).
     WINDOW = 32
     SKIP = 2
     GAIN = 1.05
@@ -95,40 +99,50 @@ class AutoSteps:
     def __init__(self, platform: str):
         self.limit = self.LIMITS.get(platform, self.LIMIT)
         self.count = 1
-        self.done = False
-        self._rate: float | None = None  # steps per second at the count before this one
-        self._dispatches = 0  # at this count, in this fit
+        self.done = self.limit < 2
+        self._windows = [1, 2, 1, 2]  # the count of each window to time, in order
+        self._rates: list[float] = []  # steps per second of the windows timed so far
+        self._dispatches = 0  # in this window, in this fit
         self._start: Reading | None = None
 
     def new_fit(self) -> None:
-        """A fit starts: the timing of the count being tried starts afresh (a choice made is kept)."""
+        """A fit starts: the window being timed starts afresh (a choice made is kept)."""
         self._dispatches, self._start = 0, None
 
     def most(self, loop: Loop) -> int:
         """The count for the next dispatch (asked before each)."""
         if self.done or loop.clock is None:
             return self.count
+        count = self._windows[len(self._rates)]
         self._dispatches += 1
         now = loop.clock.read()
         if self._dispatches <= self.SKIP or self._start is None:
             self._start = None if self._dispatches <= self.SKIP else now
-            return self.count
+            return count
         steps = now.step - self._start.step
         if steps < self.WINDOW:
-            return self.count
+            return count
         seconds = (now.time - self._start.time) - (now.evaluating - self._start.evaluating)
-        rate = steps / seconds if seconds > 0 else 0.0
-        faster = self._rate is None or rate >= self._rate * self.GAIN
+        self._rates.append(steps / seconds if seconds > 0 else 0.0)
+        self._dispatches, self._start = 0, None
+        if len(self._rates) < len(self._windows):
+            return self._windows[len(self._rates)]
+        return self._decide(loop)
+
+    def _decide(self, loop: Loop) -> int:
+        """After the windows ``k, 2k, k, 2k``: ``2k`` if both of its windows were faster."""
+        before, after, again_before, again_after = self._rates
+        faster = after >= before * self.GAIN and again_after >= again_before * self.GAIN
         if jax.process_count() > 1:  # every process makes process 0's choice at this same step
             from jax.experimental import multihost_utils
 
             faster = bool(multihost_utils.broadcast_one_to_all(np.bool_(faster)))
-        if faster:
-            self._rate = rate
-            if self.count * 2 <= self.limit:
-                self.count, self._dispatches, self._start = self.count * 2, 0, None
-                return self.count
-        self.count, self.done = self.count if faster else self.count // 2, True
+        base, doubled = self._windows[0], self._windows[1]
+        if faster and doubled * 2 <= self.limit:
+            self._windows, self._rates = [doubled, doubled * 2, doubled, doubled * 2], [again_after]
+            return self._windows[1]
+        self.count, self.done = doubled if faster else base, True
+        rate = again_after if faster else again_before
         _log.info("steps_per_dispatch='auto': %d step(s) a dispatch from step %d (%.1f steps/s measured "
-                  "there)", self.count, loop.step + 1, self._rate)
+                  "there)", self.count, loop.step + 1, rate)
         return self.count

@@ -242,14 +242,42 @@ def test_auto_doubles_the_steps_a_dispatch_holds_while_each_step_takes_5_percent
     assert auto.count == chosen
 
 
+def test_auto_keeps_no_count_that_was_faster_in_one_window_only():
+    """A busy host's lucky window: the first 40 steps at 2 a dispatch run 10% faster, later
+    ones as fast as 1 a dispatch; the windows beside it, 1 2 1 2, keep 1."""
+    from flaxhooks.contract import Reading
+    from flaxhooks.loop import AutoSteps
+
+    class Timed:
+        step, now, lucky = 0, 0.0, 40
+
+        @property
+        def clock(self):
+            return self
+
+        def read(self):
+            return Reading(self.now, self.step)
+
+    auto, loop, counts = AutoSteps("cpu"), Timed(), []
+    while not auto.done:
+        count = auto.most(loop)
+        counts.append(count)
+        seconds_a_step = 0.9 if count == 2 and loop.lucky > 0 else 1.0
+        loop.lucky -= count if count == 2 else 0
+        loop.step, loop.now = loop.step + count, loop.now + count * seconds_a_step
+    assert auto.count == 1
+    assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == [1, 2, 1, 2, 1]
+
+
 def test_auto_chooses_once_tells_which_and_trains_as_one_step_per_dispatch(caplog):
     batches = make_batches(16, batch_size=8)
     trainer = sgd_trainer(steps_per_dispatch="auto")
     with caplog.at_level("INFO", logger="flaxhooks"):
-        state = trainer.fit(batches, epochs=12)
+        state = trainer.fit(batches, epochs=30)  # up to 10 windows of 32 steps and more
     chosen = trainer.chosen_steps_per_dispatch
     assert chosen in (1, 2, 4, 8)
     assert [r.getMessage() for r in caplog.records if "auto" in r.getMessage()][0].startswith(
         f"steps_per_dispatch='auto': {chosen} step(s) a dispatch from step ")
-    one = sgd_trainer().fit(batches, epochs=12)
-    assert tree_allclose(state.params, one.params, rtol=1e-5, atol=1e-6)
+    one = sgd_trainer().fit(batches, epochs=30)
+    # 480 steps of programs fused differently (unrolled on CPU): float32 rounding drifts a little.
+    assert tree_allclose(state.params, one.params, rtol=5e-5, atol=1e-5)

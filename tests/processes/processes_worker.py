@@ -82,10 +82,11 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     # Three steps per dispatch (3 + 1 an epoch), statistics at every third step alone: the same training.
     dispatched = sgd_trainer(BatchNormNet(), shard=flaxhooks.FSDP(min_size=16), steps_per_dispatch=3,
                              callbacks=[flaxhooks.ActivationStats(every=3)]).fit(loader(), epochs=2)
-    # "auto", its windows shortened: process 0's timings choose for both (the same programs on each).
+    # "auto", its windows shortened to fit 16 steps (1 2 1 2, two dispatches each): process 0's
+    # timings choose for both (the same programs on each).
     from flaxhooks.loop import AutoSteps
 
-    AutoSteps.WINDOW, AutoSteps.SKIP = 2, 1
+    AutoSteps.WINDOW, AutoSteps.SKIP, AutoSteps.LIMITS = 1, 0, {"cpu": 2}
     auto = sgd_trainer(BatchNormNet(), steps_per_dispatch="auto")
     auto_state = auto.fit(loader(), epochs=4)
     four_epochs = sgd_trainer(BatchNormNet()).fit(loader(), epochs=4)
