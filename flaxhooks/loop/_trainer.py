@@ -103,7 +103,7 @@ class Trainer:
             model, optimizer, loss_fn, seed, peer_timeout)
         self.placement = Placement.of(mesh, devices, data_axis, shard or Replicated(), axis_rules)
         # "auto": the count it chooses is kept for the Trainer's later fits.
-        self._dispatching = AutoSteps(self.placement.mesh.devices.flat[0].platform) \
+        self._dispatching = AutoSteps(self.placement.platform) \
             if steps_per_dispatch == "auto" else cast(int, steps_per_dispatch)
         self.devices: list[jax.Device] = self.placement.local_devices  # this process's, of the mesh
         self.pipeline = pipeline or DevicePrefetch()

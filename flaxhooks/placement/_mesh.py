@@ -227,6 +227,11 @@ class Placement:
         return max(len({where[d][0].start for d in self.local_devices}), 1)
 
     @functools.cached_property
+    def platform(self) -> str:
+        """The mesh's devices' platform: ``"cpu"``, ``"gpu"``, ``"tpu"``."""
+        return str(self.mesh.devices.flat[0].platform)
+
+    @functools.cached_property
     def replicated(self) -> NamedSharding:
         """Whole on every device of the mesh."""
         return NamedSharding(self.mesh, PartitionSpec())

@@ -36,7 +36,7 @@ class StepRunner:
     #: The platforms whose devices share out the norms of replicated parameters. Not
     #: CPU: its devices share the host's cores, so a split saves no work, and its
     #: all-reduce splits the gradients' one all-reduce into three rendezvous a step
-    #: (``python -m benchmarks.bench_mesh --compiled``).
+    #: (``benchmarks/bench_mesh.py``'s ``shared_norms`` segment).
     SHARE_NORMS_ON: frozenset[str] = frozenset({"gpu", "tpu"})
 
     def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int,
@@ -105,9 +105,9 @@ class StepRunner:
         leaves = jax.tree.leaves(shardings)
         if self._shardings is None or self._shardings != leaves:
             self._shardings, self._state_shardings = leaves, shardings
-            # The norms of a parameter every device holds whole are shared out between the devices.
+            # On GPU and TPU the norms of a parameter every device holds whole are shared out.
             params = jax.tree.leaves(getattr(shardings, "params", None))
-            share = self.placement.mesh.devices.flat[0].platform in self.SHARE_NORMS_ON
+            share = self.placement.platform in self.SHARE_NORMS_ON
             self._norm_split = [self.placement.spread if share and s.is_fully_replicated else None
                                 for s in params]
             self._variants.clear()
@@ -139,7 +139,7 @@ class StepRunner:
             one = in_global_view(_with_totals(self._step((), norms), freeze), self.axis)
             placement = self.placement
             # XLA:CPU runs a loop's body several times slower than the same ops alone: unrolled there.
-            unroll = count if placement.mesh.devices.flat[0].platform == "cpu" else 1
+            unroll = count if placement.platform == "cpu" else 1
             stacked_place = NamedSharding(placement.mesh, PartitionSpec(None, placement.data_axis))
 
             def train_steps(state: Any, batches: tuple[Any, ...], totals: Totals) -> tuple[Any, ...]:
