@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
 from flax import errors as flax_errors
-from jax import lax
 
 from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_batch
 from flaxhooks.placement import InFlight, Placement, first_replica
-from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, split_loss
+from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, share_index, split_loss
 
 if TYPE_CHECKING:
     from flaxhooks.step import TrainState
@@ -72,7 +71,7 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
 def eval_rngs(examples_before: jax.Array, names: Sequence[str], axis: str) -> dict[str, jax.Array]:
     """Keys for one eval batch from :data:`EVAL_SEED`, the examples before it and the index along ``axis``."""
     key = jax.random.fold_in(jax.random.PRNGKey(EVAL_SEED), examples_before)
-    key = jax.random.fold_in(key, lax.axis_index(axis))
+    key = jax.random.fold_in(key, share_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
 

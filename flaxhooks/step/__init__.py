@@ -19,10 +19,11 @@ from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._contributor import StepContributor, WithLayout
 from flaxhooks.step._linen import LinenModel
 from flaxhooks.step._model import AXIS, Batch, Model, RecordedCall, axis_name
+from flaxhooks.step._model import in_global_view as in_global_view
+from flaxhooks.step._model import share_index as share_index
 from flaxhooks.step._nnx import NNXModel
 from flaxhooks.step._recording import RepeatedTap
 from flaxhooks.step._runner import StepRows, StepRunner
-from flaxhooks.step._runner import in_global_view as in_global_view
 from flaxhooks.step._state import LossError, StatePlan, TrainState
 
 # Used by the layers above, not by users: importable, left out of __all__.

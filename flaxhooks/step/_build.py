@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxhooks.step._contributor import WithLayout
-from flaxhooks.step._model import AXIS, Batch, Model, axis_name
+from flaxhooks.step._model import AXIS, Batch, Model, axis_name, share_index
 from flaxhooks.step._state import LossError, TrainState
 from flaxhooks.step._taps import Tap, Tapped, Taps
 
@@ -29,7 +29,7 @@ def step_rngs(
     base: jax.Array, step: jax.Array, names: Sequence[str], axis: str = AXIS,
 ) -> dict[str, jax.Array]:
     """Keys for one step on one device: distinct per step, device (along ``axis``) and stream."""
-    key = jax.random.fold_in(jax.random.fold_in(base, step), lax.axis_index(axis))
+    key = jax.random.fold_in(jax.random.fold_in(base, step), share_index(axis))
     return dict(zip(names, jax.random.split(key, len(names)), strict=False))
 
 

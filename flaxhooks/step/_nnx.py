@@ -19,7 +19,7 @@ from flax.nnx import variablelib
 
 from flaxhooks.placement import Annotation
 from flaxhooks.step._call import InputKeys, ModelCall
-from flaxhooks.step._model import AXIS, Batch
+from flaxhooks.step._model import AXIS, Batch, share_index
 from flaxhooks.step._recording import (
     CallOrder,
     Found,
@@ -251,7 +251,7 @@ class NNXModel:
         for leaf in self._leaves:
             value = leaf.live(_get(collections[leaf.collection], leaf.key))
             if leaf.rng_key and per_device:
-                value = jax.random.fold_in(value, jax.lax.axis_index(self.axis_name))
+                value = jax.random.fold_in(value, share_index(self.axis_name))
             _put(nested, leaf.path, value)
         return nested
 

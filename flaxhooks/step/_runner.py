@@ -18,7 +18,7 @@ from flaxhooks.data import BatchSpec
 from flaxhooks.placement import InFlight, Placement, Stacked, StepValue
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor, WithLayout, contributors_among
-from flaxhooks.step._model import Model, axis_name
+from flaxhooks.step._model import Model, axis_name, in_global_view
 from flaxhooks.step._state import LossError, explained
 from flaxhooks.step._taps import Taps
 from flaxhooks.step._totals import Totals, add_to_totals, zero_totals
@@ -340,19 +340,6 @@ def _types(args: Any) -> Any:
     """Each array's shape, type and place: what lowering a step needs of it."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
                                                        weak_type=x.aval.weak_type), args)
-
-
-def in_global_view(step: Callable[..., Any], axis: str) -> Callable[..., Any]:
-    """``step(state, batch, *rest)``, written for one share of the batch with
-    collectives over ``axis``, on the whole batch as one share (an ``axis`` of size 1)."""
-
-    def whole(state: Any, batch: Any, *rest: Any) -> Any:
-        one = jax.tree.map(lambda x: x[None], batch)
-        out = jax.vmap(lambda b: step(state, b, *rest), axis_name=axis, axis_size=1)(one)
-        return jax.tree.map(lambda x: x[0], out)
-
-    whole.__name__ = getattr(step, "__name__", "step")
-    return whole
 
 
 #: The metrics whose first non-finite value freezes the state (see :func:`_with_totals`).
