@@ -29,7 +29,15 @@ from flaxhooks.eval import EvalResult, EvalStart, Evaluations, ExampleLossFn, Me
 from flaxhooks.loop._dispatches import AutoSteps, Dispatches
 from flaxhooks.loop._fit import Fit, Start
 from flaxhooks.loop._guard import NonFiniteGuard
-from flaxhooks.placement import DATA_AXIS, AxisRules, Placement, Replicated, ShardRule, first_replica
+from flaxhooks.placement import (
+    DATA_AXIS,
+    AxisRules,
+    Placement,
+    Replicated,
+    ShardRule,
+    first_replica,
+    keep_freed_host_memory,
+)
 from flaxhooks.processes import TrainingInterrupted, stop_on_signals, stops_for, wait_ready
 from flaxhooks.step import LossFn, Model, StatePlan, StepRunner, TrainState, as_model
 from flaxhooks.step import abstract as abstract
@@ -102,6 +110,8 @@ class Trainer:
         self.model, self.optimizer, self.loss_fn, self.seed, self.peer_timeout = (
             model, optimizer, loss_fn, seed, peer_timeout)
         self.placement = Placement.of(mesh, devices, data_axis, shard or Replicated(), axis_rules)
+        if self.placement.platform == "cpu":  # else half a small step is page faults
+            keep_freed_host_memory()
         # "auto": the count it chooses is kept for the Trainer's later fits.
         self._dispatching = AutoSteps(self.placement.platform) \
             if steps_per_dispatch == "auto" else cast(int, steps_per_dispatch)

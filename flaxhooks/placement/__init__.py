@@ -14,6 +14,7 @@ from flaxhooks.placement._devices import (
     host_scalars,
     use_cpu_devices,
 )
+from flaxhooks.placement._host_memory import DEFAULT_MALLOC_VARIABLE, keep_freed_host_memory
 from flaxhooks.placement._mesh import (
     DATA_AXIS,
     FSDP,
@@ -28,6 +29,6 @@ from flaxhooks.placement._mesh import (
 )
 
 __all__ = [
-    "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "StepValue", "device0_copy",
-    "use_cpu_devices"
+    "DEFAULT_MALLOC_VARIABLE", "AxisRules", "FSDP", "Replicated", "ShardRule", "ShardingError", "StepValue",
+    "device0_copy", "keep_freed_host_memory", "use_cpu_devices"
 ]

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -275,3 +276,43 @@ def test_a_given_state_is_checked_against_the_batch_before_compiling(compiles):
     with pytest.raises(BatchError, match="reads batch key 'label'"):
         trainer.fit([{"image": make_batches(1)[0]["image"]}], epochs=1, state=initial)
     assert compiles == [] and trainer.runner.traces["train_step"] == 0
+
+
+_FAULTS_CODE = """
+import resource, numpy as np, optax, flaxhooks
+from recipes.models import CNN, cross_entropy_loss
+flaxhooks.use_cpu_devices(1)
+rng = np.random.default_rng(0)
+batches = [{"image": rng.random((4, 28, 28, 1), dtype=np.float32),
+            "label": rng.integers(0, 10, 4, dtype=np.int32)} for _ in range(60)]
+trainer = flaxhooks.Trainer(CNN(), optax.sgd(0.1, momentum=0.9), cross_entropy_loss)
+state = trainer.fit(batches[:10], epochs=1)  # compiled
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+trainer.fit(batches, epochs=1, state=state)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(faults / len(batches), flaxhooks.placement.keep_freed_host_memory())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator kept is glibc's")
+@pytest.mark.parametrize("variable", [None, "FLAXHOOKS_DEFAULT_MALLOC=1", "MALLOC_ARENA_MAX=4"],
+                         ids=["kept", "opted-out", "the-users-malloc-settings-stand"])
+def test_a_cpu_trainer_keeps_freed_host_memory_so_steps_do_not_fault_their_pages_in_anew(variable):
+    """glibc hands freed blocks of over 128 KiB back to the system, so each step of
+    XLA:CPU faulted its buffers' pages in again (recipe CNN, batch 4, one device);
+    a Trainer on CPU devices keeps them, unless told not to."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"
+           and k != flaxhooks.placement.DEFAULT_MALLOC_VARIABLE}
+    if variable:
+        name, value = variable.split("=")
+        env[name] = value
+    out = subprocess.run([sys.executable, "-c", _FAULTS_CODE], env=env, capture_output=True, text=True,
+                         check=True, timeout=300)
+    faults_per_step, kept = out.stdout.split()[-2:]
+    kernel_pages = 3136 * 256 * 4 // 4096  # the first Dense kernel, one of the step's buffers
+    if variable is None:
+        assert kept == "True" and float(faults_per_step) < kernel_pages / 4
+    else:
+        assert kept == "False"
+    if variable == "FLAXHOOKS_DEFAULT_MALLOC=1":  # glibc's default, as measured: ~3 kernels a step
+        assert float(faults_per_step) > kernel_pages
