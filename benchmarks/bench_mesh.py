@@ -237,6 +237,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="a Trainer segment for each (default: 4 auto)")
     parser.add_argument("--no-shared-norms", action="store_true",
                         help="leave out the segment whose norms are shared out as on GPU")
+    parser.add_argument("--guard-off", action="store_true",
+                        help="add a segment of the Trainer with if_nonfinite='off' (the guard's cost)")
     parser.add_argument("--fsdp-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true",
                         help="time the compiled steps alone, every batch already on the devices")
@@ -273,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not args.no_shared_norms:
         trainers["shared_norms"] = _observed(model, tx)
         trainers["shared_norms"].runner.SHARE_NORMS_ON = frozenset({"cpu"})  # as before 0.8, as on GPU
+    if args.guard_off:
+        trainers["guard_off"] = _observed(model, tx, if_nonfinite="off")
     for k in args.steps_per_dispatch:
         trainers[f"k_{k}"] = _observed(model, tx, steps_per_dispatch=k)
     initial = trainers["trainer"].init(batches[0])
@@ -312,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     ratios = {f"{name}_over_jit": over(name, "jit") for name in trainers}
     ratios["trainer_over_pmap"] = over("trainer", "pmap")
+    if "guard_off" in trainers:  # the guard's cost: the same Trainer without it
+        ratios["trainer_over_guard_off"] = over("trainer", "guard_off")
     fastest = max((n for n in trainers if n.startswith("k_")), key=lambda n: ratios[f"{n}_over_jit"],
                   default="trainer")
     target = TARGET_OVER_JIT.get(args.batch_size, TARGET_RATIO)
@@ -333,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name in trainers:
         print(f"median ratio {name} / jit loop: {ratios[f'{name}_over_jit']:.4f}")
     print(f"median ratio trainer / pmap loop: {ratios['trainer_over_pmap']:.4f}")
+    if "trainer_over_guard_off" in ratios:
+        print(f"median ratio trainer / the same without the guard: {ratios['trainer_over_guard_off']:.4f}")
     for label, name, goal in (("trainer (one step a dispatch)", "trainer", TARGET_RATIO),
                               (f"fastest with several steps a dispatch ({fastest})", fastest, target)):
         ratio = ratios[f"{name}_over_jit"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,8 +22,9 @@ from flaxhooks.step._taps import Tap, Tapped, Taps
 LossFn = Callable[[Any, Batch], "jax.Array | tuple[jax.Array, Mapping[str, jax.Array]]"]
 #: An in-step function: the step's view to a pytree of arrays, pure, traced once per variant.
 InsideStep = Callable[[Tapped], Any]
-#: The compiled step: ``(state, batch) -> (state, metrics, results)``.
-Step = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]]
+#: The step: ``(state, batch[, finite_before]) -> (state, metrics, results)``; given
+#: ``finite_before``, it keeps the state after a non-finite loss (see :func:`build_step`).
+Step = Callable[..., tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]]
 
 
 def step_rngs(
@@ -70,13 +72,18 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     """The pure train step for one share of the batch, averaging gradients, carried
     state and metrics over the model's ``axis_name``. With ``taps`` it exposes
     intermediate values (gradients in the same backward pass) and returns each
-    ``inside`` function's result on a :class:`Tapped` view, in order."""
+    ``inside`` function's result on a :class:`Tapped` view, in order.
+
+    The step's optional third argument, ``finite_before`` (whether every earlier loss and
+    gradient norm was finite), makes a step whose loss or gradient norm is not finite,
+    and every later one, return the state it was given (the non-finite guard's freeze).
+    """
     taps = taps or Taps()
     axis = axis_name(model)
     instrumented = taps != Taps() or bool(inside)
 
     def train_step(
-        state: TrainState, batch: Batch
+        state: TrainState, batch: Batch, finite_before: jax.Array | None = None
     ) -> tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]:
         rngs = step_rngs(state.rng, state.step, model.rng_names, axis)
         if not instrumented:
@@ -87,7 +94,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
             (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
             new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis,
-                                                with_optimizer_metrics, norm_split)
+                                                with_optimizer_metrics, norm_split, finite_before)
             return new_state, metrics, ()
 
         recorded = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
@@ -108,7 +115,7 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
         )
         recorded.finish(activations, gradients)
         new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis,
-                                                      with_optimizer_metrics, norm_split)
+                                                      with_optimizer_metrics, norm_split, finite_before)
         tapped = Tapped(
             activations=activations, gradients=gradients, loss=loss, metrics=metrics,
             params=_before(new_state.params, updates), grads=grads, outputs=outputs, batch=batch,
@@ -139,15 +146,14 @@ def optimizer_metrics(params: Any, grads: Any, updates: Any,
     ``split``, per parameter leaf: a sharding over every device (see
     :attr:`Placement.spread`) that shares out that leaf's sums of squares, or None.
     """
-    return _with_norm_of(_norm(params, split), grads, updates, split)
+    return _with_norm_of(_norm(params, split), _norm(grads, split), updates, split)
 
 
-def _with_norm_of(param_norm: jax.Array, grads: Any, updates: Any,
+def _with_norm_of(param_norm: jax.Array, grad_norm: jax.Array, updates: Any,
                   split: Sequence[NamedSharding | None] | None) -> dict[str, jax.Array]:
-    """:func:`optimizer_metrics`, given the parameters' norm."""
-    # Else XLA fuses these into the update, 30% slower on the 2-device CPU step (bench_trainer).
-    updates, grads = lax.optimization_barrier((updates, grads))
-    update_norm, grad_norm = _norm(updates, split), _norm(grads, split)
+    """:func:`optimizer_metrics`, given the parameters' and the gradients' norms."""
+    # Else XLA fuses this into the update, 30% slower on the 2-device CPU step (bench_trainer).
+    update_norm = _norm(lax.optimization_barrier(updates), split)
     ratio = update_norm / jnp.where(param_norm > 0, param_norm, jnp.inf)
     return {"grad_norm": grad_norm, "update_ratio": ratio}
 
@@ -186,19 +192,16 @@ OPTIMIZER_METRICS = ("grad_norm", "update_ratio")
 def _updated(
     state: TrainState, grads: Any, model_state: Mapping[str, Any], loss: jax.Array,
     metrics: Mapping[str, jax.Array], axis: str, with_optimizer_metrics: bool = True,
-    norm_split: Sequence[NamedSharding | None] | None = None,
+    norm_split: Sequence[NamedSharding | None] | None = None, finite_before: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array], Any, Any]:
     """Applies the averaged gradients: the new state, the averaged metrics (with
-    :data:`OPTIMIZER_METRICS`), the averaged gradients and the updates."""
+    :data:`OPTIMIZER_METRICS`), the averaged gradients and the updates.
+
+    With ``finite_before`` (whether every earlier loss and gradient norm was finite), a
+    step whose loss or gradient norm is not finite, or after one that was not, returns
+    the state as it was and zero updates.
+    """
     grads = lax.pmean(grads, axis)
-    params = state.params
-    updates, opt_state = state.tx.update(grads, state.opt_state, params)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=optax.apply_updates(params, updates),
-        model_state=mean_over_devices(dict(model_state), axis),
-        opt_state=opt_state,
-    )
     clash = sorted(set(metrics) & set(OPTIMIZER_METRICS))
     if clash:
         raise LossError(
@@ -206,8 +209,37 @@ def _updated(
             f"{list(OPTIMIZER_METRICS)}: rename them"
         )
     metrics = metrics_over_devices({"loss": loss, **metrics}, axis)
+    model_state = mean_over_devices(dict(model_state), axis)
     # Computed from the averaged (identical) values: the same on every device, no collective.
+    grad_norm = _norm(grads, norm_split) if with_optimizer_metrics else None
+
+    def apply(state: TrainState) -> tuple[TrainState, Any]:
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             model_state=model_state, opt_state=opt_state), updates
+
+    if finite_before is None:
+        new_state, updates = apply(state)
+    else:
+        keep = finite_before & jnp.isfinite(metrics["loss"])
+        if grad_norm is not None:  # where this step computes it: caught at its step
+            keep = keep & jnp.isfinite(grad_norm)
+        # A branch, not a `where` over the state: the update is made in place or not at all
+        # (a `where` kept a copy of the state and made a pass over it every step).
+        new_state, updates = lax.cond(keep, apply, functools.partial(_kept, apply, model_state), state)
     if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
-        metrics.update(_with_norm_of(_norm(_before(new_state.params, updates), norm_split), grads, updates,
-                                     norm_split))
+        assert grad_norm is not None
+        metrics.update(_with_norm_of(_norm(_before(new_state.params, updates), norm_split), grad_norm,
+                                     updates, norm_split))
     return new_state, metrics, grads, updates
+
+
+def _kept(apply: Callable[[TrainState], tuple[TrainState, Any]], model_state: Mapping[str, Any],
+          state: TrainState) -> tuple[TrainState, Any]:
+    """``state`` as it was (but the carried leaves whose shape a step changes, which cannot
+    be kept: sown collections) and zeros like ``apply``'s updates."""
+    _, updates = jax.eval_shape(apply, state)
+    carried = jax.tree.map(lambda new, old: old if jnp.shape(new) == jnp.shape(old) else new,
+                           dict(model_state), dict(state.model_state))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), updates)
+    return state.replace(model_state=carried), zeros

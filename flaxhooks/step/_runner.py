@@ -352,21 +352,16 @@ def _with_totals(step: Step, freeze: bool = False, due: tuple[StepContributor, .
     loss (or gradient norm) is not finite, and every later one, returns the state given."""
 
     def stepped(state: Any, batch: Any, totals: Totals, carries: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-        before = state
-        state, metrics, results = step(state, batch)
-        if carries:
-            results = tuple(result if carry is None else contributor.combine(carry, result)
-                            for contributor, carry, result in zip(due, carries, results, strict=True))
         if freeze and "loss" in totals.names:
             watched = [totals.names.index(name) for name in _WATCHED if name in totals.names]
             # Every loss and gradient norm so far was finite (each step's added to the totals).
-            keep = jnp.all(totals.counts[0, watched] == totals.counts[1, watched])
-            for name in _WATCHED:  # the gradient norm where this step computes it: caught at its step
-                if name in metrics:
-                    keep = keep & jnp.isfinite(metrics[name])
-            # A leaf whose shape a step changes (a sown collection carried as state) cannot be kept.
-            state = jax.tree.map(
-                lambda new, old: jnp.where(keep, new, old) if new.shape == old.shape else new, state, before)
+            finite_before = jnp.all(totals.counts[0, watched] == totals.counts[1, watched])
+            state, metrics, results = step(state, batch, finite_before)
+        else:
+            state, metrics, results = step(state, batch)
+        if carries:
+            results = tuple(result if carry is None else contributor.combine(carry, result)
+                            for contributor, carry, result in zip(due, carries, results, strict=True))
         return state, metrics, add_to_totals(totals, metrics), results
 
     stepped.__name__ = step.__name__  # compile counts are kept by name

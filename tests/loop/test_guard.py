@@ -5,6 +5,7 @@ replaying that step instrumented."""
 from __future__ import annotations
 
 import logging
+import re
 
 import flax.linen as nn
 import jax
@@ -164,6 +165,29 @@ def test_the_guard_changes_no_healthy_step_and_compiles_nothing_more():
         params = optax.apply_updates(params, updates)
     assert tree_allclose(trainer.state.params, params, rtol=1e-5)
     assert trainer.runner.traces == {"train_step": 1}
+
+
+def _copies_of_the_state(trainer: flaxhooks.Trainer, batch) -> tuple[int, str]:
+    """How many of the compiled step's inputs it copies, and its text."""
+    trainer.fit([batch], epochs=1)  # the runner as a fit leaves it: with the guard's freeze or not
+    state = trainer.init(batch)
+    step = trainer.runner.variant((), True)
+    lowered = step.lower(state, trainer.placement.put_batch(batch), trainer.runner.zero_totals(), ())
+    text = lowered.compile().as_text()
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}\n")]
+    inputs = set(re.findall(r"%(\S+) = \S+ parameter\(", entry))
+    return sum(1 for name in re.findall(r" copy\(%(\S+)\)", entry) if name in inputs), text
+
+
+def test_the_freeze_is_a_branch_that_copies_no_more_of_the_state_than_a_step_without_it():
+    """The guard keeps the state from before a NaN by updating it in a branch taken only while
+    every loss was finite: not a `where` over the state, which copied each donated leaf."""
+    batch = make_batches(1, batch_size=8)[0]
+    guarded, text = _copies_of_the_state(sgd_trainer(nn.Dense(3)), batch)
+    unguarded, _ = _copies_of_the_state(sgd_trainer(nn.Dense(3), if_nonfinite="off"), batch)
+    assert " conditional(" in text
+    assert guarded <= unguarded
 
 
 def test_every_steps_loss_and_gradient_norm_reach_loss_read_once_in_order_as_a_hand_loop_computes_them():

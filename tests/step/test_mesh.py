@@ -396,7 +396,9 @@ def test_on_cpu_devices_the_norms_add_no_collective_to_the_step():
     assert _collectives(_trainer(Big(), devices=devices), norms=False) == ["all-reduce"]
     shared = _trainer(Big(), devices=devices)
     shared.runner.SHARE_NORMS_ON = frozenset({"cpu"})  # as on GPU and TPU
-    assert _collectives(shared, norms=True) == ["all-reduce"] * 2  # the norms' parts, summed apart
+    # The norms' parts, summed apart: the gradients' before the update (the non-finite
+    # guard's freeze decides on it), the update's and the parameters' after.
+    assert _collectives(shared, norms=True) == ["all-reduce"] * 3
 
 
 def test_sharing_out_the_norms_leaves_the_data_parallel_update_whole_on_every_device():
