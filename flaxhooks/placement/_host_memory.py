@@ -27,14 +27,19 @@ def keep_freed_host_memory() -> bool:
 
     XLA:CPU allocates every buffer of a step with ``malloc``. glibc gives blocks of more
     than 128 KiB back to the operating system when they are freed (``munmap``, trimming
-    its heaps), so every step faults each page of its parameter-sized buffers in anew
-    (docs/guides/performance.md). The Trainer calls this on CPU devices; the process
-    keeps up to 512 MiB of freed memory.
+    its heaps; how soon depends on the process's history), so a step can fault each page
+    of its parameter-sized buffers in anew (docs/guides/performance.md). The Trainer
+    calls this on CPU devices; the process keeps up to 512 MiB of freed memory.
 
     Returns:
         Whether the allocator was changed: not where the C library is not glibc, where
         a ``MALLOC_*`` tunable is set in the environment (the user's choice stands), or
         where ``FLAXHOOKS_DEFAULT_MALLOC=1``.
+
+    Examples:
+        >>> from flaxhooks.placement import keep_freed_host_memory
+        >>> keep_freed_host_memory() == keep_freed_host_memory()  # asked once, answered for good
+        True
     """
     global _kept
     if _kept is None:

@@ -295,7 +295,7 @@ print(faults / len(batches), flaxhooks.placement.keep_freed_host_memory())
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator kept is glibc's")
-@pytest.mark.parametrize("variable", [None, "FLAXHOOKS_DEFAULT_MALLOC=1", "MALLOC_ARENA_MAX=4"],
+@pytest.mark.parametrize("variable", [None, "FLAXHOOKS_DEFAULT_MALLOC=1", "MALLOC_MMAP_THRESHOLD_=131072"],
                          ids=["kept", "opted-out", "the-users-malloc-settings-stand"])
 def test_a_cpu_trainer_keeps_freed_host_memory_so_steps_do_not_fault_their_pages_in_anew(variable):
     """glibc hands freed blocks of over 128 KiB back to the system, so each step of
@@ -312,7 +312,9 @@ def test_a_cpu_trainer_keeps_freed_host_memory_so_steps_do_not_fault_their_pages
     kernel_pages = 3136 * 256 * 4 // 4096  # the first Dense kernel, one of the step's buffers
     if variable is None:
         assert kept == "True" and float(faults_per_step) < kernel_pages / 4
-    else:
-        assert kept == "False"
-    if variable == "FLAXHOOKS_DEFAULT_MALLOC=1":  # glibc's default, as measured: ~3 kernels a step
+        return
+    assert kept == "False"
+    if variable.startswith("MALLOC_MMAP_THRESHOLD_"):
+        # glibc's first threshold, held (its default raises it as blocks are freed, so how
+        # often a default process faults depends on its history): every buffer is mapped anew.
         assert float(faults_per_step) > kernel_pages
