@@ -34,11 +34,11 @@ def slowed(batches, seconds=SLEEP):
     return epoch
 
 
-def loader_pace(steps: int) -> float:
+def loader_pace(steps: int, ahead: int = 1) -> float:
     """The most examples per second an interval of ``steps`` steps can show on
-    data slowed to one batch of 16 per ``SLEEP``: the input thread may have
-    begun reading the interval's first batch up to one batch's time before it."""
-    return 16 / SLEEP * steps / (steps - 1)
+    data slowed to one batch of 16 per ``SLEEP``: the input thread may have begun
+    reading the interval's first batch up to ``ahead`` batches' time before it."""
+    return 16 / SLEEP * steps / (steps - ahead)
 
 
 class Probe(flaxhooks.Callback):
@@ -75,8 +75,11 @@ def test_the_data_wait_is_the_share_the_slowed_loaders_sleeps_imply():
     implied = min(1.0, interval.steps * SLEEP / slow.wall)
     assert implied - 0.1 <= interval.data_wait <= 1.0, (interval, implied)
     assert interval.data_wait > 0.5 and interval.input_bound
-    # The loader sets the pace: no faster than it hands out batches.
-    assert 0.3 * 16 / SLEEP < interval.examples_per_sec < loader_pace(interval.steps)
+    # The loader sets the pace: no faster than it hands out batches. Steps this short may not
+    # have used up, when the interval begins, the batches read ahead while the step compiled:
+    # as many as the prefetch holds, and the one its thread holds until there is room.
+    ahead = flaxhooks.DevicePrefetch().size + 1
+    assert 0.3 * 16 / SLEEP < interval.examples_per_sec < loader_pace(interval.steps, ahead)
     # In-memory batches keep the loop waiting far less, and go far faster. (This model's steps
     # take about 0.3 ms, as long as the input thread's work on a batch: the loop may wait for it
     # half the time. A loader faster than the step hides entirely: the slow test below.)
@@ -184,7 +187,8 @@ def test_no_host_read_and_no_compilation_for_the_figures(monkeypatch, compiles):
     assert reads.count == 0
     assert dict(trainer.runner.traces) == {"train_step": 1}
     assert compiles.count("jit(train_step)") == 1
-    assert re.search(r"ex/s  data \d+%  [\d.]+ [kMG]?FLOP/s", console.file.getvalue())
+    # The data share is measured: past its threshold the line adds "(input-bound)".
+    assert re.search(r"ex/s  data \d+%(?: \(input-bound\))?  [\d.]+ [kMG]?FLOP/s", console.file.getvalue())
 
 
 def test_evaluations_are_left_out_of_the_interval():
