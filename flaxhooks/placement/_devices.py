@@ -95,7 +95,9 @@ def _local_copy(x: Any) -> Any:
 def first_replica(tree: Any) -> Any:
     """Pulls this process's copy of a replicated pytree to the host (waits for the values)."""
     if isinstance(tree, jax.Array):  # one array: no tree walk, no device_get (each costs more than the read)
-        return np.asarray(tree if tree.is_fully_addressable else _local_copy(tree))
+        # A replicated array reads one local copy itself, and keeps what copy_to_host_async fetched.
+        whole = tree.is_fully_addressable or tree.is_fully_replicated
+        return np.asarray(tree if whole else _local_copy(tree))
     return jax.device_get(device0_copy(tree))
 
 

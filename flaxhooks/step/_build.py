@@ -218,19 +218,26 @@ def _updated(
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                              model_state=model_state, opt_state=opt_state), updates
 
+    param_norm = None
     if finite_before is None:
         new_state, updates = apply(state)
     else:
         keep = finite_before & jnp.isfinite(metrics["loss"])
         if grad_norm is not None:  # where this step computes it: caught at its step
             keep = keep & jnp.isfinite(grad_norm)
+            # Taken before the branch that updates the parameters in place, and tied to it by a
+            # condition true for every value, NaN included (an optimization_barrier copied
+            # the parameters; so does reading them after the update).
+            param_norm = _norm(state.params, norm_split)
+            keep = keep & ~(param_norm < 0)
         # A branch, not a `where` over the state: the update is made in place or not at all
         # (a `where` kept a copy of the state and made a pass over it every step).
         new_state, updates = lax.cond(keep, apply, functools.partial(_kept, apply, model_state), state)
     if with_optimizer_metrics:  # three passes over parameter-sized arrays: the price is measured
         assert grad_norm is not None
-        metrics.update(_with_norm_of(_norm(_before(new_state.params, updates), norm_split), grad_norm,
-                                     updates, norm_split))
+        if param_norm is None:
+            param_norm = _norm(_before(new_state.params, updates), norm_split)
+        metrics.update(_with_norm_of(param_norm, grad_norm, updates, norm_split))
     return new_state, metrics, grads, updates
 
 

@@ -167,11 +167,11 @@ def test_the_guard_changes_no_healthy_step_and_compiles_nothing_more():
     assert trainer.runner.traces == {"train_step": 1}
 
 
-def _copies_of_the_state(trainer: flaxhooks.Trainer, batch) -> tuple[int, str]:
+def _copies_of_the_state(trainer: flaxhooks.Trainer, batch, norms: bool = True) -> tuple[int, str]:
     """How many of the compiled step's inputs it copies, and its text."""
     trainer.fit([batch], epochs=1)  # the runner as a fit leaves it: with the guard's freeze or not
     state = trainer.init(batch)
-    step = trainer.runner.variant((), True)
+    step = trainer.runner.variant((), norms)
     lowered = step.lower(state, trainer.placement.put_batch(batch), trainer.runner.zero_totals(), ())
     text = lowered.compile().as_text()
     entry = text[text.index("\nENTRY "):]
@@ -188,6 +188,9 @@ def test_the_freeze_is_a_branch_that_copies_no_more_of_the_state_than_a_step_wit
     unguarded, _ = _copies_of_the_state(sgd_trainer(nn.Dense(3), if_nonfinite="off"), batch)
     assert " conditional(" in text
     assert guarded <= unguarded
+    # The optimizer metrics read the parameters before the branch updates them in place: no copy.
+    lean, _ = _copies_of_the_state(sgd_trainer(nn.Dense(3)), batch, norms=False)
+    assert guarded <= lean
 
 
 def test_every_steps_loss_and_gradient_norm_reach_loss_read_once_in_order_as_a_hand_loop_computes_them():

@@ -26,8 +26,9 @@ def _run_recipe(*args, timeout=300, cwd=ROOT):
     )
 
 
-#: A short run: one epoch of 7 steps, no statistics.
-QUICK = ("--no-download", "--epochs", "1", "--batch-size", "512", "--stats-every", "0", "--cpu-devices", "2")
+#: A short run: one epoch of 7 steps, no statistics, no Diagnose (the run's tests need neither).
+QUICK = ("--no-download", "--epochs", "1", "--batch-size", "512", "--stats-every", "0",
+         "--diagnose-every", "0", "--cpu-devices", "2")
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -240,8 +241,8 @@ def test_default_run_reaches_96_percent_on_the_bundled_sample(tmp_path):
 def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, loader):
     if loader == "grain":
         pytest.importorskip("grain")
-    config = mnist.Config(epochs=2, download=False, stats_every=0, batch_size=256, checkpoint_every=5,
-                          loader=loader)
+    config = mnist.Config(epochs=2, download=False, stats_every=0, diagnose_every=0, batch_size=256,
+                          checkpoint_every=5, loader=loader)
     straight = mnist.train_and_evaluate(config, tmp_path / "straight")
     first = mnist.train_and_evaluate(dataclasses.replace(config, epochs=1), tmp_path / "resumed")
     assert first["steps"] == 4000 // 256
@@ -260,7 +261,7 @@ def test_sigterm_saves_and_says_how_to_resume(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
     args = ["--workdir", str(tmp_path), "--no-download", "--epochs", "2", "--stats-every", "0",
-            "--log-every", "5"]
+            "--diagnose-every", "0", "--log-every", "5"]
     recipe = subprocess.Popen(
         [sys.executable, "-m", "recipes.mnist", *args], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -318,7 +319,8 @@ def test_a_preempted_srun_job_saves_where_every_process_agrees_and_its_restart_r
 
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "recipes.mnist", "--no-download", "--epochs", "1", "--batch-size", "64",
-               "--stats-every", "0", "--log-every", "5", "--workdir", str(workdir), "--resume", "--fsdp"]
+               "--stats-every", "0", "--diagnose-every", "0", "--log-every", "5", "--workdir", str(workdir),
+               "--resume", "--fsdp"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["FLAXHOOKS_CACHE"] = str(ROOT / ".no-cache-for-tests")
 
