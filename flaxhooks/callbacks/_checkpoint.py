@@ -28,7 +28,7 @@ from flaxhooks.callbacks._data_positions import (
     read_legacy_positions,
     read_positions,
 )
-from flaxhooks.contract import Callback, Every, Loop, PeerLost, ProcessError, as_every
+from flaxhooks.contract import Callback, Every, Loop, PeerLost, ProcessError, as_every, note
 from flaxhooks.data import DataPosition
 from flaxhooks.placement import device0_copy
 from flaxhooks.processes import WAIT_NOTE_SECONDS, peer_gone, wait_ready
@@ -796,7 +796,7 @@ class Checkpoint(Callback):
 
     def _committed(self) -> None:
         """On orbax's thread, once the save in flight is in place."""
-        _log.info("saved checkpoint at step %d to %s", self._saved_step, _shown(self.directory))
+        note("saved checkpoint at step %d to %s", self._saved_step, _shown(self.directory))
 
     def _at_boundary(self, loop: Loop) -> bool:
         """Whether a KeyboardInterrupt left a whole step: its events all ran, no later step dispatched."""

@@ -86,6 +86,8 @@ class TensorBoard(Callback):
         self._carried: dict[str, Any] | None = None
         self._latest_totals: Totals | None = None
         self._timed: Reading | None = None  # the loop's clock at the last log
+        # The step at which the last fit's end wrote the steps since its last log, if it did.
+        self._partial_at: int | None = None
         self._charted: set[str] = set()  # the tags of the training category
         self._fits = 0
         self._state_has_learning_rate = True  # else not searched for every step
@@ -129,6 +131,9 @@ class TensorBoard(Callback):
         self._fits += 1
         self.close()  # a fit that never reached its end (killed between fits)
         layout = None
+        if loop.resumed_from is None and self._partial_at is not None:
+            self._carried = None  # the last fit's end wrote its window: this fit starts a new one
+        self._partial_at = None
         if loop.resumed_from is not None:
             self._drop_after(loop.resumed_from)
             # The charts the stopped run declared are in the files already.
@@ -173,7 +178,12 @@ class TensorBoard(Callback):
 
         Rewritten: TensorBoard's Rust loader ignores tensorboardX's purge_step records.
         """
-        dropped = truncate_events(self.logdir, step, written_after_saves=written_at_fit_end)
+        # A window the checkpoint carries was not logged at its step (a log there empties it) but by
+        # the fit's end, if at all: dropped, it is logged whole with the steps after it.
+        carried = self._carried is not None and self._carried.get("steps", 0) > 0
+        partial = (self.TRAIN_RUN,) if carried else ()
+        dropped = truncate_events(self.logdir, step, written_after_saves=written_at_fit_end,
+                                  runs_written_after_saves=partial)
         if dropped:
             _log.info("resuming at step %d: dropped %d TensorBoard events logged after it", step, dropped)
 
@@ -202,10 +212,7 @@ class TensorBoard(Callback):
             return
         start, end, carried = self._window_start, loop.totals, self._carried
         self._window_start, self._carried = end, None
-        # The rate of steps finished on the devices, not dispatched.
-        rate = self._rate(loop.settled_step if loop.settled_step is not None else loop.step)
-        extra = _known({"throughput/steps_per_s": rate, "optimizer/learning_rate": self._learning_rate(loop),
-                        **self._time_tags(loop)})
+        extra = self._extra_tags(loop)
         # No totals (a hand-made loop), or a window of one step: this step's own metrics, buffered.
         if end is None or (carried is None and self.every.steps == 1):
             loop.writers.step_scalars({**_tags(loop.metrics), **extra}, loop.step, run=self.TRAIN_RUN)
@@ -216,9 +223,23 @@ class TensorBoard(Callback):
 
         loop.writers.scalars(window, loop.step, run=self.TRAIN_RUN)
 
+    def _extra_tags(self, loop: Loop) -> dict[str, Any]:
+        """The rate of steps finished on the devices (not dispatched), the learning rate and the timings."""
+        rate = self._rate(loop.settled_step if loop.settled_step is not None else loop.step)
+        return _known({"throughput/steps_per_s": rate, "optimizer/learning_rate": self._learning_rate(loop),
+                       **self._time_tags(loop)})
+
     def on_fit_end(self, loop: Loop) -> None:
-        if loop.exception is None:  # a later fit goes on with this window
-            self._carried = self._pending_window()
+        if loop.exception is None:
+            # Every run leaves its curves: the steps since the last log are written now, as a
+            # (partial) window at the fit's last step, and kept for a checkpoint: a run resumed
+            # from here drops this point and logs the whole window where it falls.
+            pending = self._pending_window()
+            self._carried = pending
+            if pending and pending["steps"] and self.writer is not None and loop.step > 0:
+                means = _tags(window_means(pending))
+                loop.writers.scalars({**means, **self._extra_tags(loop)}, loop.step, run=self.TRAIN_RUN)
+                self._partial_at = loop.step
         self._window_start, self._latest_totals = None, None
 
     def _time_tags(self, loop: Loop) -> dict[str, float | None]:

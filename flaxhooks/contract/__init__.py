@@ -12,6 +12,7 @@ from flaxhooks.contract._findings import KINDS, Finding
 from flaxhooks.contract._loop import Loop, Request
 from flaxhooks.contract._loop import LoopRecord as LoopRecord  # for the loop and processes, not in __all__
 from flaxhooks.contract._loop import record_of as record_of
+from flaxhooks.contract._notes import note as note
 from flaxhooks.contract._plan import FitPlan
 from flaxhooks.contract._plan import check_fit as check_fit
 from flaxhooks.contract._restore import Restorer, SavedRun

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from flaxhooks.contract._notes import note
 from flaxhooks.data import DataPosition
 from flaxhooks.step import TrainState
-
-_log = logging.getLogger("flaxhooks")
 
 
 class SavedRun(Protocol):
@@ -55,5 +53,5 @@ def restore_latest(callbacks: Sequence[Any]) -> SavedRun | None:
             f"Trainer has {len(restorers)}")
     restored = restorers[0].restore_latest()
     if restored is None:
-        _log.info("nothing to resume from yet: starting afresh")
+        note("nothing to resume from yet: starting afresh")
     return restored

@@ -22,6 +22,7 @@ from flaxhooks.contract import (
     Loop,
     NonFiniteError,
     check_fit,
+    note,
     restore_latest,
 )
 from flaxhooks.data import BatchSpec, Data, DataSource, DevicePrefetch, EmptyDataError, HostBatch, fingerprint
@@ -194,7 +195,7 @@ class Trainer:
                                              abstract(state, plan.shardings), spec, self.model,
                                              self.callbacks, self.evaluations))
         if restored is not None:  # said once nothing refuses the run
-            _log.info("resuming from step %d (%s)", restored.step, restored.path)
+            note("resuming from step %d (%s)", restored.step, restored.path)
         record = {"batches": f"{spec.describe()} over {self.placement.describe()}", "length": source.length,
                   "start": [step, epoch, skip], "resumed": resumed, "first": fingerprint(first)}
         return Start(record, first, batches, step, epoch, skip, state, state is None, restored)

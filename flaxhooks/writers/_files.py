@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 
@@ -41,6 +41,7 @@ def _records(data: bytes) -> Iterator[tuple[int, bytes]]:
 
 def truncate_events(
     logdir: str, after_step: int, written_after_saves: Callable[[Any], bool] | None = None,
+    runs_written_after_saves: Collection[str] = (),
 ) -> int:
     """Drops the events after ``after_step`` under ``logdir`` (and half-written records), atomically.
 
@@ -49,6 +50,8 @@ def truncate_events(
     Args:
         written_after_saves: whether a main-run value was written after every
             checkpoint of its step (final results): dropped at ``after_step`` too.
+        runs_written_after_saves: runs (relative to ``logdir``) whose every value
+            at ``after_step`` was written after its checkpoint: dropped too.
 
     Returns:
         How many events were dropped (or cut to the values they keep).
@@ -58,6 +61,7 @@ def truncate_events(
     dropped = 0
     for root, _, names in os.walk(logdir):
         main_run = os.path.samefile(root, logdir)
+        whole_step = os.path.relpath(root, logdir) in runs_written_after_saves
         for name in names:
             if "tfevents" not in name:
                 continue
@@ -69,7 +73,8 @@ def truncate_events(
                 event = Event.FromString(payload)
                 record = data[start:end]
                 start = end
-                if event.step > after_step:
+                if event.step > after_step or (whole_step and event.step == after_step
+                                               and event.HasField("summary")):
                     dropped, changed = dropped + 1, True
                     continue
                 if main_run and written_after_saves is not None and event.step == after_step:

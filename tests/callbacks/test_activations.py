@@ -490,7 +490,8 @@ def test_each_layer_is_a_run_with_a_tag_per_statistic_scales_as_log10(tmp_path):
     sgd_trainer(Tapped(), callbacks=callbacks).fit(make_batches(6, batch_size=8), epochs=1)
     runs = read_runs(tmp_path)
     values = ("hidden", "shared/0", "shared/1", "head")
-    assert set(runs) == {".", *(f"layers/{v}" for v in (*values, "relu"))}
+    # (train: the fit's end writes its 6 steps' scalars.)
+    assert set(runs) == {".", "train", *(f"layers/{v}" for v in (*values, "relu"))}
     for value in values:
         assert set(runs[f"layers/{value}"].Tags()["scalars"]) == {
             "stats/activations/mean", "stats/activations/log10_std", "stats/activation_grads/log10_rms"}

@@ -151,8 +151,22 @@ def test_a_resumed_run_logs_the_same_window_means(tmp_path, error, resumed_from)
     resume_trainer(tmp_path / "run", log_every=4).fit(resume_data(), epochs=EPOCHS, resume=True)
     got = logged(tmp_path / "run" / "tensorboard")
     reference_logs = logged(tmp_path / "reference" / "tensorboard")
-    assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16]
+    assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16, 18]  # 18: the fit's end wrote 17-18
     assert_same_logs(got, reference_logs)
+
+
+def test_a_finished_run_continued_with_more_epochs_logs_as_one_run_of_them_all(tmp_path):
+    """The end of a 1-epoch run writes its last, partial window (steps 5-6) and saves it in the
+    checkpoint; a run resumed from there drops that point and logs steps 5-8 at step 8, as the
+    3-epoch run does."""
+    expected = resume_trainer(tmp_path / "reference", log_every=4)
+    expected.fit(resume_data(), epochs=EPOCHS)
+    resume_trainer(tmp_path / "run", log_every=4).fit(resume_data(), epochs=1)
+    assert [s for s, _ in logged(tmp_path / "run" / "tensorboard")["train/loss"]] == [4, 6]
+    resume_trainer(tmp_path / "run", log_every=4).fit(resume_data(), epochs=EPOCHS, resume=True)
+    got = logged(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16, 18]
+    assert_same_logs(got, logged(tmp_path / "reference" / "tensorboard"))
 
 
 def every_record(logdir) -> dict[tuple[str, str], list[tuple[int, object]]]:
@@ -738,3 +752,47 @@ def test_a_checkpoint_split_across_processes_by_0_8_reads_onto_any_mesh(tmp_path
         flaxhooks.ArrayLoader(make_arrays(64), batch_size=16, seed=1), epochs=2, resume=True)
     for got, saved in zip(jax.tree.leaves(resumed), expected.values(), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float64).ravel(), saved)
+
+
+_PLAIN_SCRIPT = """
+import logging, sys
+import flax.linen as nn, numpy as np, optax
+import flaxhooks
+
+workdir, logs = sys.argv[1], sys.argv[2]
+if logs == "root-info":
+    logging.basicConfig(level=logging.INFO)
+if logs == "flaxhooks-warning":
+    logging.getLogger("flaxhooks").setLevel(logging.WARNING)
+rng = np.random.default_rng(0)
+data = {"image": rng.normal(size=(64, 5)).astype(np.float32),
+        "label": rng.integers(0, 3, 64).astype(np.int32)}
+
+def loss(logits, batch):
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+def fit(**options):
+    trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), loss,
+                                callbacks=[flaxhooks.Checkpoint(workdir, every=2)])
+    trainer.fit(flaxhooks.ArrayLoader(data, 16, seed=0), **options)
+
+fit(epochs=1, resume=True)
+fit(epochs=2, resume=True)
+"""
+
+
+@pytest.mark.parametrize("logs", ["unset", "root-info", "flaxhooks-warning"])
+def test_a_plain_script_says_each_save_and_resume_in_one_line_and_logging_can_take_them(tmp_path, logs):
+    result = subprocess.run(["timeout", "-s", "KILL", "120", sys.executable, "-c", _PLAIN_SCRIPT,
+                             str(tmp_path / "ckpt"), logs],
+                            cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    where = str(tmp_path / "ckpt")
+    notes = ["nothing to resume from yet: starting afresh",
+             f"saved checkpoint at step 2 to {where}", f"saved checkpoint at step 4 to {where}",
+             f"resuming from step 4 ({where}/4)", f"saved checkpoint at step 6 to {where}",
+             f"saved checkpoint at step 8 to {where}"]
+    prefix = {"unset": "", "root-info": "INFO:flaxhooks:"}.get(logs)
+    said = [line for line in result.stderr.splitlines() if any(line.endswith(n) for n in notes)]
+    # Once each: on stderr as they are where logging is not set up, as logging says where it is.
+    assert said == ([] if prefix is None else [prefix + n for n in notes]), result.stderr[-3000:]

@@ -82,16 +82,41 @@ def test_train_and_eval_are_sub_runs_with_the_same_tags_and_train_logs_window_me
                      "train/data_wait", "train/device_wait", "train/examples_per_sec", "train/flops_per_sec"}
     assert set(read(tmp_path / "eval").Tags()["scalars"]) == {"loss", "accuracy"}
     assert read(tmp_path).Tags()["scalars"] == []
-    # Each point is the mean over the steps since the previous one (steps 1-3, then 4-6).
+    # Each point is the mean over the steps since the previous one (steps 1-3, 4-6, and the
+    # fit's end writes 7-8).
     for tag, name in (("loss", "loss"), ("optimizer/grad_norm", "grad_norm")):
         logged = scalars(tmp_path, tag, "train")
-        assert [step for step, _ in logged] == [3, 6]
-        for (step, value), first in zip(logged, (1, 4), strict=True):
+        assert [step for step, _ in logged] == [3, 6, 8]
+        for (step, value), first in zip(logged, (1, 4, 7), strict=True):
             expected = np.mean([keep.metrics[s][name] for s in range(first, step + 1)])
             assert value == pytest.approx(expected, rel=1e-6), tag
     assert [step for step, _ in scalars(tmp_path, "accuracy", "eval")] == [4, 8]
     final = evaluate.result.metrics["loss"]
     assert scalars(tmp_path, "loss", "eval")[-1][1] == pytest.approx(final, rel=1e-6)
+
+
+def test_a_run_shorter_than_the_log_interval_leaves_its_curve_and_a_later_fit_starts_a_new_window(tmp_path):
+    keep = KeepMetrics()
+    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, every=50), keep])
+    trainer.fit(make_batches(4), epochs=2)  # 8 steps, no log due: the fit's end writes them
+    trainer.fit(make_batches(4), epochs=3)  # steps 9-12: their own window, not steps 1-12 again
+
+    def mean(name, first, last):
+        return np.mean([keep.metrics[s][name] for s in range(first, last + 1)])
+
+    for tag, name in (("loss", "loss"), ("optimizer/grad_norm", "grad_norm")):
+        logged = scalars(tmp_path, tag, "train")
+        assert [step for step, _ in logged] == [8, 12]
+        assert logged[0][1] == pytest.approx(mean(name, 1, 8), rel=1e-6), tag
+        assert logged[1][1] == pytest.approx(mean(name, 9, 12), rel=1e-6), tag
+    tags = set(read(tmp_path / "train").Tags()["scalars"])
+    assert {"throughput/steps_per_s", "train/examples_per_sec"} <= tags
+
+
+def test_a_fit_ending_on_a_log_step_writes_no_second_point(tmp_path):
+    trainer = sgd_trainer(callbacks=[TensorBoard(tmp_path, every=4)])
+    trainer.fit(make_batches(4), epochs=2)
+    assert [step for step, _ in scalars(tmp_path, "loss", "train")] == [4, 8]
 
 
 def test_the_layout_opens_on_train_and_eval_charts(tmp_path):
@@ -163,7 +188,7 @@ def test_hyperparameters_are_the_main_runs_hparams_session_linked_to_the_eval_me
     trainer.fit(make_batches(2), epochs=2)  # written once: TensorBoard reads a run's first record
     text = read(tmp_path).Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| learning_rate | 0.1 |" in text and "| model | mlp |" in text
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["eval"]  # no HParams run
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["eval", "train"]  # no HParams run
     found = {tag: value for _, tag, value in records(tmp_path, "hparams")}
     assert len(records(tmp_path, "hparams")) == 3
     start = metadata.parse_session_start_info_plugin_data(

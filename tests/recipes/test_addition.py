@@ -244,9 +244,9 @@ def test_parse_config_reads_every_option():
 
 # Runs.
 
-#: A tiny run: one epoch of 2-digit sums, a few steps.
+#: A tiny run: one epoch of 2-digit sums, a few steps, no Diagnose (its tests run it).
 TINY = ("--digits", "2", "--train-examples", "512", "--eval-examples", "100", "--width", "32",
-        "--batch-size", "128", "--epochs", "1")
+        "--batch-size", "128", "--epochs", "1", "--diagnose-every", "0")
 
 
 @pytest.mark.slow
