@@ -34,6 +34,7 @@ class Config:
     """The recipe's settings; every field is a command-line option."""
 
     api: str = "linen"
+    precision: str = "float32"
     epochs: int = 10
     batch_size: int = 128
     eval_batch_size: int = 1000
@@ -62,6 +63,8 @@ class Config:
 
 _HELP = {
     "api": "the Flax API the CNN is written with: the same network either way",
+    "precision": "what the layers compute in: 'float32', or 'bf16' (bfloat16, the parameters and the "
+                 "loss staying float32)",
     "epochs": "passes over the training set",
     "batch_size": "global batch size, split over the devices",
     "eval_batch_size": "evaluation batch size; the last, smaller batch is padded, not dropped",
@@ -102,7 +105,7 @@ _HELP = {
 }
 
 #: Options that take one of a few values, and the least value of numeric ones.
-_CHOICES = {"api": ("linen", "nnx")}
+_CHOICES = {"api": ("linen", "nnx"), "precision": ("float32", "bf16")}
 _AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate": 0.0, "log_every": 1,
              "stats_every": 0, "diagnose_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1,
              "cpu_devices": 1, "num_processes": 1, "process_id": 0}
@@ -115,7 +118,7 @@ _PLACEMENT = ("cpu_devices", "mesh", "fsdp", "coordinator", "num_processes", "pr
 
 #: The settings runs are compared by in TensorBoard's HParams tab (with the
 #: data and the model's size); the rest (paths, logging, placement) are not results.
-_COMPARED = ("api", "epochs", "batch_size", "learning_rate", "momentum", "seed")
+_COMPARED = ("api", "precision", "epochs", "batch_size", "learning_rate", "momentum", "seed")
 
 
 def train_loader(config: Config, arrays: dict[str, Any], batch_size: int) -> Any:
@@ -182,6 +185,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         Errors are raised as they are (``main`` turns refusals into one line).
     """
     import jax
+    import jax.numpy as jnp
     import optax
     from flax import nnx
 
@@ -189,8 +193,12 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     from recipes import mnist_data
     from recipes.models import CNN, NNXCNN, cross_entropy_loss
 
+    dtypes = {"float32": jnp.float32, "bf16": jnp.bfloat16}
+    if config.precision not in dtypes:
+        raise ValueError(f"--precision must be one of {sorted(dtypes)}, got {config.precision!r}")
+    dtype = dtypes[config.precision]
     models: dict[str, Callable[[], CNN | NNXCNN]] = {
-        "linen": CNN, "nnx": lambda: NNXCNN(nnx.Rngs(config.seed))}
+        "linen": lambda: CNN(dtype=dtype), "nnx": lambda: NNXCNN(nnx.Rngs(config.seed), dtype=dtype)}
     if config.api not in models:
         raise ValueError(f"--api must be one of {sorted(models)}, got {config.api!r}")
     Path(workdir).mkdir(parents=True, exist_ok=True)

@@ -116,6 +116,7 @@ def test_the_closing_command_installs_tensorboard_when_it_is_missing(monkeypatch
 
 def test_usage_errors_are_argparse_errors():
     for args, message in ((("--api", "torch"), "invalid choice: 'torch' (choose from 'linen', 'nnx')"),
+                          (("--precision", "fp16"), "invalid choice: 'fp16' (choose from 'float32', 'bf16')"),
                           (("--epochs", "0"), "must be at least 1, got 0")):
         result = _run_recipe(*args)
         assert result.returncode == 2 and result.stderr.splitlines() == [
@@ -208,6 +209,15 @@ def test_one_epoch_smoke(tmp_path, capsys):
     assert result["examples"] == 1000  # every held-out digit of the bundled sample
     assert result["steps"] == 4000 // 128
     assert result["accuracy"] > 0.6  # one epoch; the 96% target is checked below
+
+
+@pytest.mark.slow
+def test_a_bfloat16_run_learns_as_a_float32_one_does(tmp_path):
+    config = mnist.Config(epochs=1, precision="bf16", download=False, stats_every=0, diagnose_every=0)
+    result = mnist.train_and_evaluate(config, tmp_path)
+    assert result["accuracy"] > 0.6, result  # as the float32 run of one epoch (test_one_epoch_smoke)
+    options = json.loads((tmp_path / "options.json").read_text())
+    assert options["precision"] == "bf16"
 
 
 @pytest.mark.slow
