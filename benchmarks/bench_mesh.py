@@ -76,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import flaxhooks
+from benchmarks.rounds import alternate
 from recipes.models import CNN, cross_entropy_loss
 
 HostBatch = dict[str, Any]
@@ -297,19 +298,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             run()
         if auto is not None:
             run()  # compiles the chosen count and the fit's tail
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    busy: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     print(f"mesh step: {devices} device(s), batch {args.batch_size}, {args.steps} steps x {args.rounds} "
           f"rounds; each segment a whole fit (or hand loop) from the same state, the order rotated per round")
-    for index in range(args.rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            start, cpu = time.perf_counter(), time.process_time()
-            runs[name]()
-            wall = time.perf_counter() - start
-            rates[name].append(args.steps / wall)
-            busy[name].append((time.process_time() - cpu) / wall)
-        print(f"round {index + 1}: " + "  ".join(f"{n} {rates[n][-1]:.1f}" for n in names) + " steps/s")
+    rates, busy = alternate(runs, args.rounds, args.steps)
 
     def over(name: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(rates[name], rates[base], strict=True))

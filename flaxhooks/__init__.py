@@ -54,7 +54,7 @@ from flaxhooks.eval import EvalResult, LossAccuracy
 from flaxhooks.loop import NonFiniteGuard, Trainer
 from flaxhooks.placement import FSDP, Replicated, ShardingError, use_cpu_devices
 from flaxhooks.processes import TrainingInterrupted, run_directory
-from flaxhooks.step import AXIS, LossError, TrainState, as_model
+from flaxhooks.step import AXIS, LossError, TrainState, as_model, ema_params, with_ema
 from flaxhooks.writers import LogdirError
 
 __all__ = [
@@ -104,8 +104,11 @@ __all__ = [
     "Trainer",
     "TrainingInterrupted",
     "as_model",
+    "ema_params",
     "run_directory",
-    "use_cpu_devices",]
+    "use_cpu_devices",
+    "with_ema",
+]
 
 __version__ = "0.8.0.dev0"
 

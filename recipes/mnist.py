@@ -40,6 +40,8 @@ class Config:
     eval_batch_size: int = 1000
     learning_rate: float = 0.1
     momentum: float = 0.9
+    accumulate: int = 1
+    ema: float = 0.0
     seed: int = 0
     data_dir: str | None = None
     cache_dir: str | None = None
@@ -70,6 +72,10 @@ _HELP = {
     "eval_batch_size": "evaluation batch size; the last, smaller batch is padded, not dropped",
     "learning_rate": "SGD learning rate",
     "momentum": "SGD momentum",
+    "accumulate": "gradient accumulation: take each batch in this many micro-batches, one after another, "
+                  "for one update (the batch's; less memory for the activations)",
+    "ema": "also keep an exponential moving average of the weights with this decay, in [0, 1) (e.g. "
+           "0.999; 0 for none), and evaluate it beside them (the eval_ema run)",
     "seed": "seed for initialization and shuffling",
     "data_dir": "directory holding the four MNIST .gz files, checked by sha256 (default: the cache dir)",
     "cache_dir": "where downloaded MNIST is kept (default: $FLAXHOOKS_CACHE, else "
@@ -107,6 +113,7 @@ _HELP = {
 #: Options that take one of a few values, and the least value of numeric ones.
 _CHOICES = {"api": ("linen", "nnx"), "precision": ("float32", "bf16")}
 _AT_LEAST = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "learning_rate": 0.0, "log_every": 1,
+             "accumulate": 1, "ema": 0.0,
              "stats_every": 0, "diagnose_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1,
              "cpu_devices": 1, "num_processes": 1, "process_id": 0}
 
@@ -118,7 +125,8 @@ _PLACEMENT = ("cpu_devices", "mesh", "fsdp", "coordinator", "num_processes", "pr
 
 #: The settings runs are compared by in TensorBoard's HParams tab (with the
 #: data and the model's size); the rest (paths, logging, placement) are not results.
-_COMPARED = ("api", "precision", "epochs", "batch_size", "learning_rate", "momentum", "seed")
+_COMPARED = ("api", "precision", "epochs", "batch_size", "learning_rate", "momentum", "accumulate", "ema",
+             "seed")
 
 
 def train_loader(config: Config, arrays: dict[str, Any], batch_size: int) -> Any:
@@ -163,7 +171,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         workdir: where the run writes its files.
 
     Returns:
-        The final held-out ``accuracy`` and ``loss``, the number of ``examples``
+        The final held-out ``accuracy`` and ``loss`` (with ``config.ema``, the moving
+        average's as ``ema_accuracy`` and ``ema_loss``), the number of ``examples``
         evaluated and the number of train ``steps``. Checkpoints go to
         ``workdir/checkpoints`` (each epoch's end, every ``checkpoint_every``
         steps, and on Ctrl-C or SIGTERM, after which
@@ -213,7 +222,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
                     config.batch_size // processes)
     test = {"image": _images(data.test_images), "label": data.test_labels}
     # Every test digit, exactly once, at each epoch's end.
-    evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="eval")
+    evaluation = flaxhooks.Evaluate(test, at_epoch_end=True, batch_size=config.eval_batch_size, name="eval",
+                                    weights="both" if config.ema else "trained")
     lines: list[str] = []  # what runs, said once the Trainer has accepted the run
     callbacks: list[flaxhooks.Callback] = [
         _run_start(config, workdir, lines),
@@ -238,10 +248,12 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
             flaxhooks.ParamStats(every=config.stats_every),
         ]
     mesh_sizes = _common.parse_mesh(config.mesh or f"data={jax.device_count()}", jax.device_count())
+    optimizer = optax.sgd(config.learning_rate, config.momentum)
     trainer = flaxhooks.Trainer(
         models[config.api](),
-        optax.sgd(config.learning_rate, config.momentum),
+        flaxhooks.with_ema(optimizer, config.ema) if config.ema else optimizer,
         cross_entropy_loss,
+        accumulate=config.accumulate,
         seed=config.seed,
         callbacks=callbacks,
         mesh=_common.mesh_of(mesh_sizes),
@@ -268,8 +280,13 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         f"({final.examples} {data.source} MNIST test digits, step {int(state.step)})",
         flush=True,
     )
+    averaged = evaluation.ema_result
+    if averaged is not None:
+        say(f"the weights' moving average (--ema {config.ema:g}): held-out accuracy "
+            f"{averaged.metrics['accuracy']:.4f}  loss {averaged.metrics['loss']:.4f}", flush=True)
     say(_viewing(logdir), flush=True)
-    return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
+    ema = {} if averaged is None else {f"ema_{k}": v for k, v in averaged.metrics.items()}
+    return {**final.metrics, **ema, "examples": final.examples, "steps": int(state.step)}
 
 
 def resumed_config(config: Config, given: set[str], workdir: str | Path) -> Config:
@@ -297,6 +314,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]
     args = vars(parser.parse_args(argv))
     if args["loader"] == "grain" and importlib.util.find_spec("grain") is None:
         parser.error("--loader grain needs grain: pip install 'flaxhooks[grain]' (Python 3.11 or later)")
+    if not args["ema"] < 1:
+        parser.error(f"argument --ema: must be less than 1, got {args['ema']:g}")
     workdir = args.pop("workdir")
     return Config(**args), workdir
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from flaxhooks.contract import Callback, Every, FitPlan, Loop, as_every, refuse_time_on_several_processes
 from flaxhooks.eval import EvalResult, Metrics
+from flaxhooks.step import ema_params
 
 
 class Evaluate(Callback):
@@ -19,6 +20,10 @@ class Evaluate(Callback):
         at_epoch_end: also evaluate at the end of each epoch.
         batch_size: batch size for arrays (default: the training batch size).
         metrics: a clu Collection or Metric class, or ``{name: Metric}`` (default: loss and accuracy).
+        name: the evaluation's name (its TensorBoard run).
+        weights: ``"trained"`` (the parameters), ``"ema"`` (their moving average, which the optimizer
+            keeps: :func:`flaxhooks.with_ema`) or ``"both"``: the EMA weights' evaluation is then
+            ``name + "_ema"`` (its own run, beside the other on each chart) and :attr:`ema_result`.
 
     Examples:
         >>> import numpy as np, flaxhooks
@@ -27,24 +32,35 @@ class Evaluate(Callback):
     """
 
     def __init__(self, data: Any, *, every: Every | int | None = None, at_epoch_end: bool = True,
-                 batch_size: int | None = None, metrics: Metrics | None = None, name: str = "eval"):
+                 batch_size: int | None = None, metrics: Metrics | None = None, name: str = "eval",
+                 weights: str = "trained"):
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
         self.data = data
+        self.weights = weights
         self.every = None if every is None else as_every(every)
         self.at_epoch_end = at_epoch_end
         self.batch_size = batch_size
         self.metrics = metrics
         self.name = name
-        #: The latest result.
+        #: The latest result (of the EMA weights where ``weights="ema"``).
         self.result: EvalResult | None = None
+        #: With ``weights="both"``, the EMA weights' latest result.
+        self.ema_result: EvalResult | None = None
         self._evaluated_step: int | None = None
         self._pending = False  # due by time inside a dispatch of several steps
 
     def __repr__(self) -> str:
-        return f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end})"
+        weights = "" if self.weights == "trained" else f", weights={self.weights!r}"
+        return (f"Evaluate(name={self.name!r}, every={self.every!r}, at_epoch_end={self.at_epoch_end}"
+                f"{weights})")
 
     def check_fit(self, plan: FitPlan) -> None:
         """Refuses an eval set that cannot be evaluated, and a schedule by time on several processes."""
         refuse_time_on_several_processes(self.every, self, "evaluate")
+        if self.weights != "trained" and ema_params(plan.state) is None:
+            raise ValueError(f"{self!r} evaluates the moving average of the weights, which the optimizer "
+                             "does not keep: train with flaxhooks.with_ema(optimizer, decay)")
         plan.check_evaluation(self.data, batch_size=self.batch_size, metrics=self.metrics, name=self.name)
 
     def on_fit_start(self, loop: Loop) -> None:
@@ -63,11 +79,12 @@ class Evaluate(Callback):
             self._evaluate(loop)
 
     def state_dict(self) -> dict[str, Any]:
-        """The latest result, so a resumed run still has it."""
-        return {"result": None if self.result is None else dataclasses.asdict(self.result)}
+        """The latest results, so a resumed run still has them."""
+        return {"result": _saved(self.result), "ema_result": _saved(self.ema_result)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.result = None if state["result"] is None else EvalResult(**state["result"])
+        self.result = _loaded(state["result"])
+        self.ema_result = _loaded(state.get("ema_result"))  # saved since 0.8
 
     def on_epoch_end(self, loop: Loop) -> None:
         # Not for an epoch cut short by a signal: the resumed run evaluates it.
@@ -78,8 +95,25 @@ class Evaluate(Callback):
         if self._evaluated_step == loop.step or loop.diverged is not None:
             return  # due twice at one step (every N and epoch end), or the state holds NaN
         self._evaluated_step = loop.step
-        self.result = loop.evaluate(self.data, batch_size=self.batch_size, metrics=self.metrics,
-                                    name=self.name)
+        options = {"batch_size": self.batch_size, "metrics": self.metrics}
+        if self.weights != "ema":
+            self.result = loop.evaluate(self.data, name=self.name, **options)
+        if self.weights == "ema":
+            self.result = loop.evaluate(self.data, name=self.name, weights="ema", **options)
+        elif self.weights == "both":
+            self.ema_result = loop.evaluate(self.data, name=f"{self.name}_ema", weights="ema", **options)
+
+
+#: What :class:`Evaluate` can evaluate: the trained parameters, their moving average, or both.
+WEIGHTS = ("trained", "ema", "both")
+
+
+def _saved(result: EvalResult | None) -> dict[str, Any] | None:
+    return None if result is None else dataclasses.asdict(result)
+
+
+def _loaded(saved: dict[str, Any] | None) -> EvalResult | None:
+    return None if saved is None else EvalResult(**saved)
 
 
 class EarlyStopping(Callback):

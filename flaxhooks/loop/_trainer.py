@@ -40,7 +40,7 @@ from flaxhooks.placement import (
     keep_freed_host_memory,
 )
 from flaxhooks.processes import TrainingInterrupted, stop_on_signals, stops_for, wait_ready
-from flaxhooks.step import LossFn, Model, StatePlan, StepRunner, TrainState, as_model
+from flaxhooks.step import LossFn, Model, StatePlan, StepRunner, TrainState, as_model, with_ema_weights
 from flaxhooks.step import abstract as abstract
 from flaxhooks.step import placed as placed
 
@@ -73,6 +73,10 @@ class Trainer:
         steps_per_dispatch: the most training steps compiled into one call (a ``lax.scan``), every
             callback still seeing every step; ``"auto"``: doubled from 1 while it measures faster
             (docs/guides/performance.md).
+        accumulate: gradient accumulation: each step takes its batch in this many micro-batches, one
+            after another inside the compiled step, and makes one update of their mean gradient (the
+            batch's, within float rounding); callbacks see one step per update
+            (docs/guides/performance.md).
         **model_options: deprecated (goes in 0.9): :func:`flaxhooks.as_model`'s options.
 
     Examples:
@@ -98,7 +102,8 @@ class Trainer:
         max_steps_in_flight: int = 2, peer_timeout: float = 600.0, pipeline: DevicePrefetch | None = None,
         mesh: Mesh | None = None, shard: ShardRule | None = None,
         axis_rules: AxisRules | None = None, data_axis: str = DATA_AXIS, optimizer_metrics: bool | int = True,
-        if_nonfinite: str = "stop", steps_per_dispatch: int | str = 1, **model_options: Any,
+        if_nonfinite: str = "stop", steps_per_dispatch: int | str = 1, accumulate: int = 1,
+        **model_options: Any,
     ):
         if peer_timeout <= 0:
             raise ValueError(f"peer_timeout must be positive, got {peer_timeout}")
@@ -118,7 +123,8 @@ class Trainer:
             if steps_per_dispatch == "auto" else cast(int, steps_per_dispatch)
         self.devices: list[jax.Device] = self.placement.local_devices  # this process's, of the mesh
         self.pipeline = pipeline or DevicePrefetch()
-        self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight, optimizer_metrics)
+        self.runner = StepRunner(model, loss_fn, self.placement, max_steps_in_flight, optimizer_metrics,
+                                 accumulate)
         self.evaluations = Evaluations(model, example_loss_fn or per_example(loss_fn), label_key,
                                        self.placement, wait=wait_ready)
         self.bus = HookBus(NonFiniteGuard.added_to(callbacks, if_nonfinite))
@@ -210,7 +216,7 @@ class Trainer:
 
     def evaluate(
         self, data: Any, *, batch_size: int | None = None, metrics: Metrics | None = None,
-        name: str = "eval", state: TrainState | None = None, check: bool = False,
+        name: str = "eval", state: TrainState | None = None, check: bool = False, weights: str = "trained",
     ) -> EvalResult | None:
         """Evaluates each example of ``data`` once (inference mode), emitting ``eval_start`` and ``eval_end``.
 
@@ -220,6 +226,8 @@ class Trainer:
             metrics: a clu Collection or Metric class, or ``{name: Metric}`` (default: loss, accuracy).
             state: the state to evaluate (default: the current one).
             check: only check, on abstract values, that ``data`` can be evaluated.
+            weights: ``"trained"``: the parameters; ``"ema"``: their moving average, which the
+                optimizer keeps (:func:`flaxhooks.with_ema`).
 
         Raises:
             BatchError, EmptyDataError: bad data, before anything compiles.
@@ -239,6 +247,10 @@ class Trainer:
             raise ValueError("nothing to evaluate yet: call fit first, or pass state=")
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
+        if weights not in ("trained", "ema"):
+            raise ValueError(f"weights must be 'trained' or 'ema', got {weights!r}")
+        if weights == "ema":
+            state = with_ema_weights(state)
         if check:
             self.evaluations.check(state, data, batch_size, metrics, name)
             return None

@@ -17,6 +17,8 @@ from flaxhooks.step._build import (
 )
 from flaxhooks.step._call import InputKeys, ModelCall
 from flaxhooks.step._contributor import StepContributor, WithLayout
+from flaxhooks.step._ema import EmaState, ema_params, with_ema
+from flaxhooks.step._ema import with_ema_weights as with_ema_weights
 from flaxhooks.step._linen import LinenModel
 from flaxhooks.step._model import AXIS, Batch, Model, RecordedCall, axis_name
 from flaxhooks.step._model import in_global_view as in_global_view
@@ -62,8 +64,8 @@ from flaxhooks.step._totals import (
 __all__ = [
     "ACTIVATION_STATS", "AXIS", "GRADIENT_STATS", "InputKeys", "LinenModel", "LossError", "LossFn", "Model",
     "ModuleFilter", "NNXModel", "PARAM_STATS", "RecordedCall", "RepeatedTap", "StepContributor", "Tap",
-    "Tapped", "Taps", "Totals", "TrainState", "WithLayout", "select_modules", "tap_stats", "window_means",
-    "window_sums",
+    "Tapped", "Taps", "Totals", "TrainState", "WithLayout", "EmaState", "ema_params", "select_modules",
+    "tap_stats", "window_means", "window_sums", "with_ema",
 ]
 
 

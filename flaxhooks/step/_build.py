@@ -68,7 +68,8 @@ def _scalar_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array
 
 def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
                inside: Sequence[InsideStep] = (), with_optimizer_metrics: bool = True,
-               norm_split: Sequence[NamedSharding | None] | None = None) -> Step:
+               norm_split: Sequence[NamedSharding | None] | None = None, accumulate: int = 1,
+               micro_place: NamedSharding | None = None, unroll_micro_batches: bool = False) -> Step:
     """The pure train step for one share of the batch, averaging gradients, carried
     state and metrics over the model's ``axis_name``. With ``taps`` it exposes
     intermediate values (gradients in the same backward pass) and returns each
@@ -77,42 +78,68 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
     The step's optional third argument, ``finite_before`` (whether every earlier loss and
     gradient norm was finite), makes a step whose loss or gradient norm is not finite,
     and every later one, return the state it was given (the non-finite guard's freeze).
+
+    With ``accumulate`` k > 1 the batch is taken in k micro-batches, one after another in
+    a ``lax.scan`` (micro-batch j holds examples j, j + k, ...: each device splits its own
+    share, laid out by ``micro_place``), and the mean of their gradients makes one update:
+    the loss, metrics and taps are those of the whole batch (see :func:`join_micro_batches`);
+    ``unroll_micro_batches`` writes that loop out.
     """
     taps = taps or Taps()
     axis = axis_name(model)
     instrumented = taps != Taps() or bool(inside)
 
-    def train_step(
-        state: TrainState, batch: Batch, finite_before: jax.Array | None = None
-    ) -> tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]:
-        rngs = step_rngs(state.rng, state.step, model.rng_names, axis)
-        if not instrumented:
-            def objective(params):
-                outputs, model_state = model.apply(params, state.model_state, batch, train=True, rngs=rngs)
-                loss, metrics = _scalar_loss(loss_fn, outputs, batch)
-                return loss, (metrics, model_state)
+    def objective(params: Any, model_state: Any, batch: Batch, rngs: Mapping[str, jax.Array]) -> Any:
+        outputs, model_state = model.apply(params, model_state, batch, train=True, rngs=rngs)
+        loss, metrics = _scalar_loss(loss_fn, outputs, batch)
+        return loss, (metrics, model_state)
 
-            (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-            new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis,
-                                                with_optimizer_metrics, norm_split, finite_before)
-            return new_state, metrics, ()
+    def lean_micro_step(params: Any, model_state: Any, batch: Batch, rngs: Mapping[str, jax.Array]) -> Any:
+        (loss, (metrics, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, model_state, batch, rngs)
+        return grads, model_state, ((loss, metrics), ())
 
-        recorded = model.tap(state.model_state, batch, rngs=rngs, taps=taps)
+    recordings: list[tuple[Any, Any, Any]] = []  # the latest traced call's recorded call and layouts
 
-        def recorded_objective(params, perturbations):
+    def tapped_micro_step(params: Any, model_state: Any, batch: Batch, rngs: Mapping[str, jax.Array]) -> Any:
+        recorded = model.tap(model_state, batch, rngs=rngs, taps=taps)
+
+        def recorded_objective(params: Any, perturbations: Any) -> Any:
             outputs, model_state, activations = recorded(params, perturbations)
             loss, metrics = _scalar_loss(loss_fn, outputs, batch)
             return loss, (metrics, model_state, outputs, _values_apart(activations))
 
         (loss, (metrics, model_state, outputs, found)), (grads, perturbation_grads) = jax.value_and_grad(
             recorded_objective, argnums=(0, 1), has_aux=True
-        )(state.params, recorded.perturbations(state.params))
+        )(params, recorded.perturbations(params))
+        gradients = _values_apart(recorded.gradients(perturbation_grads))
+        recordings[:] = [(recorded, found.layout, gradients.layout)]
+        return grads, model_state, ((loss, metrics, outputs, found.values), gradients.values)
+
+    def train_step(
+        state: TrainState, batch: Batch, finite_before: jax.Array | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array], tuple[Any, ...]]:
+        rngs = step_rngs(state.rng, state.step, model.rng_names, axis)
+        micro_step = tapped_micro_step if instrumented else lean_micro_step
+        if accumulate == 1:
+            grads, model_state, found = micro_step(state.params, state.model_state, batch, rngs)
+        else:
+            grads, model_state, found = accumulated(micro_step, state.params, state.model_state, batch, rngs,
+                                                    accumulate, micro_place, unroll_micro_batches)
+        found, gradient_values = found
+        if not instrumented:
+            loss, metrics = found
+            new_state, metrics, _, _ = _updated(state, grads, model_state, loss, metrics, axis,
+                                                with_optimizer_metrics, norm_split, finite_before)
+            return new_state, metrics, ()
+
+        loss, metrics, outputs, activation_values = found
+        recorded, activation_layout, gradient_layout = recordings[-1]
         devices = lax.psum(1, axis)
-        activations = _values_joined(found)
+        activations = _values_joined(WithLayout(activation_values, activation_layout))
         # Gradients of the mean loss over all devices, as for the parameters.
-        gradients = tuple(
-            dataclasses.replace(t, value=t.value / devices) for t in recorded.gradients(perturbation_grads)
-        )
+        gradients = tuple(dataclasses.replace(t, value=t.value / devices)
+                          for t in _values_joined(WithLayout(gradient_values, gradient_layout)))
         recorded.finish(activations, gradients)
         new_state, metrics, grads, updates = _updated(state, grads, model_state, loss, metrics, axis,
                                                       with_optimizer_metrics, norm_split, finite_before)
@@ -125,6 +152,80 @@ def build_step(model: Model, loss_fn: LossFn, taps: Taps | None = None,
 
     train_step.__name__ = "instrumented_step" if instrumented else "train_step"
     return train_step
+
+
+#: ``micro_step(params, model_state, batch, rngs) -> (grads, model_state, (found, gradients))``: one
+#: batch's parameter gradients, carried state, what it found (loss, metrics and, instrumented, the
+#: outputs and activations) and the gradients of its loss with respect to values it exposes.
+MicroStep = Callable[[Any, Any, Batch, Mapping[str, jax.Array]], tuple[Any, Any, Any]]
+
+
+def micro_batches(batch: Batch, count: int, place: NamedSharding | None = None) -> Batch:
+    """``batch`` as ``count`` micro-batches stacked on a new leading axis; micro-batch j holds
+    examples j, j + count, ..., so each device's (contiguous) share splits where it is."""
+    def split(x: jax.Array) -> jax.Array:
+        x = jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+        return x if place is None else lax.with_sharding_constraint(x, place)
+    return jax.tree.map(split, batch)
+
+
+def accumulated(micro_step: MicroStep, params: Any, model_state: Any, batch: Batch,
+                rngs: Mapping[str, jax.Array], count: int, place: NamedSharding | None = None,
+                unrolled: bool = False) -> tuple[Any, Any, Any]:
+    """``micro_step`` over ``count`` micro-batches of ``batch`` in a ``lax.scan``: the mean of
+    their gradients (summed in float32 or wider), the carried state threaded through them,
+    and what they found joined as the whole batch's (:func:`join_micro_batches`), the gradients
+    of each one's loss as those of the whole batch's mean loss. ``unrolled``: the loop written
+    out, each micro-batch's ops in the program (faster, and no smaller, on XLA:CPU)."""
+    micro = micro_batches(batch, count, place)
+    first = jax.tree.map(lambda x: x[0], micro)
+    # Shapes only: what one micro-batch gives, and what the whole batch would.
+    grads_shape, state_shape, _ = jax.eval_shape(micro_step, params, model_state, first, rngs)
+    whole_found = jax.eval_shape(micro_step, params, model_state, batch, rngs)[2]
+    # A carried collection keeping its layout (batch statistics) goes from micro-batch to micro-batch.
+    same_tree: bool = jax.tree.structure(state_shape) == jax.tree.structure(model_state)  # type: ignore[operator]
+    threaded = same_tree and all(
+        (new.shape, new.dtype) == (jnp.shape(old), jnp.result_type(old))
+        for new, old in zip(jax.tree.leaves(state_shape), jax.tree.leaves(model_state), strict=True))
+    wide = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.promote_types(g.dtype, jnp.float32)), grads_shape)
+
+    def body(carry: tuple[Any, Any], xs: tuple[jax.Array, Batch]) -> tuple[tuple[Any, Any], Any]:
+        total, carried = carry
+        index, batch = xs
+        keys = {name: jax.random.fold_in(key, index) for name, key in rngs.items()}
+        grads, new_state, found = micro_step(params, carried if threaded else model_state, batch, keys)
+        total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+        return (total, new_state if threaded else carried), (found, None if threaded else new_state)
+
+    (total, carried), (found, states) = lax.scan(body, (wide, model_state), (jnp.arange(count), micro),
+                                                 unroll=count if unrolled else 1)
+    grads = jax.tree.map(lambda t, g: (t / count).astype(g.dtype), total, grads_shape)
+    new_state = carried if threaded else jax.tree.map(lambda x: x[-1], states)
+    (found, gradients), (whole, whole_gradients) = found, whole_found
+    # The whole batch's loss is the micro-batches' mean: each micro-batch's own examples take
+    # 1 / count of its loss's gradient; a value all of them share, the mean of theirs.
+    return grads, new_state, (join_micro_batches(found, whole, count),
+                              join_micro_batches(gradients, whole_gradients, count, 1 / count))
+
+
+def join_micro_batches(stacked: Any, whole: Any, count: int, scale: float = 1.0) -> Any:
+    """What ``count`` micro-batches found (stacked on a leading axis), as the whole batch's:
+    a value with a batch axis (found where the whole batch's shape is ``count`` times as
+    large) rejoined in the batch's order and multiplied by ``scale``; a value without one
+    (the loss, a metric, a scalar the model sows) averaged over the micro-batches."""
+    def join(x: jax.Array, full: jax.ShapeDtypeStruct) -> jax.Array:
+        part = x.shape[1:]
+        if part == full.shape:
+            mean = jnp.mean(x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32), axis=0)
+            return mean.astype(full.dtype) if jnp.issubdtype(full.dtype, jnp.inexact) else mean
+        grown = [a for a, (p, f) in enumerate(zip(part, full.shape, strict=False)) if p != f]
+        if len(part) != len(full.shape) or len(grown) != 1 or full.shape[grown[0]] != count * part[grown[0]]:
+            raise LossError(f"a value of shape {part} in each of {count} micro-batches is {full.shape} for "
+                            "the whole batch: only one axis may grow with the batch")
+        # (..., rows, count, ...) reads examples i * count + j: the batch's order back.
+        joined = jnp.moveaxis(x, 0, grown[0] + 1).reshape(full.shape)
+        return joined if scale == 1 else (joined * scale).astype(joined.dtype)
+    return jax.tree.map(join, stacked, whole)
 
 
 def _values_apart(taps: Sequence[Tap]) -> WithLayout:

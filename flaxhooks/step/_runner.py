@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxhooks.data import BatchSpec
+from flaxhooks.data import BatchError, BatchSpec
 from flaxhooks.placement import InFlight, Placement, Stacked, StepValue
 from flaxhooks.step._build import LossFn, Step, build_step
 from flaxhooks.step._contributor import StepContributor, WithLayout, contributors_among
@@ -31,6 +31,8 @@ class StepRunner:
         max_steps_in_flight: how many dispatched steps may queue ahead of the devices.
         optimizer_metrics: the steps that also compute :data:`OPTIMIZER_METRICS`:
             every one (True), every n-th (an int n; a variant of its own), or none.
+        accumulate: the micro-batches each step's batch is taken in, one after another,
+            for one update (see :func:`~flaxhooks.step.build_step`).
     """
 
     #: The platforms whose devices share out the norms of replicated parameters. Not
@@ -38,16 +40,24 @@ class StepRunner:
     #: all-reduce splits the gradients' one all-reduce into three rendezvous a step
     #: (``benchmarks/bench_mesh.py``'s ``shared_norms`` segment).
     SHARE_NORMS_ON: frozenset[str] = frozenset({"gpu", "tpu"})
+    #: The platforms whose step takes its micro-batches (``accumulate``) in a loop, holding one
+    #: micro-batch's activations at a time. Elsewhere (CPU) the loop is written out: XLA:CPU runs
+    #: a convolution inside a loop an order of magnitude slower (jax-ml/jax#12868), and
+    #: schedules the written-out micro-batches side by side, so accumulating there saves no memory.
+    LOOP_MICRO_BATCHES_ON: frozenset[str] = frozenset({"gpu", "tpu"})
 
     def __init__(self, model: Model, loss_fn: LossFn, placement: Placement, max_steps_in_flight: int,
-                 optimizer_metrics: bool | int = True):
+                 optimizer_metrics: bool | int = True, accumulate: int = 1):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be at least 1, got {max_steps_in_flight}")
         if not isinstance(optimizer_metrics, bool) and (not isinstance(optimizer_metrics, int)
                                                         or optimizer_metrics < 1):
             raise ValueError(f"optimizer_metrics must be True, False or a number of steps of at least 1, "
                              f"got {optimizer_metrics!r}")
-        self.model, self.loss_fn, self.placement = model, loss_fn, placement
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(
+                f"accumulate must be a whole number of micro-batches of at least 1, got {accumulate!r}")
+        self.model, self.loss_fn, self.placement, self.accumulate = model, loss_fn, placement, accumulate
         self.optimizer_metrics = optimizer_metrics
         self.axis = axis_name(model)
         self.max_steps_in_flight = max_steps_in_flight
@@ -85,11 +95,19 @@ class StepRunner:
         """Whether steps leave the state as it was once a loss was not finite."""
         return self._freezes()
 
-    def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None) -> Step:
+    def _step(self, contributors: tuple[StepContributor, ...], norms: bool | None = None,
+              accumulate: int | None = None) -> Step:
         taps = functools.reduce(Taps.merge, (c.taps for c in contributors), Taps())
         # Each contributor sees only the values it asked for.
         inside = [lambda tapped, c=c: c.inside_step(tapped.only(c.taps)) for c in contributors]
-        return build_step(self.model, self.loss_fn, taps, inside, self._norms(norms), self._norm_split)
+        micro_place = NamedSharding(self.placement.mesh, PartitionSpec(None, self.placement.data_axis))
+        return build_step(self.model, self.loss_fn, taps, inside, self._norms(norms), self._norm_split,
+                          self.accumulate if accumulate is None else accumulate, micro_place,
+                          not self._loops_micro_batches)
+
+    @property
+    def _loops_micro_batches(self) -> bool:
+        return self.placement.platform in self.LOOP_MICRO_BATCHES_ON
 
     def _norms(self, norms: bool | None) -> bool:
         """``norms``, or by default whether any step computes the optimizer metrics."""
@@ -196,7 +214,7 @@ class StepRunner:
         values, once per batch spec, so errors come before anything compiles.
 
         Raises:
-            BatchError: the model or loss cannot take the batch.
+            BatchError: the model or loss cannot take the batch, or ``accumulate`` does not divide it.
             LossError: the loss or a metric is not a scalar.
         """
         leaves, treedef = jax.tree.flatten(state)
@@ -204,6 +222,12 @@ class StepRunner:
                self.contributors)
         if key in self._checked:
             return
+        share = spec.batch_size // spec.num_devices
+        if share % self.accumulate:
+            raise BatchError(
+                f"accumulate={self.accumulate} micro-batches do not divide each device's share of the batch: "
+                f"{spec.batch_size} examples over {spec.num_devices} devices is {share} each; use a batch "
+                f"size that is a multiple of {spec.num_devices * self.accumulate}")
         batch = spec.global_batch()
         with explained(spec):
             _, metrics, _ = jax.eval_shape(self._traced(self._step(())), state, batch)
@@ -252,17 +276,54 @@ class StepRunner:
             carries.append(carry)
         return tuple(carries)
 
-    def step_flops(self) -> float | None:
-        """The FLOPs of one lean step on each device by XLA's cost analysis (from
-        JAX's caches), or None before a lean step ran or where not counted."""
+    def _compiled_lean(self) -> tuple[Any, int] | None:
+        """This fit's first lean dispatch compiled (from JAX's caches), and its count of steps."""
         if self._lean is None:
             return None
         step_fn, types, count = self._lean
-        cost = step_fn.lower(*types).compile().cost_analysis()
-        if isinstance(cost, (list, tuple)):  # one per program on older backends
-            cost = cost[0] if cost else None
-        flops = cost.get("flops") if isinstance(cost, dict) else None
-        return float(flops) / count if flops is not None and flops > 0 else None
+        return step_fn.lower(*types).compile(), count
+
+    def step_memory(self) -> dict[str, int] | None:
+        """The bytes the compiled lean step (or dispatch of several) takes on each device, by XLA's
+        memory analysis: ``arguments``, ``outputs``, ``temporaries`` (activations, gradients and
+        scratch: what ``accumulate`` shrinks) and ``code``; None before a lean step ran or where
+        the backend does not say."""
+        compiled = self._compiled_lean()
+        stats = None if compiled is None else compiled[0].memory_analysis()
+        if stats is None:
+            return None
+        return {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+                "temporaries": stats.temp_size_in_bytes, "code": stats.generated_code_size_in_bytes}
+
+    def step_flops(self) -> float | None:
+        """The FLOPs of one lean step on each device by XLA's cost analysis (from
+        JAX's caches), or None before a lean step ran or where not counted."""
+        compiled = self._compiled_lean()
+        if compiled is None:
+            return None
+        executable, count = compiled
+        flops = _flops(executable.cost_analysis())
+        if flops is None:
+            return None
+        # XLA counts a loop's body once: several steps a dispatch are a loop but on CPU (unrolled
+        # there), and micro-batches always are, their share found on the lowered programs.
+        per_step = flops if count > 1 and self.placement.platform != "cpu" else flops / count
+        return per_step * self._accumulated_share() if self.accumulate > 1 and self._loops_micro_batches \
+            else per_step
+
+    def _accumulated_share(self) -> float:
+        """How many times its FLOPs XLA's count of a step of micro-batches is: the step with one
+        micro-batch over the step with several, each lowered (not compiled) on the same values."""
+        assert self._lean is not None
+        _, types, count = self._lean
+        state, batches, totals = types[:3]
+        batch = batches[0] if count > 1 else batches
+        lowered = []
+        for accumulate in (1, self.accumulate):
+            one = jax.jit(self._traced(_with_totals(self._step((), None, accumulate), self.freeze)))
+            lowered.append(_flops(one.lower(state, batch, totals).cost_analysis()))
+        whole, counted = lowered
+        return whole / counted if whole and counted else float(self.accumulate)
 
     def run(self, record: Any, batch: Any, wait: Callable[[Any, jax.Array], None],
             due: tuple[StepContributor, ...] | None = None) -> list[tuple[Any, Any]]:
@@ -303,6 +364,14 @@ class StepRunner:
         self._in_flight.push((record.dispatch_end, last[0], metrics["loss"]),
                              functools.partial(_settle, record, wait))
         return rows
+
+
+def _flops(cost: Any) -> float | None:
+    """The FLOPs in XLA's cost analysis, if it counted any."""
+    if isinstance(cost, (list, tuple)):  # one per program on older backends
+        cost = cost[0] if cost else None
+    flops = cost.get("flops") if isinstance(cost, dict) else None
+    return float(flops) if flops is not None and flops > 0 else None
 
 
 #: Where a dispatch of several steps keeps its stacked totals among its :class:`Stacked` values.

@@ -90,6 +90,21 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     auto = sgd_trainer(BatchNormNet(), steps_per_dispatch="auto")
     auto_state = auto.fit(loader(), epochs=4)
     four_epochs = sgd_trainer(BatchNormNet()).fit(loader(), epochs=4)
+    # Gradient accumulation and the weights' moving average, split over both processes' devices (FSDP),
+    # statistics every other update: the same as the whole batch's update, replicated (an MLP: no
+    # batch statistics to differ between micro-batches).
+    import optax
+
+    from tests.helpers import MLP, cross_entropy
+
+    def averaged(**options: Any) -> Any:
+        optimizer = flaxhooks.with_ema(optax.sgd(0.1, 0.9), 0.9)
+        return flaxhooks.Trainer(MLP(), optimizer, cross_entropy, **options)
+
+    accumulated = averaged(shard=flaxhooks.FSDP(min_size=16), accumulate=2, callbacks=[
+        flaxhooks.ActivationStats(every=2)]).fit(loader(), epochs=2)
+    whole_batches = averaged().fit(loader(), epochs=2)
+    ema_kernel = flaxhooks.ema_params(accumulated)["Dense_0"]["kernel"]
     kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.
@@ -112,6 +127,9 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         "fsdp": leaves(fsdp.params), "dispatched": leaves(dispatched.params),
         "auto": leaves(auto_state.params), "four_epochs": leaves(four_epochs.params),
         "auto_count": auto.chosen_steps_per_dispatch,
+        "accumulated": leaves((accumulated.params, flaxhooks.ema_params(accumulated))),
+        "whole_batches": leaves((whole_batches.params, flaxhooks.ema_params(whole_batches))),
+        "ema_split": not ema_kernel.is_fully_addressable,
         "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],

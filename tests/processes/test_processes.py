@@ -88,7 +88,9 @@ class Workers:
 
 def test_every_compiled_step_spans_every_process(tmp_path):
     """Statistics due every step (the instrumented step) change nothing, on 2
-    processes as on 1 process with their 4 devices; evaluation is exact."""
+    processes as on 1 process with their 4 devices; evaluation is exact; gradient
+    accumulation and the weights' moving average split over both processes are those
+    of the whole batch's update, replicated."""
     if len(jax.local_devices()) < 4:
         pytest.skip("needs 4 local devices for the reference")
     workers = Workers("equivalence", tmp_path)
@@ -123,6 +125,9 @@ def test_every_compiled_step_spans_every_process(tmp_path):
             np.testing.assert_allclose(dispatched, fsdp, rtol=1e-6, atol=1e-7)
         for auto, lean in zip(got["auto"], got["four_epochs"], strict=True):
             np.testing.assert_allclose(auto, lean, rtol=1e-6, atol=1e-7)
+        for accumulated, whole in zip(got["accumulated"], got["whole_batches"], strict=True):
+            np.testing.assert_allclose(accumulated, whole, rtol=1e-5, atol=1e-6)
+        assert got["ema_split"] and len(got["accumulated"]) == 8  # 4 parameters, 4 averages
     assert workers.result(0)["auto_count"] == workers.result(1)["auto_count"] is not None
     for i in range(2):
         got = workers.result(i)

@@ -117,7 +117,9 @@ def test_the_closing_command_installs_tensorboard_when_it_is_missing(monkeypatch
 def test_usage_errors_are_argparse_errors():
     for args, message in ((("--api", "torch"), "invalid choice: 'torch' (choose from 'linen', 'nnx')"),
                           (("--precision", "fp16"), "invalid choice: 'fp16' (choose from 'float32', 'bf16')"),
-                          (("--epochs", "0"), "must be at least 1, got 0")):
+                          (("--epochs", "0"), "must be at least 1, got 0"),
+                          (("--accumulate", "0"), "must be at least 1, got 0"),
+                          (("--ema", "1"), "must be less than 1, got 1")):
         result = _run_recipe(*args)
         assert result.returncode == 2 and result.stderr.splitlines() == [
             "usage: python -m recipes.mnist [options] (see --help)", f"{ERROR}argument {args[0]}: {message}"]
@@ -218,6 +220,18 @@ def test_a_bfloat16_run_learns_as_a_float32_one_does(tmp_path):
     assert result["accuracy"] > 0.6, result  # as the float32 run of one epoch (test_one_epoch_smoke)
     options = json.loads((tmp_path / "options.json").read_text())
     assert options["precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_an_accumulated_run_with_a_moving_average_learns_and_says_both_accuracies(tmp_path, capsys):
+    config = mnist.Config(epochs=1, accumulate=2, ema=0.9, download=False, stats_every=0, diagnose_every=0)
+    result = mnist.train_and_evaluate(config, tmp_path)
+    assert result["accuracy"] > 0.6 and result["ema_accuracy"] > 0.6, result  # as test_one_epoch_smoke
+    said = capsys.readouterr().out
+    assert (f"the weights' moving average (--ema 0.9): held-out accuracy {result['ema_accuracy']:.4f}  "
+            f"loss {result['ema_loss']:.4f}") in said
+    options = json.loads((tmp_path / "options.json").read_text())
+    assert (options["accumulate"], options["ema"]) == (2, 0.9)
 
 
 @pytest.mark.slow
