@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
-from flax import errors as flax_errors
 
 from flaxhooks.data import ArrayLoader, BatchError, EmptyDataError, HostBatch, check_batch
-from flaxhooks.placement import InFlight, Placement, first_replica
-from flaxhooks.step import Batch, LossFn, Model, axis_name, in_global_view, share_index, split_loss
+from flaxhooks.eval._predictor import Predictor
+from flaxhooks.eval._sweep import FAILED, VALID, Sweep, describe, eval_rngs, flags_of
+from flaxhooks.placement import Placement, first_replica
+from flaxhooks.step import Batch, LossFn, Model, in_global_view, split_loss
 
 if TYPE_CHECKING:
     from flaxhooks.step import TrainState
-
-#: The batch key that marks real examples; padding is False.
-VALID = "__flaxhooks_valid__"
-#: The batch key a process sets (on every example of its share) when its data failed.
-FAILED = "__flaxhooks_failed__"
-#: Eval batches dispatched ahead of the devices before the loop waits.
-MAX_BATCHES_IN_FLIGHT = 2
-#: Seeds the RNG keys evaluation gives a model that draws from its streams in eval mode.
-EVAL_SEED = 0
 
 #: ``example_loss_fn(outputs, batch)``: one loss per example, or ``(losses, {name: per-example values})``.
 ExampleLossFn = Callable[[Any, Batch], Any]
@@ -68,22 +58,6 @@ def as_collection(metrics: Metrics | None, has_labels: bool = True) -> type[clu_
     return _created[key]
 
 
-def eval_rngs(examples_before: jax.Array, names: Sequence[str], axis: str) -> dict[str, jax.Array]:
-    """Keys for one eval batch from :data:`EVAL_SEED`, the examples before it and the index along ``axis``."""
-    key = jax.random.fold_in(jax.random.PRNGKey(EVAL_SEED), examples_before)
-    key = jax.random.fold_in(key, share_index(axis))
-    return dict(zip(names, jax.random.split(key, len(names)), strict=False))
-
-
-def _cause(error: Exception, rng_names: Sequence[str]) -> str:
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, flax_errors.InvalidRngError) or "needs PRNG for" in str(error):
-        return (f"{text} (evaluation gives the model keys for the RNG streams in rng_names, "
-                f"{list(rng_names)}: add the stream it draws from in eval mode to flaxhooks.as_model(model, "
-                "rng_names=...))")
-    return text
-
-
 def per_example(loss_fn: LossFn) -> ExampleLossFn:
     """Per-example losses (and metrics) from a batch-mean ``loss_fn``: each example as a batch of one."""
 
@@ -121,17 +95,18 @@ class EvalResult:
     examples: int
 
 
-class Evaluator:
+class Evaluator(Sweep):
     """Compiles and runs an exact evaluation for one Trainer and one metrics collection: each process
     pads its share of a batch to the size the first fixes, masked out of every metric."""
 
     def __init__(self, model: Model, metrics: type[clu_metrics.Collection], example_loss_fn: ExampleLossFn,
                  label_key: str | None, placement: Placement,
                  wait: Callable[[Any], None] = jax.block_until_ready):
-        self.model, self.metrics, self.label_key, self.placement = model, metrics, label_key, placement
-        axis = self.axis = axis_name(model)
+        super().__init__(model, placement, wait)
+        self.metrics, self.label_key = metrics, label_key
+        axis = self.axis
 
-        def eval_step(variables: tuple[Any, Any], batch: Batch, totals: MetricsSoFar,
+        def eval_step(variables: tuple[Any, Any], totals: MetricsSoFar, batch: Batch,
                       ) -> tuple[MetricsSoFar, jax.Array]:
             batch = dict(batch)
             valid, failed = batch.pop(VALID), batch.pop(FAILED)
@@ -145,26 +120,13 @@ class Evaluator:
                 named["labels"] = batch[label_key]
             collection, examples = totals
             update = metrics.single_from_model_output(mask=valid, **named)
-            # Whether any process fed a real example, and whether any failed: when to stop.
-            flags = jnp.stack([jnp.any(valid), jnp.any(failed)])
-            return (collection.merge(update), examples + valid.sum(dtype=jnp.int32)), flags
+            return (collection.merge(update), examples + valid.sum(dtype=jnp.int32)), flags_of(valid, failed)
 
         self.eval_step = eval_step
-        #: How many times the eval step was traced (each trace compiles).
-        self.traces = 0
-        whole = in_global_view(eval_step, axis)
-
-        def traced(variables: Any, totals: MetricsSoFar, batch: Batch) -> Any:
-            self.traces += 1
-            with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
-                return whole(variables, batch, totals)
-
-        self._whole = lambda variables, totals, batch: whole(variables, batch, totals)
-        self._step = jax.jit(traced, out_shardings=placement.replicated)
+        self._whole = in_global_view(eval_step, axis)
+        self._step = self._compile(eval_step, placement.replicated)
         self._checked: dict[Any, int | None] = {}
         self._no_totals = placement.replicated_constant(lambda: (metrics.empty(), jnp.zeros((), jnp.int32)))
-        #: Waits for device values before they are read (the Trainer's ends on a lost peer).
-        self.wait = wait
 
     def check(self, state: TrainState, arrays: Mapping[str, np.ndarray]) -> int | None:
         """Traces the eval step on abstract values of ``state`` and a batch like ``arrays``.
@@ -174,25 +136,10 @@ class Evaluator:
         """
         if self.metrics is LossAccuracy and self.label_key is not None and self.label_key not in arrays:
             raise BatchError(self._no_labels(arrays))
-        batch = self._abstract_batch(arrays, self._padded_size(len(next(iter(arrays.values())))))
-        variables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                                 (state.params, state.model_state))  # only these reach the step
-        leaves, treedef = jax.tree.flatten((variables, batch))
-        key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        variables, batch, key = self._abstract_inputs(state, arrays)
         if key not in self._checked:
             self._checked[key] = self._trace(variables, batch, arrays)
         return self._checked[key]
-
-    def _padded_size(self, size: int) -> int:
-        """This process's share of an eval batch of ``size``, padded to its data-axis devices."""
-        parts = self.placement.local_data_size
-        return max(math.ceil(size / parts), 1) * parts
-
-    def _abstract_batch(self, arrays: Mapping[str, np.ndarray], size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        whole = size * jax.process_count()
-        flags = {VALID: np.ones(1, np.bool_), FAILED: np.ones(1, np.bool_)}
-        fields = {**arrays, **flags}.items()
-        return {key: jax.ShapeDtypeStruct((whole, *a.shape[1:]), a.dtype) for key, a in fields}
 
     def _no_labels(self, arrays: Mapping[str, np.ndarray]) -> str:
         default = " (the default)" if self.label_key == "label" else ""
@@ -205,18 +152,7 @@ class Evaluator:
     def _trace(self, variables: Any, batch: Mapping[str, Any],
                arrays: Mapping[str, np.ndarray]) -> int | None:
         """The model's eval-mode call, then the whole eval step, on abstract values; failures say which."""
-        described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
-        inputs = {k: v for k, v in batch.items() if k not in (VALID, FAILED)}
-
-        def call(variables: tuple[Any, Any], batch: Batch) -> Any:  # (params, model_state)
-            rngs = eval_rngs(jnp.zeros((), jnp.int32), self.model.rng_names, self.axis)
-            return self.model.apply(*variables, batch, train=False, rngs=rngs)[0]
-
-        try:
-            outputs = jax.eval_shape(in_global_view(call, self.axis), variables, inputs)
-        except Exception as error:
-            raise BatchError(f"the model cannot be called in eval mode on batches of {described}: "
-                             f"{_cause(error, self.model.rng_names)}") from error
+        outputs = self._abstract_outputs(variables, batch, arrays)
         totals = (jax.eval_shape(self.metrics.empty), jax.ShapeDtypeStruct((), np.int32))
         try:
             jax.eval_shape(self._whole, variables, totals, batch)
@@ -226,7 +162,7 @@ class Evaluator:
                 "the default metrics need array logits and integer labels under label_key; pass metrics= "
                 "for other outputs")
             raise BatchError(f"the loss or metrics cannot be computed from the model's outputs on batches of "
-                             f"{described}: {type(error).__name__}: {error} ({hint})") from error
+                             f"{describe(arrays)}: {type(error).__name__}: {error} ({hint})") from error
         is_vector = isinstance(outputs, jax.ShapeDtypeStruct) and len(outputs.shape) >= 2
         return outputs.shape[-1] if is_vector else None
 
@@ -234,103 +170,22 @@ class Evaluator:
             labels_checked: bool = False, layout: Mapping[str, np.ndarray] | None = None) -> EvalResult:
         """Evaluates ``state`` on every example of ``batches``; on several processes one with no batch
         feeds padding shaped like ``layout`` (arrays of the batch's keys and example shapes)."""
-        several = jax.process_count() > 1
         variables = (state.params, state.model_state)
-        totals: Any = self._no_totals()
-        batches = iter(batches)
-        failure: Exception | None = None
-        first: dict[str, np.ndarray] | None = None
-        try:
-            for batch in batches:
-                first, size = check_batch(batch, self.model.input_keys)
-                if size:
-                    break
-            else:
-                first = None
-        except Exception as error:
-            failure = error
-        sizes = [len(next(iter(first.values()))) if first else 0]
-        if several:  # one compiled batch size on every process
-            sizes = [self._largest(sizes[0])]
-        if failure is None and not any(sizes):
-            raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
-        shape_from = first if first is not None else layout
-        if shape_from is None and failure is None:
-            failure = EmptyDataError(
-                f"evaluation {name!r}: this process has no batch to evaluate while another has; on several "
-                "processes evaluate arrays in memory (a dict), or give every process at least one batch")
-        padded = self._padded_size(max(sizes))
-        num_classes = None
-        if failure is None:
-            assert shape_from is not None  # else the failure above was set
-            try:
-                num_classes = self.check(state, {k: v[:1] for k, v in shape_from.items()})
-            except Exception as error:
-                failure = error
-        in_flight: InFlight[Any] = InFlight(1 if several else MAX_BATCHES_IN_FLIGHT)
-        chunks = None if failure else self._chunks(first, batches, padded, labels_checked, num_classes)
-        while True:
-            arrays = None
-            if failure is None and chunks is not None:
-                try:
-                    arrays = next(chunks, None)
-                except Exception as error:
-                    failure = error
-            if arrays is None and not several:
-                break
-            if arrays is None:
-                arrays = self._empty(shape_from, padded, failed=failure is not None)
-            totals, flags = self._step(variables, totals, self.placement.put_batch(arrays))
-            settled = in_flight.push(flags, self.wait)  # on several processes, a lost peer ends the wait
-            if settled is not None:
-                found = np.asarray(first_replica(settled))
-                if several and (not found[0] or found[1]):
-                    break
-        if failure is not None and not several:
-            raise failure
-        self.wait(totals)
+
+        def check(first: Mapping[str, np.ndarray]) -> Callable[[Mapping[str, np.ndarray]], None] | None:
+            num_classes = self.check(state, first)
+            return None if labels_checked else lambda arrays: self.check_labels(arrays, num_classes)
+
+        def dispatch(totals: MetricsSoFar, arrays: dict[str, np.ndarray]) -> tuple[MetricsSoFar, jax.Array]:
+            return self._step(variables, totals, self.placement.put_batch(arrays))
+
+        what = f"evaluation {name!r}"
+        totals = self.sweep(batches, layout, check, dispatch, self._no_totals, what)
         collection, examples = first_replica(totals)
-        if failure is not None:
-            raise failure
-        if several and found[1]:
-            raise RuntimeError(f"evaluation {name!r} failed on another process")
         if not examples:
-            raise EmptyDataError(f"the evaluation data {name!r} yielded no example")
+            raise EmptyDataError(f"{what}: the data yielded no example")
         computed = self.metrics.compute(collection)
         return EvalResult(name, {k: float(v) for k, v in computed.items()}, step, int(examples))
-
-    def _largest(self, size: int) -> int:
-        """The largest of every process's ``size``, waited for with :attr:`wait`."""
-        placement = self.placement
-        local = np.full(placement.local_data_size, size, np.int32)
-        largest = jax.jit(jnp.max, out_shardings=placement.replicated)(placement.put_batch({"n": local})["n"])
-        self.wait(largest)
-        return int(first_replica(largest))
-
-    def _chunks(self, first: Mapping[str, np.ndarray] | None, rest: Iterator[HostBatch], padded: int,
-                labels_checked: bool, num_classes: int | None) -> Iterator[dict[str, np.ndarray]]:
-        """Every example of ``first`` and ``rest``, in host batches of ``padded`` rows."""
-        for batch in itertools.chain([first] if first is not None else [], rest):
-            arrays, size = check_batch(batch, self.model.input_keys)
-            if not labels_checked:
-                self.check_labels(arrays, num_classes)
-            for start in range(0, size, padded):
-                part = {k: v[start:start + padded] for k, v in arrays.items()}
-                count = len(next(iter(part.values())))
-                if count < padded:  # checked like the first: same keys, example shapes, dtypes
-                    part = {k: np.concatenate([v, np.zeros((padded - count, *v.shape[1:]), v.dtype)])
-                            for k, v in part.items()}
-                part[VALID] = np.arange(padded) < count
-                part[FAILED] = np.zeros(padded, np.bool_)
-                yield part
-
-    def _empty(self, layout: Mapping[str, np.ndarray] | None, padded: int,
-               failed: bool) -> dict[str, np.ndarray]:
-        """A batch of no real example: this process ran out of data, or failed."""
-        arrays = {k: np.zeros((padded, *v.shape[1:]), v.dtype) for k, v in (layout or {}).items()}
-        arrays[VALID] = np.zeros(padded, np.bool_)
-        arrays[FAILED] = np.full(padded, failed)
-        return arrays
 
     def check_labels(self, arrays: Mapping[str, np.ndarray], num_classes: int | None) -> None:
         """Checks integer class labels against the outputs' classes (2 or more)."""
@@ -345,22 +200,23 @@ class Evaluator:
                              f"[0, {num_classes - 1}])")
 
 
-def eval_batches(data: Any, batch_size: int | None) -> Iterator[HostBatch]:
+def eval_batches(data: Any, batch_size: int | None, what: str = "evaluation") -> Iterator[HostBatch]:
     """Batches of ``data``: arrays in memory (a dict of arrays) or an iterable of batches."""
     if batch_size is not None and batch_size < 1:
-        raise BatchError(f"the evaluation batch size must be positive, got {batch_size}")
+        raise BatchError(f"the {what} batch size must be positive, got {batch_size}")
     if isinstance(data, Mapping):
         if batch_size is None:
-            raise BatchError("evaluating arrays needs a batch_size")
+            raise BatchError(f"{what} of arrays needs a batch_size")
         lengths = {k: len(v) for k, v in data.items()}
         if not lengths or not max(lengths.values()):
-            raise EmptyDataError("the evaluation arrays are empty")
+            raise EmptyDataError(f"the {what} arrays are empty")
         return ArrayLoader(data, batch_size, shuffle=False, drop_remainder=False)(0)
     return iter(data)
 
 
 class Evaluations:
-    """Exact evaluations of one model: one :class:`Evaluator` per metrics collection."""
+    """Exact evaluations of one model: one :class:`Evaluator` per metrics collection, and its
+    :class:`Predictor`."""
 
     def __init__(self, model: Model, example_loss_fn: ExampleLossFn, label_key: str | None,
                  placement: Placement, wait: Callable[[Any], None] = jax.block_until_ready):
@@ -369,11 +225,20 @@ class Evaluations:
         #: See :attr:`Evaluator.wait`.
         self.wait = wait
         self._evaluators: dict[type, Evaluator] = {}
+        self._predictor: Predictor | None = None
 
     @property
     def traces(self) -> int:
-        """How many times an eval step was traced (each trace compiles)."""
-        return sum(evaluator.traces for evaluator in self._evaluators.values())
+        """How many times an eval or predict step was traced (each trace compiles)."""
+        predicted = self._predictor.traces if self._predictor is not None else 0
+        return predicted + sum(evaluator.traces for evaluator in self._evaluators.values())
+
+    @property
+    def predictor(self) -> Predictor:
+        """The model's :class:`Predictor`, made when first asked for."""
+        if self._predictor is None:
+            self._predictor = Predictor(self.model, self.placement, self.wait)
+        return self._predictor
 
     def _evaluator(self, metrics: Metrics | None) -> Evaluator:
         collection = as_collection(metrics, has_labels=self.label_key is not None)
@@ -423,3 +288,18 @@ class Evaluations:
             first = {k: v[:batch_size] for k, v in arrays.items()}
             evaluator.check_labels(arrays, evaluator.check(state, first))
         return evaluator.run(state, batches, step, name, labels_checked=in_memory, layout=layout)
+
+    def predict(self, state: TrainState, data: Any, batch_size: int | None) -> Any:
+        """The model's inference-mode outputs for every example of ``data`` this process feeds, in order.
+
+        Raises:
+            BatchError, EmptyDataError: bad data, before anything compiles.
+        """
+        predictor = self.predictor
+        batches = eval_batches(data, batch_size, "prediction")
+        layout = None
+        if isinstance(data, Mapping):  # every array checked before compiling
+            arrays, _ = predictor.host_batch(data)
+            layout = {k: v[:1] for k, v in arrays.items()}
+            predictor.check(state, {k: v[:batch_size] for k, v in arrays.items()})
+        return predictor.run(state, batches, layout)

@@ -214,6 +214,58 @@ class Trainer:
         """
         return self._plan(batch).build(self.seed, batch)
 
+    def _state_to_read(self, state: TrainState | None, doing: str) -> tuple[TrainState, int]:
+        """The state to evaluate or predict with, on the mesh, and its step: ``state``, else the running
+        fit's, else the last fit's.
+
+        Raises:
+            ValueError: there is none.
+            MidDispatchError: during a fit, at a step inside a dispatch of several steps.
+        """
+        if state is not None:
+            plan = self._plan_made
+            return placed(state, plan.shardings if plan else jax.tree.map(
+                lambda _: self.placement.replicated, state)), int(jax.device_get(state.step))
+        if self._fit is not None:
+            loop = self._fit.loop
+            return loop.state, loop.step
+        if self._state is not None and self._last is not None:
+            return self._state, self._last[0]
+        raise ValueError(f"nothing to {doing} yet: call fit first, or pass state=")
+
+    def predict(self, data: Any, *, batch_size: int | None = None, state: TrainState | None = None) -> Any:
+        """The model's outputs for every example of ``data``, exactly once and in order (inference mode).
+
+        The padded, masked pass of :meth:`evaluate`, compiled once per batch size; labels are not needed
+        and nothing is emitted. On several processes each process gets the outputs of the examples it fed:
+        of arrays, every ``process_count``-th from its index (as ``ArrayLoader`` shares them); of an
+        iterable, its own batches' (docs/guides/evaluation.md).
+
+        Args:
+            data: a dict of equal-length arrays, or an iterable of host batches of any sizes.
+            batch_size: batch size for arrays (default: the training batch size).
+            state: the state to predict with (default: the current one).
+
+        Returns:
+            The model's output pytree of numpy arrays, one row per example along the first axis.
+
+        Raises:
+            BatchError, EmptyDataError: bad data (a missing input key, no example), before anything compiles.
+            ValueError: no state: no fit yet and no ``state``.
+
+        Examples:
+            >>> import flax.linen as nn, numpy as np, optax
+            >>> import flaxhooks
+            >>> trainer = flaxhooks.Trainer(nn.Dense(3), optax.sgd(0.1), lambda out, batch: (out ** 2).mean())
+            >>> state = trainer.init({"image": np.zeros((8, 5), np.float32)})
+            >>> trainer.predict({"image": np.ones((10, 5), np.float32)}, batch_size=4, state=state).shape
+            (10, 3)
+        """
+        state, _ = self._state_to_read(state, "predict with")
+        if batch_size is None and self.batch_spec is not None:
+            batch_size = self.batch_spec.batch_size
+        return self.evaluations.predict(state, data, batch_size)
+
     def evaluate(
         self, data: Any, *, batch_size: int | None = None, metrics: Metrics | None = None,
         name: str = "eval", state: TrainState | None = None, check: bool = False, weights: str = "trained",
@@ -234,17 +286,7 @@ class Trainer:
         """
         fit = self._fit
         loop, bus = (fit.loop, fit.bus) if fit else (None, self.bus)
-        if state is not None:
-            step = int(jax.device_get(state.step))
-            plan = self._plan_made
-            state = placed(state, plan.shardings if plan else jax.tree.map(
-                lambda _: self.placement.replicated, state))
-        elif loop is not None:
-            state, step = loop.state, loop.step
-        elif self._state is not None and self._last is not None:
-            state, step = self._state, self._last[0]
-        else:
-            raise ValueError("nothing to evaluate yet: call fit first, or pass state=")
+        state, step = self._state_to_read(state, "evaluate")
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         if weights not in ("trained", "ema"):

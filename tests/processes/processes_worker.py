@@ -113,6 +113,13 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
     tiny = lean.evaluate(make_arrays(1, seed=9), batch_size=100)
     # Evaluate's check before training passes there too (nothing to check on process 1).
     lean.evaluate(make_arrays(1, seed=9), batch_size=100, check=True)
+    # Prediction: each process gets the outputs of the examples it fed, in order (every 2nd of the
+    # arrays; of batches, its own: 3 on process 0 and 1 on process 1); process 1 feeds none of one example.
+    predicted = lean.predict(make_arrays(1001, seed=5), batch_size=100)
+    spans = [(0, 30), (30, 70), (70, 75)] if index == 0 else [(75, 80)]
+    images = make_arrays(80, seed=6)["image"]
+    predicted_batches = lean.predict([{"image": images[a:b]} for a, b in spans])
+    predicted_tiny = lean.predict(make_arrays(1, seed=9), batch_size=100)
     # A bad label on process 1 only: both processes raise, neither waits forever.
     batch = make_arrays(8, seed=index)
     batch["label"][0] = 3 * index
@@ -134,6 +141,8 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],
         "tiny": tiny.examples, "bad_label": bad_label,
+        "predicted": predicted.tolist(), "predicted_batches": predicted_batches.tolist(),
+        "predicted_tiny": list(predicted_tiny.shape),
     }
 
 

@@ -110,8 +110,10 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1), Keep(),
     ]).fit(loader, epochs=2)
     expected = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(jax.device_get(reference.params))]
-    evaluated = sgd_trainer(BatchNormNet()).evaluate(
-        make_arrays(1001, seed=5), batch_size=100, state=reference)
+    one = sgd_trainer(BatchNormNet())
+    evaluated = one.evaluate(make_arrays(1001, seed=5), batch_size=100, state=reference)
+    predicted = one.predict(make_arrays(1001, seed=5), batch_size=100, state=reference)
+    predicted_batches = one.predict([{"image": make_arrays(80, seed=6)["image"]}], state=reference)
     for i in range(2):
         got = workers.result(i)
         # FSDP over both processes' devices: the kernel split between them, the same training.
@@ -139,6 +141,16 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         assert loss == pytest.approx(evaluated.metrics["loss"], rel=1e-4)
         assert accuracy == pytest.approx(evaluated.metrics["accuracy"], abs=1e-6)
         assert "BatchError" in got["bad_label"] or "another process" in got["bad_label"]
+    # Predictions: each process has the outputs of its share, in order; together every example once.
+    shares = [np.asarray(workers.result(i)["predicted"]) for i in range(2)]
+    assert [len(share) for share in shares] == [501, 500]
+    np.testing.assert_allclose(np.stack([shares[0][:500], shares[1]], 1).reshape(-1, 3), predicted[:1000],
+                               rtol=1e-4, atol=1e-5)  # interleaved: every 2nd example each
+    np.testing.assert_allclose(shares[0][500], predicted[1000], rtol=1e-4, atol=1e-5)
+    batches = [np.asarray(workers.result(i)["predicted_batches"]) for i in range(2)]
+    assert [len(share) for share in batches] == [75, 5]
+    np.testing.assert_allclose(np.concatenate(batches), predicted_batches, rtol=1e-4, atol=1e-5)
+    assert [workers.result(i)["predicted_tiny"] for i in range(2)] == [[1, 3], [0, 3]]
 
 
 def test_a_state_split_within_or_across_processes_is_saved_and_resumes_on_one_process_bit_exactly(tmp_path):
