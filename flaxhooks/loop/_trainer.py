@@ -233,7 +233,8 @@ class Trainer:
             return self._state, self._last[0]
         raise ValueError(f"nothing to {doing} yet: call fit first, or pass state=")
 
-    def predict(self, data: Any, *, batch_size: int | None = None, state: TrainState | None = None) -> Any:
+    def predict(self, data: Any, *, batch_size: int | None = None, state: TrainState | None = None,
+                weights: str = "trained") -> Any:
         """The model's outputs for every example of ``data``, exactly once and in order (inference mode).
 
         The padded, masked pass of :meth:`evaluate`, compiled once per batch size; labels are not needed
@@ -245,6 +246,8 @@ class Trainer:
             data: a dict of equal-length arrays, or an iterable of host batches of any sizes.
             batch_size: batch size for arrays (default: the training batch size).
             state: the state to predict with (default: the current one).
+            weights: ``"trained"``: the parameters; ``"ema"``: their moving average, which the
+                optimizer keeps (:func:`flaxhooks.with_ema`).
 
         Returns:
             The model's output pytree of numpy arrays, one row per example along the first axis.
@@ -261,7 +264,7 @@ class Trainer:
             >>> trainer.predict({"image": np.ones((10, 5), np.float32)}, batch_size=4, state=state).shape
             (10, 3)
         """
-        state, _ = self._state_to_read(state, "predict with")
+        state = _weighted(self._state_to_read(state, "predict with")[0], weights)
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
         return self.evaluations.predict(state, data, batch_size)
@@ -289,10 +292,7 @@ class Trainer:
         state, step = self._state_to_read(state, "evaluate")
         if batch_size is None and self.batch_spec is not None:
             batch_size = self.batch_spec.batch_size
-        if weights not in ("trained", "ema"):
-            raise ValueError(f"weights must be 'trained' or 'ema', got {weights!r}")
-        if weights == "ema":
-            state = with_ema_weights(state)
+        state = _weighted(state, weights)
         if check:
             self.evaluations.check(state, data, batch_size, metrics, name)
             return None
@@ -381,6 +381,13 @@ class Trainer:
         if loop.diverged is not None:
             raise NonFiniteError(fit.record.diverged_details or str(loop.stop_reason), loop.diverged)
         return final
+
+
+def _weighted(state: TrainState, weights: str) -> TrainState:
+    """``state``, its parameters the trained ones or (``weights="ema"``) their moving average."""
+    if weights not in ("trained", "ema"):
+        raise ValueError(f"weights must be 'trained' or 'ema', got {weights!r}")
+    return with_ema_weights(state) if weights == "ema" else state
 
 
 #: What 0.7's Trainer took that is the model's: :func:`flaxhooks.as_model`'s options.

@@ -132,6 +132,10 @@ def test_both_weights_are_evaluated_each_time_and_charted_as_two_runs(tmp_path):
     assert evaluate.result.metrics == pytest.approx(trained.metrics, rel=1e-6)
     assert evaluate.ema_result.metrics == pytest.approx(averaged.metrics, rel=1e-6)
     assert evaluate.ema_result.metrics["loss"] != pytest.approx(evaluate.result.metrics["loss"], rel=1e-3)
+    # Predictions of the average: the module applied by hand to flaxhooks.ema_params.
+    predicted = trainer.predict(test, batch_size=16, state=state, weights="ema")
+    by_hand = MLP().apply({"params": flaxhooks.ema_params(state)}, test["image"])
+    np.testing.assert_allclose(predicted, np.asarray(by_hand), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("decay", [0, 1, 1.5, -0.1, True, "0.9"])
