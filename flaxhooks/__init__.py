@@ -30,6 +30,7 @@ from flaxhooks.callbacks import (
     ParamStats,
     Profile,
     Progress,
+    ReduceLROnPlateau,
     Summary,
     TensorBoard,
 )
@@ -51,7 +52,7 @@ from flaxhooks.contract import (
 )
 from flaxhooks.data import ArrayLoader, BatchError, DevicePrefetch, EmptyDataError
 from flaxhooks.eval import EvalResult, LossAccuracy
-from flaxhooks.loop import NonFiniteGuard, Trainer
+from flaxhooks.loop import LRRange, NonFiniteGuard, Trainer, lr_range_test
 from flaxhooks.placement import FSDP, Replicated, ShardingError, use_cpu_devices
 from flaxhooks.processes import TrainingInterrupted, run_directory
 from flaxhooks.step import AXIS, LossError, TrainState, as_model, ema_params, with_ema
@@ -97,6 +98,8 @@ __all__ = [
     "ShardingError",
     "Profile",
     "Progress",
+    "ReduceLROnPlateau",
+    "LRRange",
     "StopTraining",
     "Summary",
     "TensorBoard",
@@ -105,6 +108,7 @@ __all__ = [
     "TrainingInterrupted",
     "as_model",
     "ema_params",
+    "lr_range_test",
     "run_directory",
     "use_cpu_devices",
     "with_ema",
