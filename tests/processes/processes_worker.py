@@ -105,6 +105,11 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         flaxhooks.ActivationStats(every=2)]).fit(loader(), epochs=2)
     whole_batches = averaged().fit(loader(), epochs=2)
     ema_kernel = flaxhooks.ema_params(accumulated)["Dense_0"]["kernel"]
+    # Reduce-on-plateau: each process advances the rule on the same evaluation, the scale the same.
+    plateau = flaxhooks.ReduceLROnPlateau("loss", factor=0.5, patience=1, rtol=0.2)
+    plateaued = flaxhooks.Trainer(MLP(), plateau.wrap(optax.sgd(0.5)), cross_entropy, callbacks=[
+        flaxhooks.Evaluate(make_arrays(48, seed=9), every=2, at_epoch_end=False, batch_size=16), plateau,
+    ]).fit(loader(), epochs=2)
     kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.
@@ -137,6 +142,7 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         "accumulated": leaves((accumulated.params, flaxhooks.ema_params(accumulated))),
         "whole_batches": leaves((whole_batches.params, flaxhooks.ema_params(whole_batches))),
         "ema_split": not ema_kernel.is_fully_addressable,
+        "plateau": [plateau.scale, leaves(plateaued.params)],
         "fsdp_kernel": [str(kernel.sharding.spec), not kernel.is_fully_addressable],
         "batch_stats": leaves(with_stats.model_state), "stats": history.steps,
         "eval": [result.examples, result.metrics["loss"], result.metrics["accuracy"]],

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import flaxhooks
-from tests.helpers import BatchNormNet, assert_tables_close, make_arrays, sgd_trainer
+from tests.helpers import MLP, BatchNormNet, assert_tables_close, cross_entropy, make_arrays, sgd_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # several processes
@@ -114,6 +115,11 @@ def test_every_compiled_step_spans_every_process(tmp_path):
     evaluated = one.evaluate(make_arrays(1001, seed=5), batch_size=100, state=reference)
     predicted = one.predict(make_arrays(1001, seed=5), batch_size=100, state=reference)
     predicted_batches = one.predict([{"image": make_arrays(80, seed=6)["image"]}], state=reference)
+    plateau = flaxhooks.ReduceLROnPlateau("loss", factor=0.5, patience=1, rtol=0.2)
+    plateaued = flaxhooks.Trainer(
+        MLP(), plateau.wrap(optax.sgd(0.5)), cross_entropy, devices=jax.local_devices()[:4], callbacks=[
+            flaxhooks.Evaluate(make_arrays(48, seed=9), every=2, at_epoch_end=False, batch_size=16), plateau,
+        ]).fit(loader, epochs=2)
     for i in range(2):
         got = workers.result(i)
         # FSDP over both processes' devices: the kernel split between them, the same training.
@@ -130,6 +136,10 @@ def test_every_compiled_step_spans_every_process(tmp_path):
         for accumulated, whole in zip(got["accumulated"], got["whole_batches"], strict=True):
             np.testing.assert_allclose(accumulated, whole, rtol=1e-5, atol=1e-6)
         assert got["ema_split"] and len(got["accumulated"]) == 8  # 4 parameters, 4 averages
+        scale, params = got["plateau"]
+        assert scale == plateau.scale < 1
+        for got_leaf, want in zip(params, jax.tree.leaves(jax.device_get(plateaued.params)), strict=True):
+            np.testing.assert_allclose(got_leaf, np.asarray(want, np.float64).ravel(), rtol=1e-4, atol=1e-5)
     assert workers.result(0)["auto_count"] == workers.result(1)["auto_count"] is not None
     for i in range(2):
         got = workers.result(i)
