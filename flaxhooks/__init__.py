@@ -26,12 +26,15 @@ from flaxhooks.callbacks import (
     Diagnose,
     EarlyStopping,
     Evaluate,
+    MetricsFile,
+    MLflow,
     NonFiniteError,
     ParamStats,
     Profile,
     Progress,
     Summary,
     TensorBoard,
+    Wandb,
 )
 from flaxhooks.contract import (
     EVENTS,
@@ -86,6 +89,8 @@ __all__ = [
     "LossError",
     "Loop",
     "LossRead",
+    "MLflow",
+    "MetricsFile",
     "MidDispatchError",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -103,6 +108,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingInterrupted",
+    "Wandb",
     "as_model",
     "run_directory",
     "use_cpu_devices",]

@@ -163,6 +163,27 @@ class HostReads(flaxhooks.Callback):
         self.active = False
 
 
+class KeepMetrics(flaxhooks.Callback):
+    """Keeps each step's metrics, read on the host: ``metrics[step]``."""
+
+    def __init__(self):
+        self.metrics = {}
+
+    def on_step_end(self, loop):
+        self.metrics[loop.step] = loop.host_metrics()
+
+
+class RaiseAt(flaxhooks.Callback):
+    """Raises ``error`` at the end of step ``at``."""
+
+    def __init__(self, at, error):
+        self.at, self.error = at, error
+
+    def on_step_end(self, loop):
+        if loop.step == self.at:
+            raise self.error
+
+
 def sgd_trainer(model=None, callbacks=(), devices=None, **kwargs) -> flaxhooks.Trainer:
     return flaxhooks.Trainer(
         model or MLP(), optax.sgd(0.1, 0.9), cross_entropy,
