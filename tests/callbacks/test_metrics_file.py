@@ -1,8 +1,8 @@
 """The metrics file: TensorBoard's scalars as records (JSON lines, CSV), with or without TensorBoard,
-read back with json and csv and compared with TensorBoard's own reader and a hand computation."""
+read back with json and csv and compared with TensorBoard's own reader and a hand computation.
+A resumed run's file is compared with an uninterrupted run's in test_checkpoint.py."""
 
 import csv
-import json
 import logging
 import os
 
@@ -15,27 +15,16 @@ from flaxhooks import Callback, Every, LogdirError, MetricsFile, TensorBoard
 from flaxhooks.writers import MetricsFileWriter, read_metrics
 from tests.helpers import (
     KeepMetrics,
-    RaiseAt,
+    assert_same_records,
+    by_key,
+    jsonl_records,
     make_arrays,
     make_batches,
-    resume_data,
-    resume_trainer,
     sgd_trainer,
 )
 
-#: Tags whose values are wall-clock readings: compared by their steps only.
-TIMINGS = ("throughput/steps_per_s", "train/data_wait", "train/device_wait", "train/examples_per_sec",
-           "train/flops_per_sec")
-
-
-def jsonl_records(path) -> list[tuple[int, str, str, float]]:
-    """``(step, run, tag, value)`` of every record, read with ``json`` alone."""
-    found = []
-    for line in open(path).read().splitlines():
-        record = json.loads(line)
-        assert set(record) == {"step", "run", "time", "values"}, record
-        found += [(record["step"], record["run"], tag, value) for tag, value in record["values"].items()]
-    return found
+# A resumed run's file against an uninterrupted run's: tests/callbacks/test_checkpoint.py (its
+# trainers write one beside TensorBoard).
 
 
 def csv_records(path) -> list[tuple[int, str, str, float]]:
@@ -58,24 +47,6 @@ def tensorboard_records(logdir) -> list[tuple[int, str, str, float]]:
         for tag in accumulator.Tags()["scalars"]:
             found += [(e.step, "" if run == "." else run, tag, e.value) for e in accumulator.Scalars(tag)]
     return found
-
-
-def by_key(records) -> dict[tuple[str, str], list[tuple[int, float]]]:
-    """``{(run, tag): [(step, value)]}`` in the order written."""
-    found: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for step, run, tag, value in records:
-        found.setdefault((run, tag), []).append((step, value))
-    return found
-
-
-def assert_same_records(got, expected) -> None:
-    got, expected = by_key(got), by_key(expected)
-    assert sorted(got) == sorted(expected)
-    for key, points in expected.items():
-        assert [s for s, _ in got[key]] == [s for s, _ in points], key  # none missing, none twice
-        if key[1] not in TIMINGS:
-            np.testing.assert_allclose([v for _, v in got[key]], [v for _, v in points], rtol=1e-6,
-                                       err_msg=str(key))
 
 
 def test_beside_tensorboard_the_file_holds_the_same_scalars_per_layer_statistics_included(tmp_path):
@@ -116,43 +87,6 @@ def test_without_tensorboard_a_csv_file_gets_the_training_and_evaluation_scalars
     assert [np.isnan(v) for _, v in records["", "x/nan"]] == [True] * 4
     assert [v for _, v in records["", "x/inf"]] == [np.inf] * 4
     np.testing.assert_equal(read_metrics(path), csv_records(path))  # the package's reader reads what csv does
-
-
-#: An uninterrupted run of 18 steps, logged every 4 steps (the reference of the resumes below).
-LOG_EVERY = 4
-
-
-def metrics_trainer(workdir, callbacks=(), **kwargs):
-    return resume_trainer(workdir, [MetricsFile(workdir / "metrics.jsonl", every=LOG_EVERY), *callbacks],
-                          log_every=LOG_EVERY, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def reference_records(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("reference")
-    metrics_trainer(workdir).fit(resume_data(), epochs=3)
-    return jsonl_records(workdir / "metrics.jsonl")
-
-
-def test_a_resumed_runs_file_reads_as_the_uninterrupted_ones(tmp_path, reference_records):
-    # Checkpoints at steps 5 and 6 (an epoch's end, with the steps 5-6 of a window under way); the
-    # crash at step 9 comes after the log at 8, which the resumed run logs again (steps 5-8).
-    crashed = metrics_trainer(tmp_path, [RaiseAt(9, RuntimeError("crash"))], every=5)
-    with pytest.raises(flaxhooks.CallbackError):
-        crashed.fit(resume_data(), epochs=3)
-    assert crashed.bus.of(flaxhooks.Checkpoint)[0].saved_steps()[-1] == 6
-    assert by_key(jsonl_records(tmp_path / "metrics.jsonl"))["train", "loss"][-1][0] == 8
-    metrics_trainer(tmp_path, every=5).fit(resume_data(), epochs=3, resume=True)
-    assert_same_records(jsonl_records(tmp_path / "metrics.jsonl"), reference_records)
-
-
-def test_a_finished_run_continued_drops_its_partial_window_and_logs_it_whole(tmp_path, reference_records):
-    metrics_trainer(tmp_path).fit(resume_data(), epochs=1)  # logs at 4, and the fit's end 5-6 at 6
-    assert [s for s, _ in by_key(jsonl_records(tmp_path / "metrics.jsonl"))["train", "loss"]] == [4, 6]
-    metrics_trainer(tmp_path).fit(resume_data(), epochs=3, resume=True)
-    records = jsonl_records(tmp_path / "metrics.jsonl")
-    assert [s for s, _ in by_key(records)["train", "loss"]] == [4, 8, 12, 16, 18]
-    assert_same_records(records, reference_records)  # the evaluation at step 6 kept
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "csv"])

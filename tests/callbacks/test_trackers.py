@@ -18,11 +18,8 @@ import pytest
 import flaxhooks
 from flaxhooks import Callback, MetricsFile, MLflow, Wandb
 from flaxhooks.writers import WandbWriter, mlflow_key, read_metrics, tracker_key
-from tests.helpers import RaiseAt, make_arrays, make_batches, sgd_trainer
+from tests.helpers import TIMINGS, RaiseAt, make_arrays, make_batches, sgd_trainer
 
-#: Tags whose values are wall-clock readings: compared by their steps only.
-TIMINGS = ("throughput/steps_per_s", "train/data_wait", "train/device_wait", "train/examples_per_sec",
-           "train/flops_per_sec")
 HPARAMS = {"learning_rate": 0.1, "model": "mlp"}
 PARAMETERS = 5 * 8 + 8 + 8 * 3 + 3  # MLP: Dense(8), Dense(3) on 5 features
 
