@@ -26,6 +26,8 @@ from flaxhooks.callbacks import (
     Diagnose,
     EarlyStopping,
     Evaluate,
+    MetricsFile,
+    MLflow,
     NonFiniteError,
     ParamStats,
     Profile,
@@ -33,6 +35,7 @@ from flaxhooks.callbacks import (
     ReduceLROnPlateau,
     Summary,
     TensorBoard,
+    Wandb,
 )
 from flaxhooks.contract import (
     EVENTS,
@@ -87,6 +90,8 @@ __all__ = [
     "LossError",
     "Loop",
     "LossRead",
+    "MLflow",
+    "MetricsFile",
     "MidDispatchError",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -106,6 +111,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingInterrupted",
+    "Wandb",
     "as_model",
     "ema_params",
     "lr_range_test",

@@ -141,6 +141,22 @@ def run_start(config: Any, workdir: str | Path, lines: Sequence[str], placement:
     return RunStart()
 
 
+#: The file in a run's directory that holds its training and evaluation scalars (JSON lines).
+METRICS = "metrics.jsonl"
+
+
+def metrics_file(workdir: str | Path, every: int) -> Any:
+    """The run's metrics file, ``workdir/metrics.jsonl``: TensorBoard's scalars, a record each."""
+    import flaxhooks  # here: importing a recipe for --help stays quick
+
+    return flaxhooks.MetricsFile(Path(workdir) / METRICS, every=every)
+
+
+def metrics_line(workdir: str | Path) -> str:
+    """Where the run's metrics file is, as the run says at its end."""
+    return f"its scalars, a JSON object per write: {Path(workdir) / METRICS}"
+
+
 def viewing(logdir: str, runs: Path) -> str:
     """The command that views the run (and every run of the recipe, when it is
     one of ``runs``), installing TensorBoard if missing."""

@@ -52,6 +52,7 @@ class Config:
     mesh: str | None = None
     fsdp: bool = False
     log_every: int = 50
+    metrics_file: bool = True
     diagnose_every: int = 10
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
@@ -79,6 +80,8 @@ _HELP = {
     "fsdp": "shard the parameters and optimizer state over the data axis too (FSDP), not only the model "
             "axis",
     "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
+    "metrics_file": "also write the training and evaluation scalars to metrics.jsonl in the run "
+                    "directory (JSON lines: step, run and values per write), to read without TensorBoard",
     "diagnose_every": "sample every this many steps for Diagnose, which names what is wrong with "
                       "training over windows of 200 steps; 0 for never",
     "checkpoint_every": "save a checkpoint every this many steps, besides each epoch's end and the end of "
@@ -184,7 +187,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         ``checkpoint_every`` steps, and on Ctrl-C or SIGTERM, after which
         :class:`flaxhooks.TrainingInterrupted` is raised); ``config.resume``
         goes on from the latest. TensorBoard logs go to
-        ``workdir/tensorboard``; the options to ``workdir/options.json`` once
+        ``workdir/tensorboard`` (and, with ``config.metrics_file``, the same
+        scalars to ``workdir/metrics.jsonl``); the options to ``workdir/options.json`` once
         the run is accepted. Errors are raised as they are (``main`` turns
         refusals into one line).
 
@@ -227,6 +231,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flaxhooks.Checkpoint(Path(workdir) / "checkpoints", every=config.checkpoint_every or None,
                              keep=config.keep_checkpoints),
     ]
+    if config.metrics_file:
+        callbacks.append(_common.metrics_file(workdir, config.log_every))
     if config.diagnose_every:  # its report (findings.md, heatmaps) beside the TensorBoard logs
         report = Path(workdir) / "diagnose"
         callbacks.append(flaxhooks.Diagnose(every=config.diagnose_every, report_dir=report))
@@ -263,6 +269,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flush=True,
     )
     print(_common.viewing(logdir, RUNS), flush=True)
+    if config.metrics_file:
+        print(_common.metrics_line(workdir), flush=True)
     return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
 
 

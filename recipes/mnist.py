@@ -51,6 +51,7 @@ class Config:
     mesh: str | None = None
     fsdp: bool = False
     log_every: int = 50
+    metrics_file: bool = True
     stats_every: int = 100
     diagnose_every: int = 10
     histograms: bool = True
@@ -89,6 +90,8 @@ _HELP = {
     "fsdp": "shard the parameters and the optimizer state over the data axis (FSDP) instead of "
             "keeping them whole on every device",
     "log_every": "log to TensorBoard, and print when not on a terminal, every this many steps",
+    "metrics_file": "also write the training and evaluation scalars to metrics.jsonl in the run "
+                    "directory (JSON lines: step, run and values per write), to read without TensorBoard",
     "diagnose_every": "sample every this many steps for Diagnose, which names what is wrong with "
                       "training (dead units, vanishing gradients, loss spikes, ...) over windows of 200 "
                       "steps; 0 for never",
@@ -186,6 +189,7 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         values the CNN sows, ...) with one tag per statistic
         (``stats/activations/mean``, ``stats/activation_grads/log10_rms``,
         ``stats/params/log10_update_ratio``, ...), one chart per statistic.
+        ``config.metrics_file`` writes the same scalars to ``workdir/metrics.jsonl``.
         ``config.profile`` traces steps 10 to 12 for TensorBoard's Profile tab.
         ``config.diagnose_every`` samples steps for :class:`flaxhooks.Diagnose`,
         whose findings are logged, charted under ``health/`` and written with its
@@ -233,6 +237,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         flaxhooks.TensorBoard(logdir, every=config.log_every,
                               hparams={**_hyperparameters(config), "data": data.source}),
     ]
+    if config.metrics_file:
+        callbacks.append(_common.metrics_file(workdir, config.log_every))
     callbacks.append(flaxhooks.Checkpoint(
         Path(workdir) / "checkpoints", every=config.checkpoint_every or None, keep=config.keep_checkpoints,
     ))
@@ -285,6 +291,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         say(f"the weights' moving average (--ema {config.ema:g}): held-out accuracy "
             f"{averaged.metrics['accuracy']:.4f}  loss {averaged.metrics['loss']:.4f}", flush=True)
     say(_viewing(logdir), flush=True)
+    if config.metrics_file:
+        say(_common.metrics_line(workdir), flush=True)
     ema = {} if averaged is None else {f"ema_{k}": v for k, v in averaged.metrics.items()}
     return {**final.metrics, **ema, "examples": final.examples, "steps": int(state.step)}
 

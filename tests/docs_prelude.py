@@ -34,6 +34,17 @@ def loss_fn(logits, batch):
     return loss, {"accuracy": (logits.argmax(-1) == batch["label"]).mean()}
 
 
+def offline_trackers(directory: Any) -> dict[str, str]:
+    """Environment variables that keep W&B offline, silent and out of ``$HOME`` (its settings, cache
+    and logs in ``directory``), and MLflow from reporting its use."""
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+            "WANDB_DIR": str(directory), "WANDB_CONFIG_DIR": f"{directory}/wandb-config",
+            "WANDB_CACHE_DIR": f"{directory}/wandb-cache", "WANDB_DATA_DIR": f"{directory}/wandb-data",
+            "WANDB_ARTIFACT_DIR": f"{directory}/wandb-artifacts", "WANDB_ERROR_REPORTING": "false",
+            "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true", "WANDB_X_DISABLE_STATS": "true",
+            "WANDB_X_DISABLE_MACHINE_INFO": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
 def names() -> dict[str, Any]:
     """A fresh namespace: the names the examples use without defining them."""
     rng = np.random.default_rng(0)

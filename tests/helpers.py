@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,7 @@ class ResumeNet(nn.Module):
 def resume_trainer(workdir, callbacks=(), every=2, keep=3, log_every=1, **kwargs) -> flaxhooks.Trainer:
     """A Trainer with the callbacks whose state a resume restores: checkpoints
     every ``every`` steps, evaluation each epoch, early stopping (never
-    triggered) and TensorBoard every ``log_every`` steps."""
+    triggered) and TensorBoard and a metrics file every ``log_every`` steps."""
     import os
 
     return flaxhooks.Trainer(
@@ -73,6 +75,7 @@ def resume_trainer(workdir, callbacks=(), every=2, keep=3, log_every=1, **kwargs
             flaxhooks.Evaluate(make_arrays(40, seed=9), batch_size=16),
             flaxhooks.EarlyStopping("accuracy", patience=100, mode="max"),
             flaxhooks.TensorBoard(os.path.join(workdir, "tensorboard"), every=log_every),
+            flaxhooks.MetricsFile(os.path.join(workdir, "metrics.jsonl"), every=log_every),
             *callbacks,
         ],
         **kwargs,
@@ -161,6 +164,65 @@ class HostReads(flaxhooks.Callback):
 
     def on_fit_end(self, loop):
         self.active = False
+
+
+#: Tags whose values are wall-clock readings: compared by their steps only.
+TIMINGS = ("throughput/steps_per_s", "train/data_wait", "train/device_wait", "train/examples_per_sec",
+           "train/flops_per_sec")
+
+
+def jsonl_records(path) -> list[tuple[int, str, str, float]]:
+    """``(step, run, tag, value)`` of every record of a JSON-lines metrics file, read with ``json`` alone."""
+    found = []
+    for line in open(path).read().splitlines():
+        record = json.loads(line)
+        assert set(record) == {"step", "run", "time", "values"}, record
+        found += [(record["step"], record["run"], tag, value) for tag, value in record["values"].items()]
+    return found
+
+
+def by_key(records) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """``{(run, tag): [(step, value)]}`` in the order written."""
+    found: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for step, run, tag, value in records:
+        found.setdefault((run, tag), []).append((step, value))
+    return found
+
+
+def assert_same_records(got, expected) -> None:
+    """The same records by run and tag, at the same steps, with the same values (rtol 1e-5); a
+    timing's steps only in order, none twice (a resumed run's first interval may have none)."""
+    got, expected = by_key(got), by_key(expected)
+    assert sorted(got) == sorted(expected)
+    for key, points in expected.items():
+        steps = [s for s, _ in got[key]]
+        if key[1] in TIMINGS:
+            assert steps == sorted(set(steps)), (key, steps)
+            continue
+        assert steps == [s for s, _ in points], key  # none missing, none twice
+        np.testing.assert_allclose([v for _, v in got[key]], [v for _, v in points], rtol=1e-5,
+                                   err_msg=str(key))
+
+
+class KeepMetrics(flaxhooks.Callback):
+    """Keeps each step's metrics, read on the host: ``metrics[step]``."""
+
+    def __init__(self):
+        self.metrics = {}
+
+    def on_step_end(self, loop):
+        self.metrics[loop.step] = loop.host_metrics()
+
+
+class RaiseAt(flaxhooks.Callback):
+    """Raises ``error`` at the end of step ``at``."""
+
+    def __init__(self, at, error):
+        self.at, self.error = at, error
+
+    def on_step_end(self, loop):
+        if loop.step == self.at:
+            raise self.error
 
 
 def sgd_trainer(model=None, callbacks=(), devices=None, **kwargs) -> flaxhooks.Trainer:

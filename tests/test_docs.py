@@ -26,6 +26,10 @@ def examples(page: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"^```python\n(.*?)^```$", text, re.S | re.M)]
 
 
+#: What marks a page whose examples need an optional package, and the package: skipped without it.
+OPTIONAL = {"import grain": "grain", "flaxhooks.Wandb(": "wandb", "flaxhooks.MLflow(": "mlflow"}
+
+
 def test_every_page_with_examples_is_tested():
     assert "README.md" in PAGES and len(PAGES) >= 10, PAGES
     assert sum(len(examples(p)) for p in PAGES) >= 11
@@ -35,9 +39,15 @@ def test_every_page_with_examples_is_tested():
 @pytest.mark.parametrize("page", PAGES)
 def test_every_python_example_runs_as_written(page, tmp_path, monkeypatch):
     """A page's examples run in order in one namespace, from a fresh
-    working directory, with what ``tests/docs_prelude.py`` stands in for."""
-    pytest.importorskip("grain") if "import grain" in (ROOT / page).read_text() else None
+    working directory, with what ``tests/docs_prelude.py`` stands in for;
+    W&B offline and silent, its settings, cache and logs in that directory."""
+    text = (ROOT / page).read_text()
+    for marker, package in OPTIONAL.items():
+        if marker in text:
+            pytest.importorskip(package, reason=f"optional: pip install 'flaxhooks[{package}]'")
     monkeypatch.chdir(tmp_path)
+    for name, value in docs_prelude.offline_trackers(tmp_path).items():
+        monkeypatch.setenv(name, value)
     namespace = docs_prelude.names()
     for line, code in examples(page):
         exec(compile("\n" * (line - 1) + code, str(ROOT / page), "exec"), namespace)

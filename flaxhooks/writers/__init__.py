@@ -1,4 +1,5 @@
-"""Writers, layered as CLU's: ``Writer``, ``TensorBoardWriter``, ``AsyncWriter`` and the fan-out ``Writers``.
+"""Writers, layered as CLU's: ``Writer``, its backends (``TensorBoardWriter``, ``MetricsFileWriter``,
+``WandbWriter``, ``MlflowWriter``), ``AsyncWriter`` and the fan-out ``Writers``.
 
 ``__all__`` is what users write and extend; the other names may change in any release.
 """
@@ -8,14 +9,17 @@ from typing import Any
 
 from flaxhooks.writers._async import AsyncWriter
 from flaxhooks.writers._files import LogdirError, check_writable, read_layout, truncate_events
+from flaxhooks.writers._metrics_file import MetricsFileWriter, metrics_format, read_metrics, truncate_metrics
 from flaxhooks.writers._service import Histogram, Images, Values, Writer, WriterCallback, Writers
 from flaxhooks.writers._service import detached as detached
 from flaxhooks.writers._tensorboardx import EventFile as EventFile
 from flaxhooks.writers._tensorboardx import TensorBoardWriter
+from flaxhooks.writers._trackers import MlflowWriter, TrackerWriter, WandbWriter, mlflow_key, tracker_key
 
 __all__ = [
-    "AsyncWriter", "Histogram", "Images", "LogdirError", "TensorBoardWriter", "Values", "Writer",
-    "WriterCallback", "Writers"
+    "AsyncWriter", "Histogram", "Images", "LogdirError", "MetricsFileWriter", "MlflowWriter",
+    "TensorBoardWriter", "TrackerWriter", "Values", "WandbWriter", "Writer", "WriterCallback", "Writers",
+    "read_metrics",
 ]
 
 

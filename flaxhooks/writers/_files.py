@@ -10,7 +10,7 @@ from typing import Any
 
 
 class LogdirError(OSError):
-    """The TensorBoard log directory cannot be written."""
+    """A log directory (TensorBoard's, a metrics file's, a local tracking store) cannot be written."""
 
 
 def check_writable(directory: str | os.PathLike[str], what: str = "TensorBoard logs",

@@ -90,6 +90,13 @@ class Writer:
         return self.flush()
 
 
+def set_event() -> threading.Event:
+    """An event already set: a synchronous writer's sync point (what it wrote is on disk)."""
+    done = threading.Event()
+    done.set()
+    return done
+
+
 def as_writer(writer: Any) -> Writer:
     """``writer`` as a :class:`Writer`; 0.7's protocol shape is adapted with a DeprecationWarning."""
     if isinstance(writer, Writer):

@@ -16,7 +16,7 @@ import numpy as np
 from tensorboardX import FileWriter
 from tensorboardX.event_file_writer import EventsWriter
 
-from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer
+from flaxhooks.writers._service import Histogram, Images, RunValues, Values, Writer, set_event
 
 
 class EventFile(FileWriter):
@@ -163,9 +163,7 @@ class TensorBoardWriter(Writer):
     def sync_point(self) -> threading.Event:
         """Set at once: everything written is flushed before it returns."""
         self.flush()
-        done = threading.Event()
-        done.set()
-        return done
+        return set_event()
 
     def close(self) -> None:
         """Closes the files; a later write opens new ones in the same runs."""

@@ -22,7 +22,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import flaxhooks
 from flaxhooks import Callback, Checkpoint, CheckpointError, CheckpointWarning
 from flaxhooks.callbacks import CheckpointConflictError, CheckpointMismatchError
-from tests.helpers import Recorder, ResumeNet, cross_entropy, make_arrays, resume_data, resume_trainer
+from tests.helpers import (
+    Recorder,
+    ResumeNet,
+    assert_same_records,
+    cross_entropy,
+    jsonl_records,
+    make_arrays,
+    resume_data,
+    resume_trainer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 3  # six steps each
@@ -59,7 +68,7 @@ def assert_same_params(got, expected) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run: final state, callback states, TensorBoard scalars."""
+    """An uninterrupted run: final state, callback states, TensorBoard scalars, the metrics file."""
     workdir = tmp_path_factory.mktemp("reference")
     trainer = resume_trainer(workdir)
     state = trainer.fit(resume_data(), epochs=EPOCHS)
@@ -67,6 +76,7 @@ def reference(tmp_path_factory):
         "state": state,
         "callbacks": {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()},
         "logs": logged(workdir / "tensorboard"),
+        "metrics": jsonl_records(workdir / "metrics.jsonl"),
         "workdir": workdir,
     }
 
@@ -134,6 +144,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(
     assert states["Evaluate"]["result"]["metrics"] == pytest.approx(
         reference["callbacks"]["Evaluate"]["result"]["metrics"], rel=1e-5)
     assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+    assert_same_records(jsonl_records(tmp_path / "metrics.jsonl"), reference["metrics"])  # its records too
 
 
 @pytest.mark.parametrize(("error", "resumed_from"), [(signal.SIGINT, 7), (RuntimeError("crash"), 8)],
@@ -153,6 +164,8 @@ def test_a_resumed_run_logs_the_same_window_means(tmp_path, error, resumed_from)
     reference_logs = logged(tmp_path / "reference" / "tensorboard")
     assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16, 18]  # 18: the fit's end wrote 17-18
     assert_same_logs(got, reference_logs)
+    assert_same_records(jsonl_records(tmp_path / "run" / "metrics.jsonl"),
+                        jsonl_records(tmp_path / "reference" / "metrics.jsonl"))
 
 
 def test_a_finished_run_continued_with_more_epochs_logs_as_one_run_of_them_all(tmp_path):
@@ -167,6 +180,9 @@ def test_a_finished_run_continued_with_more_epochs_logs_as_one_run_of_them_all(t
     got = logged(tmp_path / "run" / "tensorboard")
     assert [s for s, _ in got["train/loss"]] == [4, 8, 12, 16, 18]
     assert_same_logs(got, logged(tmp_path / "reference" / "tensorboard"))
+    # The metrics file too: the step-6 train record dropped, the evaluation at step 6 kept.
+    assert_same_records(jsonl_records(tmp_path / "run" / "metrics.jsonl"),
+                        jsonl_records(tmp_path / "reference" / "metrics.jsonl"))
 
 
 def every_record(logdir) -> dict[tuple[str, str], list[tuple[int, object]]]:
@@ -258,6 +274,7 @@ def test_resume_before_any_checkpoint_starts_afresh_without_doubling_the_logs(tm
     state = resume_trainer(tmp_path, every=100).fit(resume_data(), epochs=EPOCHS, resume=True)
     assert_same_params(state.params, reference["state"].params)
     assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+    assert_same_records(jsonl_records(tmp_path / "metrics.jsonl"), reference["metrics"])  # its records too
 
 
 def test_a_run_that_stopped_early_stays_stopped_on_resume(tmp_path):
@@ -435,6 +452,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path, re
         state = resume_trainer(tmp_path).fit(resume_data(), epochs=EPOCHS, resume=True)
     assert_same_params(state.params, reference["state"].params)
     assert_same_logs(logged(tmp_path / "tensorboard"), reference["logs"])
+    assert_same_records(jsonl_records(tmp_path / "metrics.jsonl"), reference["metrics"])  # its records too
     # The unreadable one was set aside, not deleted, and replaced by a good one.
     assert [p.name.split("-")[:2] for p in checkpoints.iterdir() if not p.name.isdigit()] == [
         ["unreadable", "10"]]

@@ -17,8 +17,8 @@ import jax
 import pytest
 
 import flaxhooks
-from flaxhooks import Callback, CallbackError, LogdirError, Profile, TensorBoard
-from tests.helpers import Recorder, make_batches, sgd_trainer
+from flaxhooks import CallbackError, LogdirError, Profile, TensorBoard
+from tests.helpers import RaiseAt, Recorder, make_batches, sgd_trainer
 
 
 @pytest.fixture
@@ -116,19 +116,10 @@ def test_a_fit_that_ends_before_the_last_chosen_step_stops_the_trace(tmp_path, p
     assert any("training ended before step 10" in r.getMessage() for r in caplog.records)
 
 
-class Fails(Callback):
-    def __init__(self, at, error):
-        self.at, self.error = at, error
-
-    def on_step_end(self, loop):
-        if loop.step == self.at:
-            raise self.error
-
-
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 def test_a_failing_fit_stops_the_trace_so_the_next_one_can_start(tmp_path, error):
     profile = Profile(tmp_path / "run", steps=(2, 10))
-    trainer = trainer_of(profile, Fails(3, error))
+    trainer = trainer_of(profile, RaiseAt(3, error))
     with pytest.raises((CallbackError, KeyboardInterrupt)):
         trainer.fit(make_batches(4), steps=8)
     assert len(profile.trace_dirs) == 1 and xplanes(tmp_path / "run")

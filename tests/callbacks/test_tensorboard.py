@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import flaxhooks
 from flaxhooks import Callback, Every, LogdirError, TensorBoard
-from tests.helpers import MLP, cross_entropy, make_arrays, make_batches, sgd_trainer
+from tests.helpers import MLP, KeepMetrics, cross_entropy, make_arrays, make_batches, sgd_trainer
 
 
 def read(logdir) -> EventAccumulator:
@@ -59,14 +59,6 @@ class KeepLosses(Callback):
 
     def on_step_end(self, loop):
         self.losses[loop.step] = loop.host_metrics()["loss"]
-
-
-class KeepMetrics(Callback):
-    def __init__(self):
-        self.metrics = {}
-
-    def on_step_end(self, loop):
-        self.metrics[loop.step] = loop.host_metrics()
 
 
 def test_train_and_eval_are_sub_runs_with_the_same_tags_and_train_logs_window_means(tmp_path):

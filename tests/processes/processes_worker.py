@@ -480,7 +480,8 @@ def run_directories(index: int, count: int, out: str, root: str) -> dict[str, An
 
     def trainer() -> Any:
         return sgd_trainer(callbacks=[flaxhooks.Checkpoint(new / "checkpoints"),
-                                      flaxhooks.TensorBoard(new / "tensorboard", hparams={"lr": 0.1})])
+                                      flaxhooks.TensorBoard(new / "tensorboard", hparams={"lr": 0.1}),
+                                      flaxhooks.MetricsFile(new / "metrics.jsonl", every=1)])
 
     def files() -> dict[str, str]:
         import hashlib
@@ -497,8 +498,12 @@ def run_directories(index: int, count: int, out: str, root: str) -> dict[str, An
     except Exception as error:  # noqa: BLE001
         refused = {"error": type(error).__name__, "message": str(error),
                    "cause": type(error.__cause__).__name__ if error.__cause__ else None}
+    from flaxhooks.writers import read_metrics
+
+    records = read_metrics(new / "metrics.jsonl")
+    losses = [step for step, run, tag, _ in records if (run, tag) == ("train", "loss")]
     return {"new": str(new), "latest": str(latest), "refused": refused, "unchanged": files() == before,
-            "files": len(before)}
+            "files": len(before), "losses": losses}
 
 
 @scenario

@@ -499,7 +499,8 @@ def test_a_late_process_delays_a_resume_without_harm_and_a_timeout_names_it(tmp_
 def test_run_directories_and_refusals_are_the_same_on_every_process(tmp_path):
     """Process 0 names the run's directory for all (their clocks would name
     two); a fit refused before anything is written is refused on every
-    process, and the first run's files stay as they were."""
+    process, and the first run's files stay as they were. Process 0 alone
+    writes the metrics file."""
     root = tmp_path / "runs"
     workers = Workers("run_directories", tmp_path / "out", str(root), limit=180)
     assert workers.finish() == [0, 0], workers.output()
@@ -511,3 +512,4 @@ def test_run_directories_and_refusals_are_the_same_on_every_process(tmp_path):
         assert (refused["error"], refused["cause"]) == ("ProcessError", "CheckpointConflictError"), refused
         assert "holds checkpoints of another run" in refused["message"], refused
         assert result["unchanged"] and result["files"] > 3, result  # checkpoint and event files, as they were
+        assert result["losses"] == [1, 2], result  # the metrics file: process 0's records alone

@@ -71,6 +71,7 @@ def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest
         assert "tensorboard --logdir runs/mnist\n" in result.stdout  # every run side by side
         assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == ["7"]
         assert json.loads((run / "options.json").read_text())["epochs"] == 1
+        assert f"its scalars, a JSON object per write: runs/mnist/{run.name}/metrics.jsonl" in result.stdout
     older = _files(runs[0])
     # The latest run, with the options it was started with but the epochs asked for.
     resumed = _run_recipe("--resume", "--epochs", "2", "--cpu-devices", "2", cwd=tmp_path)
@@ -79,6 +80,11 @@ def test_every_run_has_a_directory_of_its_own_and_resume_goes_on_with_the_latest
     assert f"resuming from step 7 ({tmp_path}/runs/mnist/{runs[1].name}/checkpoints/7)" in said
     assert "held-out accuracy" in resumed.stdout and "step 14)" in resumed.stdout
     assert sorted((tmp_path / "runs" / "mnist").iterdir()) == runs and _files(runs[0]) == older
+    # The first run's end wrote its steps 1-7 at step 7; the resumed run dropped that point and
+    # wrote steps 1-14 at its end. Each evaluation stays.
+    records = [json.loads(line) for line in (runs[1] / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["run"]) for r in records] == [(7, "eval"), (14, "eval"), (14, "train")]
+    assert {"loss", "accuracy", "optimizer/grad_norm"} <= set(records[2]["values"])
 
 
 @pytest.mark.slow
