@@ -18,8 +18,11 @@ What is compared
     results are medians over rounds of each segment's updates per second and of its per-round
     ratio to ``lean`` (below 1: slower). Beside them, XLA's memory analysis of each compiled
     step (``StepRunner.step_memory``): the bytes of temporaries (activations, gradients,
-    scratch) on each device, which micro-batches shrink, and of the arguments (the state and
-    the batch), which the average grows by the parameters' size.
+    scratch) on each device, and of the arguments (the state and the batch), which the
+    average grows by the parameters' size. On CPU the micro-batches are written out (what is
+    timed); the layout GPU and TPU get, a loop holding one micro-batch's activations at a
+    time, is compiled beside it for its memory (``memory_looped``), not timed: XLA:CPU runs
+    a convolution inside a loop an order of magnitude slower (jax-ml/jax#12868).
 
 How to run
     python -m benchmarks.bench_accumulate [--steps 30] [--rounds 5] [--batch-size 128]
@@ -42,6 +45,7 @@ import optax
 import flaxhooks
 from benchmarks.bench_trainer import make_batches, start_devices
 from benchmarks.rounds import alternate
+from flaxhooks.step import StepRunner
 from recipes.models import CNN, cross_entropy_loss
 
 EMA_DECAY = 0.999
@@ -78,6 +82,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           "segment a whole fit from the same state, the order rotated per round")
     rates, busy = alternate(runs, args.rounds, args.steps, "updates/s")
     memory = {name: t.runner.step_memory() for name, t in trainers.items()}
+    # The layout GPU and TPU get (a loop over the micro-batches), compiled here for its memory alone:
+    # XLA:CPU runs a convolution inside a loop an order of magnitude slower (jax-ml/jax#12868).
+    looped = {}
+    loops_on = StepRunner.LOOP_MICRO_BATCHES_ON
+    StepRunner.LOOP_MICRO_BATCHES_ON = loops_on | {jax.devices()[0].platform}
+    try:
+        for k in args.accumulate:
+            trainer = flaxhooks.Trainer(CNN(), sgd, cross_entropy_loss, accumulate=k)
+            trainer.fit(batches, steps=1, state=initial["lean"])
+            looped[f"accumulate_{k}"] = trainer.runner.step_memory()
+    finally:
+        StepRunner.LOOP_MICRO_BATCHES_ON = loops_on
     result: dict[str, Any] = {
         "benchmark": "accumulate", "devices": devices, "batch_size": args.batch_size, "steps": args.steps,
         "rounds": args.rounds, "ema_decay": EMA_DECAY,
@@ -85,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **{f"cores_busy_{n}": statistics.median(b) for n, b in busy.items()},
         **{f"{n}_over_lean": statistics.median(a / b for a, b in zip(rates[n], rates["lean"], strict=True))
            for n in names if n != "lean"},
-        "memory": memory, "compiles": {n: dict(t.runner.traces) for n, t in trainers.items()},
+        "memory": memory, "memory_looped": looped,
+        "compiles": {n: dict(t.runner.traces) for n, t in trainers.items()},
         "jax_version": jax.__version__,
     }
     for name in names:
@@ -94,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{result[f'cores_busy_{name}']:.2f} cores busy (median); per device: temporaries "
               f"{held.get('temporaries', 0) / 2**20:.1f} MiB, "
               f"arguments {held.get('arguments', 0) / 2**20:.1f} MiB")
+    for name, held in looped.items():
+        print(f"{name:>14} in a loop (GPU and TPU's layout; compiled, not timed): temporaries "
+              f"{(held or {}).get('temporaries', 0) / 2**20:.1f} MiB per device")
     for name in names[1:]:
         print(f"median ratio {name} / lean: {result[f'{name}_over_lean']:.3f}")
     print(json.dumps(result))

@@ -44,6 +44,8 @@ class Config:
     learning_rate: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
+    accumulate: int = 1
+    ema: float = 0.0
     width: int = 128
     depth: int = 2
     heads: int = 4
@@ -69,6 +71,10 @@ _HELP = {
     "learning_rate": "AdamW's peak learning rate, reached after the warmup, then decayed to 1% by a cosine",
     "warmup_steps": "steps over which the learning rate rises from 0",
     "weight_decay": "AdamW's weight decay",
+    "accumulate": "gradient accumulation: take each batch in this many micro-batches, one after another, "
+                  "for one update (the batch's; on GPU and TPU, less memory for the activations)",
+    "ema": "also keep an exponential moving average of the weights with this decay, in [0, 1) (e.g. "
+           "0.999; 0 for none), and evaluate it beside them (the eval_ema run)",
     "width": "the Transformer's embedding width",
     "depth": "how many Transformer blocks",
     "heads": "attention heads per block (they divide the width)",
@@ -93,7 +99,8 @@ _HELP = {
 
 #: The least value of numeric options.
 _AT_LEAST = {"digits": 1, "train_examples": 1, "eval_examples": 1, "epochs": 1, "batch_size": 1,
-             "eval_batch_size": 1, "learning_rate": 0.0, "warmup_steps": 0, "weight_decay": 0.0, "width": 1,
+             "eval_batch_size": 1, "learning_rate": 0.0, "warmup_steps": 0, "weight_decay": 0.0,
+             "accumulate": 1, "ema": 0.0, "width": 1,
              "depth": 1, "heads": 1, "cpu_devices": 1, "log_every": 1, "diagnose_every": 0,
              "checkpoint_every": 0, "keep_checkpoints": 1}
 
@@ -103,7 +110,7 @@ RUNS = Path("runs/addition")
 _PLACEMENT = ("cpu_devices", "mesh", "fsdp", "resume")
 #: The settings runs are compared by in TensorBoard's HParams tab.
 _COMPARED = ("digits", "train_examples", "epochs", "batch_size", "learning_rate", "warmup_steps",
-             "weight_decay", "width", "depth", "heads", "seed")
+             "weight_decay", "accumulate", "ema", "width", "depth", "heads", "seed")
 
 #: Token ids in use (digits, ``+``, ``=``, padding) padded up to a multiple of 8, so the
 #: vocabulary splits evenly over a ``model`` axis of 1, 2, 4 or 8 devices.
@@ -220,7 +227,8 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
                         width=config.width, depth=config.depth, heads=config.heads)
     # Every held-out sum, exactly once, at each epoch's end.
     evaluation = flaxhooks.Evaluate(sums.eval(), at_epoch_end=True, batch_size=config.eval_batch_size,
-                                    metrics=_metrics(), name="eval")
+                                    metrics=_metrics(), name="eval",
+                                    weights="both" if config.ema else "trained")
     lines: list[str] = []  # what runs, said once the Trainer has accepted the run
     callbacks: list[flaxhooks.Callback] = [
         _common.run_start(config, workdir, lines, _PLACEMENT),
@@ -239,13 +247,14 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     sharding = sharding_arguments(config, mesh_sizes)
     trainer = flaxhooks.Trainer(
         flaxhooks.as_model(model, input_keys=("tokens",)),
-        optimizer,
+        flaxhooks.with_ema(optimizer, config.ema) if config.ema else optimizer,
         functools.partial(batch_loss, pad=addition_data.PAD),
         # The metrics read the targets by name: there are no class labels.
         label_key=None,
         example_loss_fn=functools.partial(example_loss, pad=addition_data.PAD),
         seed=config.seed,
         callbacks=callbacks,
+        accumulate=config.accumulate,
         **sharding,
     )
     axes = ",".join(f"{name}={size}" for name, size in mesh_sizes.items())
@@ -268,10 +277,16 @@ def train_and_evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
         f"({final.examples} unseen {config.digits}-digit sums, step {int(state.step)})",
         flush=True,
     )
+    averaged = evaluation.ema_result
+    if averaged is not None:
+        print(f"the weights' moving average (--ema {config.ema:g}): held-out exact match "
+              f"{averaged.metrics['exact_match']:.4f}  token accuracy "
+              f"{averaged.metrics['token_accuracy']:.4f}", flush=True)
     print(_common.viewing(logdir, RUNS), flush=True)
     if config.metrics_file:
         print(_common.metrics_line(workdir), flush=True)
-    return {**final.metrics, "examples": final.examples, "steps": int(state.step)}
+    ema = {} if averaged is None else {f"ema_{k}": v for k, v in averaged.metrics.items()}
+    return {**final.metrics, **ema, "examples": final.examples, "steps": int(state.step)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -282,7 +297,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, str | None]:
     """Builds the Config and workdir (None: a new run directory) from command-line arguments."""
-    args = vars(_parser().parse_args(argv))
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    if not args["ema"] < 1:
+        parser.error(f"argument --ema: must be less than 1, got {args['ema']:g}")
     workdir = args.pop("workdir")
     return Config(**args), workdir
 

@@ -4,6 +4,7 @@ suggests one below it, charts what it returns, and leaves the model and the disk
 
 from __future__ import annotations
 
+import logging
 import os
 
 import flax.linen as nn
@@ -32,8 +33,9 @@ def _least_squares():
     return {"image": x, "target": target}, 2 / np.linalg.eigvalsh(hessian).max()
 
 
-def test_the_sweep_stops_past_the_stability_bound_and_suggests_a_rate_below_it(tmp_path, capsys):
+def test_the_sweep_stops_past_the_stability_bound_and_suggests_a_rate_below_it(tmp_path, caplog):
     batch, bound = _least_squares()
+    caplog.set_level(logging.INFO, logger="flaxhooks")  # its line, as a record (else on stderr)
     found = flaxhooks.lr_range_test(nn.Dense(1, use_bias=False), optax.sgd, squared_error, [batch] * 80,
                                     min_lr=1e-4, max_lr=10.0, steps=80,
                                     callbacks=[flaxhooks.TensorBoard(tmp_path, every=1)])
@@ -44,8 +46,7 @@ def test_the_sweep_stops_past_the_stability_bound_and_suggests_a_rate_below_it(t
     # past depends on how small the error along the steepest direction had become).
     assert bound < found.learning_rates[-1] < 10.0
     assert 0.01 * bound < found.suggestion < bound
-    said = capsys.readouterr()
-    assert f"suggested learning rate {found.suggestion:.3g}" in said.err + said.out
+    assert f"suggested learning rate {found.suggestion:.3g}" in caplog.text
     # The curve in TensorBoard: each step's loss and rate, and the smoothed loss, as returned.
     events = EventAccumulator(str(tmp_path / "train"))
     events.Reload()

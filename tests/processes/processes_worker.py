@@ -102,14 +102,14 @@ def equivalence(index: int, count: int, out: str) -> dict[str, Any]:
         return flaxhooks.Trainer(MLP(), optimizer, cross_entropy, **options)
 
     accumulated = averaged(shard=flaxhooks.FSDP(min_size=16), accumulate=2, callbacks=[
-        flaxhooks.ActivationStats(every=2)]).fit(loader(), epochs=2)
-    whole_batches = averaged().fit(loader(), epochs=2)
+        flaxhooks.ActivationStats(every=2)]).fit(loader(), epochs=1)
+    whole_batches = averaged().fit(loader(), epochs=1)
     ema_kernel = flaxhooks.ema_params(accumulated)["Dense_0"]["kernel"]
     # Reduce-on-plateau: each process advances the rule on the same evaluation, the scale the same.
     plateau = flaxhooks.ReduceLROnPlateau("loss", factor=0.5, patience=1, rtol=0.2)
     plateaued = flaxhooks.Trainer(MLP(), plateau.wrap(optax.sgd(0.5)), cross_entropy, callbacks=[
         flaxhooks.Evaluate(make_arrays(48, seed=9), every=2, at_epoch_end=False, batch_size=16), plateau,
-    ]).fit(loader(), epochs=2)
+    ]).fit(loader(), epochs=1)
     kernel = fsdp.params["Dense_0"]["kernel"]
     # Each process evaluates its share (every 2nd example: 501 and 500); the
     # result covers all 1001 exactly once.

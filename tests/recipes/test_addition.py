@@ -251,17 +251,21 @@ TINY = ("--digits", "2", "--train-examples", "512", "--eval-examples", "100", "-
 
 @pytest.mark.slow
 def test_a_tiny_run_finishes_and_says_its_held_out_metrics(tmp_path):
+    """With a moving average of the weights, resumed from the checkpoint."""
     workdir = tmp_path / "run"
-    result = _run_recipe(*TINY, "--workdir", str(workdir), timeout=120)
+    result = _run_recipe(*TINY, "--ema", "0.9", "--workdir", str(workdir), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 CPU devices, mesh data=8,model=1; run directory:" in result.stdout, result.stdout
     final = [line for line in result.stdout.splitlines() if line.startswith("held-out exact match")]
     assert len(final) == 1 and final[0].endswith("(100 unseen 2-digit sums, step 4)"), result.stdout[-2000:]
-    assert json.loads((workdir / "options.json").read_text())["digits"] == 2
+    assert "the weights' moving average (--ema 0.9): held-out exact match" in result.stdout
+    options = json.loads((workdir / "options.json").read_text())
+    assert (options["digits"], options["ema"]) == (2, 0.9)
     resumed = _run_recipe("--workdir", str(workdir), "--resume", "--epochs", "2", timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 4" in resumed.stdout + resumed.stderr
     assert "(100 unseen 2-digit sums, step 8)" in resumed.stdout
+    assert "the weights' moving average (--ema 0.9)" in resumed.stdout  # its options, resumed
 
 
 def test_it_learns_two_digit_addition(tmp_path):

@@ -220,24 +220,17 @@ def test_one_epoch_smoke(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_bfloat16_run_learns_as_a_float32_one_does(tmp_path):
-    config = mnist.Config(epochs=1, precision="bf16", download=False, stats_every=0, diagnose_every=0)
+def test_a_bf16_run_with_accumulation_and_ema_learns_and_says_both_accuracies(tmp_path, capsys):
+    config = mnist.Config(epochs=1, precision="bf16", accumulate=2, ema=0.9, download=False, stats_every=0,
+                          diagnose_every=0)
     result = mnist.train_and_evaluate(config, tmp_path)
-    assert result["accuracy"] > 0.6, result  # as the float32 run of one epoch (test_one_epoch_smoke)
-    options = json.loads((tmp_path / "options.json").read_text())
-    assert options["precision"] == "bf16"
-
-
-@pytest.mark.slow
-def test_an_accumulated_run_with_a_moving_average_learns_and_says_both_accuracies(tmp_path, capsys):
-    config = mnist.Config(epochs=1, accumulate=2, ema=0.9, download=False, stats_every=0, diagnose_every=0)
-    result = mnist.train_and_evaluate(config, tmp_path)
-    assert result["accuracy"] > 0.6 and result["ema_accuracy"] > 0.6, result  # as test_one_epoch_smoke
+    # As the float32 run of one epoch (test_one_epoch_smoke).
+    assert result["accuracy"] > 0.6 and result["ema_accuracy"] > 0.6, result
     said = capsys.readouterr().out
     assert (f"the weights' moving average (--ema 0.9): held-out accuracy {result['ema_accuracy']:.4f}  "
             f"loss {result['ema_loss']:.4f}") in said
     options = json.loads((tmp_path / "options.json").read_text())
-    assert (options["accumulate"], options["ema"]) == (2, 0.9)
+    assert (options["precision"], options["accumulate"], options["ema"]) == ("bf16", 2, 0.9)
 
 
 @pytest.mark.slow
