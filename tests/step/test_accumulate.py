@@ -268,3 +268,35 @@ def test_micro_batches_in_a_loop_take_less_memory_and_count_the_flops_of_the_who
     assert memory[4]["temporaries"] < 0.5 * memory[1]["temporaries"], memory
     assert memory[4]["arguments"] == memory[1]["arguments"]
     assert flops[4] == pytest.approx(flops[1], rel=0.03)
+
+
+class Recurrent(nn.Module):
+    """An LSTM whose sown values stack its time steps first: the batch is their second axis."""
+
+    @nn.compact
+    def __call__(self, x):
+        rnn = nn.RNN(nn.LSTMCell(8), variable_axes={"intermediates": 0, "perturbations": 0})
+        return nn.Dense(3)(rnn(x)[:, -1])
+
+
+def test_values_whose_batch_axis_is_not_the_first_are_joined_along_it():
+    rng = np.random.default_rng(0)
+    batches = [{"image": rng.normal(size=(16, 5, 4)).astype(np.float32),
+                "label": rng.integers(0, 3, 16).astype(np.int32)} for _ in range(2)]
+    initial = flaxhooks.Trainer(Recurrent(), optax.adam(1e-2), cross_entropy).init(batches[0])
+    tables = {}
+    for k in (1, 2):
+        tables[k] = {}
+
+        class Keep(flaxhooks.Callback):
+            order = 50
+
+            def on_step_end(self, loop, seen=tables[k]):
+                topics = ("activations", "activation_grads")
+                seen[loop.step] = {t: loop.published[t].to_dict() for t in topics}
+
+        flaxhooks.Trainer(Recurrent(), optax.adam(1e-2), cross_entropy, accumulate=k, callbacks=[
+            flaxhooks.ActivationStats(every=1), flaxhooks.ActivationGradStats(every=1), Keep(),
+        ]).fit(batches, epochs=1, state=initial)
+    assert len(tables[1][1]["activations"]) > 5  # the cell's gates, each over the time steps
+    assert_tables_close(tables[2], tables[1], rel=1e-4, abs=1e-6)
