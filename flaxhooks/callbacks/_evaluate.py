@@ -95,12 +95,10 @@ class Evaluate(Callback):
         if self._evaluated_step == loop.step or loop.diverged is not None:
             return  # due twice at one step (every N and epoch end), or the state holds NaN
         self._evaluated_step = loop.step
-        options = {"batch_size": self.batch_size, "metrics": self.metrics}
-        if self.weights != "ema":
-            self.result = loop.evaluate(self.data, name=self.name, **options)
-        if self.weights == "ema":
-            self.result = loop.evaluate(self.data, name=self.name, weights="ema", **options)
-        elif self.weights == "both":
+        options: dict[str, Any] = {"batch_size": self.batch_size, "metrics": self.metrics}
+        self.result = loop.evaluate(self.data, name=self.name, **options,
+                                    **({"weights": "ema"} if self.weights == "ema" else {}))
+        if self.weights == "both":
             self.ema_result = loop.evaluate(self.data, name=f"{self.name}_ema", weights="ema", **options)
 
 

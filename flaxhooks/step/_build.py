@@ -179,9 +179,11 @@ def accumulated(micro_step: MicroStep, params: Any, model_state: Any, batch: Bat
     out, each micro-batch's ops in the program (faster, and no smaller, on XLA:CPU)."""
     micro = micro_batches(batch, count, place)
     first = jax.tree.map(lambda x: x[0], micro)
-    # Shapes only: what one micro-batch gives, and what the whole batch would.
-    grads_shape, state_shape, _ = jax.eval_shape(micro_step, params, model_state, first, rngs)
-    whole_found = jax.eval_shape(micro_step, params, model_state, batch, rngs)[2]
+    # Shapes only: what one micro-batch gives, and (where it found more than scalars, which are
+    # averaged) what the whole batch would: one more trace of the model, for instrumented steps only.
+    grads_shape, state_shape, part_found = jax.eval_shape(micro_step, params, model_state, first, rngs)
+    scalars = all(jnp.ndim(x) == 0 for x in jax.tree.leaves(part_found))
+    whole_found = part_found if scalars else jax.eval_shape(micro_step, params, model_state, batch, rngs)[2]
     # A carried collection keeping its layout (batch statistics) goes from micro-batch to micro-batch.
     same_tree: bool = jax.tree.structure(state_shape) == jax.tree.structure(model_state)  # type: ignore[operator]
     threaded = same_tree and all(

@@ -305,8 +305,8 @@ class StepRunner:
         flops = _flops(executable.cost_analysis())
         if flops is None:
             return None
-        # XLA counts a loop's body once: several steps a dispatch are a loop but on CPU (unrolled
-        # there), and micro-batches always are, their share found on the lowered programs.
+        # XLA counts a loop's body once: several steps a dispatch are a loop but on CPU, and so are
+        # micro-batches on the platforms that loop over them (their share found on the lowered programs).
         per_step = flops if count > 1 and self.placement.platform != "cpu" else flops / count
         return per_step * self._accumulated_share() if self.accumulate > 1 and self._loops_micro_batches \
             else per_step
